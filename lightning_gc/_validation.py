@@ -1,0 +1,54 @@
+"""Argument checks shared by every public constructor.
+
+Each check raises ``ValueError`` naming the argument, the bad value and what is allowed, so a
+misconfiguration fails at construction time rather than several epochs into a run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def check_range(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+) -> float:
+    """Return ``value`` as a float if it is a finite real number inside the given interval."""
+    interval = (
+        ("[" if low_inclusive else "(")
+        + ("-inf" if low is None else f"{low:g}")
+        + ", "
+        + ("inf" if high is None else f"{high:g}")
+        + ("]" if high_inclusive else ")")
+    )
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite number in {interval}, got {value!r}")
+    too_low = low is not None and (value < low if low_inclusive else value <= low)
+    too_high = high is not None and (value > high if high_inclusive else value >= high)
+    if too_low or too_high:
+        raise ValueError(f"`{name}` must be in {interval}, got {value!r}")
+    return float(value)
+
+
+def check_int(name: str, value: Any, low: int) -> int:
+    """Return ``value`` if it is an integer ``>= low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def check_choice(name: str, value: T, choices: Iterable[T]) -> T:
+    """Return ``value`` if it is one of ``choices``."""
+    options = list(choices)
+    if value not in options:
+        raise ValueError(f"`{name}` must be one of {options}, got {value!r}")
+    return value

@@ -1,0 +1,79 @@
+"""Training callbacks: DGC's warm-up sparsity schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_gc._validation import check_choice, check_int, check_range
+
+PAPER_WARMUP_DENSITIES: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625)
+"""DGC's warm-up (Lin et al. 2018, §3.4): 75 %, 93.75 %, 98.4375 %, 99.6 % sparsity, one stage per epoch,
+after which the strategy's own ratio (99.9 % sparsity by default) applies."""
+
+
+class SparsityWarmup(Callback):
+    """Raise sparsity exponentially at the start of training (DGC's warm-up training).
+
+    Stage ``i`` sends ``max(densities[i], target)`` of each compressed tensor, where ``target`` is
+    the strategy's ``compress_ratio`` when fitting starts; after the last stage, ``target``.
+    Stage ``i`` covers epoch ``i`` (``interval="epoch"``) or optimizer steps
+    ``[i * steps_per_stage, (i + 1) * steps_per_stage)`` (``interval="step"``). The ratio is a
+    pure function of the epoch or global step, hence identical on every rank and restored
+    exactly on resume.
+
+    Args:
+        densities: the fraction sent in each stage, each in (0, 1]; default
+            :data:`PAPER_WARMUP_DENSITIES`.
+        interval: ``"epoch"`` or ``"step"``.
+        steps_per_stage: stage length in optimizer steps, required with ``interval="step"``.
+    """
+
+    def __init__(
+        self,
+        densities: Sequence[float] | None = None,
+        *,
+        interval: str = "epoch",
+        steps_per_stage: int | None = None,
+    ) -> None:
+        chosen = PAPER_WARMUP_DENSITIES if densities is None else tuple(densities)
+        self.densities = tuple(check_range(f"densities[{i}]", d, 0.0, 1.0, low_inclusive=False) for i, d in enumerate(chosen))
+        self.interval = check_choice("interval", interval, ("epoch", "step"))
+        if interval == "step":
+            if steps_per_stage is None:
+                raise ValueError("`steps_per_stage` is required with interval='step', got None")
+            self.steps_per_stage: int | None = check_int("steps_per_stage", steps_per_stage, 1)
+        elif steps_per_stage is not None:
+            raise ValueError(
+                f"`steps_per_stage` only applies to interval='step', got steps_per_stage={steps_per_stage!r} "
+                f"with interval={interval!r}"
+            )
+        else:
+            self.steps_per_stage = None
+        self.target: float | None = None
+
+    def ratio_at(self, stage: int, target: float) -> float:
+        """The ratio in force during ``stage`` (0-based) when the final ratio is ``target``."""
+        return max(self.densities[stage], target) if stage < len(self.densities) else target
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not hasattr(trainer.strategy, "compress_ratio"):
+            raise ValueError(
+                f"SparsityWarmup needs a strategy with a `compress_ratio` (e.g. 'dgc_ddp'), got "
+                f"{type(trainer.strategy).__name__}"
+            )
+        if self.target is None:  # the configured ratio, before this callback ever changed it
+            self.target = float(trainer.strategy.compress_ratio)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        assert self.target is not None
+        if self.interval == "epoch":
+            stage = trainer.current_epoch
+        else:
+            assert self.steps_per_stage is not None
+            stage = trainer.global_step // self.steps_per_stage
+        ratio = self.ratio_at(stage, self.target)
+        if trainer.strategy.compress_ratio != ratio:
+            trainer.strategy.compress_ratio = ratio

@@ -1,0 +1,31 @@
+"""The collectives a bucket needs, as futures that resolve to the output tensor.
+
+Every collective of a bucket is *launched from the comm hook itself*, never from a future's
+callback: DDP calls the hook for buckets in the same order on every rank, so launches happen in
+the same order everywhere. (A collective launched from a ``.then`` callback can run in a different
+order on different ranks when several buckets are in flight; torch's PowerSGD hook fails that way
+on gloo.)
+
+On gloo the future of ``all_gather_into_tensor`` holds a list of chunks rather than the output
+tensor, so the output buffer is captured and returned explicitly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+ProcessGroup = dist.ProcessGroup | None
+
+
+def allreduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> Future[torch.Tensor]:
+    """Sum ``tensor`` over ranks, in place; the future resolves to ``tensor``."""
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work.get_future().then(lambda _: tensor)
+
+
+def allgather_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGroup) -> Future[torch.Tensor]:
+    """Concatenate every rank's equally sized ``payload`` into ``out`` (rank order); resolves to ``out``."""
+    work = dist.all_gather_into_tensor(out, payload, group=group, async_op=True)
+    return work.get_future().then(lambda _: out)

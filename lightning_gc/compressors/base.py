@@ -1,0 +1,77 @@
+"""The compressor interface the comm hook drives.
+
+A compressor turns one bucket's compensated velocity into what this rank hands to the
+collectives, and turns what came back into the averaged dense gradient. It never calls a
+collective itself (see :mod:`lightning_gc.comm`) and never touches memory: it reports what it
+sent, and the hook tells the memory.
+
+Payloads come in two kinds, and one bucket may use both:
+
+* ``summed`` -- a floating tensor whose element-wise sum over ranks is meaningful (dense
+  values): all-reduced;
+* ``gathered`` -- a byte buffer of the same size on every rank (e.g. sparse values + indices):
+  all-gathered into ``gathered_out`` without a size exchange.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_gc.layout import BucketLayout
+
+
+@dataclass
+class Encoded:
+    """One rank's contribution for one bucket, and what it means for memory.
+
+    Attributes:
+        summed: all-reduced in place (sum over ranks), or ``None``.
+        gathered: all-gathered into ``gathered_out`` (``world_size`` x its size), or ``None``.
+        sent_indices: bucket positions (int64) whose velocity left sparsely, or ``None``.
+        sent_residual: what rounding kept back at ``sent_indices`` (``None``: sent exactly).
+        dense_positions: bucket positions (int64) whose velocity left whole; ``None`` when the
+            whole bucket did (``dense_all``) or nothing did.
+        dense_all: the whole bucket was sent dense.
+        bytes_sent: bytes this rank hands to the collectives.
+        elements_sent: number of gradient values this rank sends.
+        context: compressor-private data needed by :meth:`Compressor.decode`.
+    """
+
+    summed: torch.Tensor | None
+    gathered: torch.Tensor | None
+    gathered_out: torch.Tensor | None
+    sent_indices: torch.Tensor | None
+    sent_residual: torch.Tensor | None
+    dense_positions: torch.Tensor | None
+    dense_all: bool
+    bytes_sent: int
+    elements_sent: int
+    context: Any = None
+
+
+class Compressor(ABC):
+    """Encodes a bucket's velocity for the wire and decodes the aggregate."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def encode(
+        self, velocity: torch.Tensor, out: torch.Tensor, layout: BucketLayout, *, step: int, world_size: int
+    ) -> Encoded:
+        """Choose what to send from ``velocity`` (the bucket's flat compensated values).
+
+        ``out`` is the bucket's gradient buffer: its content has already been folded into
+        ``velocity``, so it may serve as a send buffer; :meth:`decode` writes the result into it.
+        """
+
+    @abstractmethod
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        """Write the mean over ranks into ``out`` once the collectives of ``encoded`` completed."""
+
+    @abstractmethod
+    def config(self) -> dict[str, Any]:
+        """Plain-data description (name and arguments), recorded in checkpoints."""

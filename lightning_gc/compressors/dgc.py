@@ -1,0 +1,46 @@
+"""Deep Gradient Compression's sparsifier: top-k chosen through a sampled threshold (Lin et al., 2018).
+
+Momentum correction, momentum factor masking and local clipping live in
+:class:`lightning_gc.memory.CompensationMemory`; this module only decides *which* values leave.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_gc._validation import check_range
+from lightning_gc.compressors.sparse import SparseCompressor
+from lightning_gc.kernels import SelectionScratch, sampled_topk_indices
+
+
+class DGCCompressor(SparseCompressor):
+    """Exactly ``k`` largest magnitudes per compressed tensor, found via a sampled threshold.
+
+    Args:
+        compress_ratio: fraction of elements sent, in (0, 1]; 0.001 is DGC's 99.9 % sparsity.
+        sample_ratio: fraction of each tensor sampled to estimate the threshold, in (0, 1].
+        min_compress_numel: smaller (and 1-D) tensors are sent dense.
+        value_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` values on the wire.
+    """
+
+    name = "dgc"
+
+    def __init__(
+        self,
+        compress_ratio: float = 0.001,
+        *,
+        sample_ratio: float = 0.01,
+        min_compress_numel: int = 1024,
+        value_dtype: str | torch.dtype = "float32",
+    ) -> None:
+        super().__init__(compress_ratio, min_compress_numel, value_dtype)
+        self.sample_ratio = check_range("sample_ratio", sample_ratio, 0.0, 1.0, low_inclusive=False)
+        self._scratch = SelectionScratch()
+
+    def select(self, values: torch.Tensor, k: int, salt: int) -> torch.Tensor:
+        return sampled_topk_indices(values, k, sample_ratio=self.sample_ratio, salt=salt, scratch=self._scratch)
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "sample_ratio": self.sample_ratio}

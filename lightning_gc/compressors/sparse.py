@@ -1,0 +1,190 @@
+"""Sparsifying compressors: send the ``k = ceil(ratio * numel)`` largest values of each large tensor.
+
+Per bucket, tensors with ``dim() > 1`` and at least ``min_compress_numel`` elements are
+*compressed*: each contributes exactly ``k`` (index, value) pairs to one fixed-size all-gather.
+Every other tensor (biases, norms, small tensors) is *dense*: its values are all-reduced. With
+``compress_ratio == 1`` every tensor is dense and the bucket goes through one plain all-reduce.
+
+Decompression::
+
+    out = 0;  out[idx_r] += val_r / N  for every rank r   (duplicates add: scatter-add)
+    out[dense] = (sum over ranks of dense values) / N
+
+All buffers of a bucket (payload, gathered payloads, dense values, index lists) are allocated once
+per (layout, ratio) and reused every step.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_gc._validation import check_choice, check_int, check_range
+from lightning_gc.compressors.base import Compressor, Encoded
+from lightning_gc.compressors.wire import VALUE_DTYPES, SparseWireFormat
+from lightning_gc.layout import BucketLayout, Segment
+
+_SALT_STEP = 1_000_003  # distinct steps must map far apart before the per-parameter offset is added
+
+
+@dataclass
+class _SparsePlan:
+    """Sizes and reusable buffers for one bucket layout at one compression ratio."""
+
+    layout: BucketLayout
+    ratio: float
+    world_size: int
+    compressed: tuple[tuple[Segment, int, int], ...]  # (segment, k, first slot in the payload)
+    total_k: int
+    dense_all: bool
+    dense_positions: torch.Tensor | None
+    dense_values: torch.Tensor | None
+    sent_indices: torch.Tensor
+    sent_values: torch.Tensor
+    payload: torch.Tensor
+    gathered: torch.Tensor
+
+
+class SparseCompressor(Compressor):
+    """Shared machinery of top-k style sparsifiers; subclasses choose the ``k`` indices.
+
+    Args:
+        compress_ratio: fraction of each compressed tensor's elements sent, in (0, 1].
+        min_compress_numel: tensors with fewer elements (and all 1-D tensors) are sent dense.
+        value_dtype: dtype of the values on the wire: ``"float32"``, ``"float16"`` or
+            ``"bfloat16"``. What a narrower dtype rounds away stays in the velocity (error
+            feedback). Dense tensors are always sent in the gradient's dtype.
+    """
+
+    def __init__(self, compress_ratio: float, min_compress_numel: int, value_dtype: str | torch.dtype) -> None:
+        self.compress_ratio = compress_ratio
+        self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 1)
+        if isinstance(value_dtype, torch.dtype):
+            value_dtype = next((k for k, v in VALUE_DTYPES.items() if v == value_dtype), str(value_dtype))
+        self.value_dtype_name = check_choice("value_dtype", value_dtype, VALUE_DTYPES)
+        self.wire = SparseWireFormat(VALUE_DTYPES[self.value_dtype_name])
+        self._plans: dict[int, _SparsePlan] = {}
+
+    @property
+    def compress_ratio(self) -> float:
+        """Fraction of each compressed tensor's elements sent; settable (e.g. by SparsityWarmup)."""
+        return self._compress_ratio
+
+    @compress_ratio.setter
+    def compress_ratio(self, value: float) -> None:
+        self._compress_ratio = check_range("compress_ratio", value, 0.0, 1.0, low_inclusive=False)
+
+    def compresses(self, segment: Segment) -> bool:
+        """Whether ``segment`` is sparsified at the current ratio (else it is sent dense)."""
+        return self._compress_ratio < 1.0 and len(segment.shape) > 1 and segment.numel >= self.min_compress_numel
+
+    def k_for(self, numel: int) -> int:
+        """Elements sent of a compressed tensor of ``numel`` elements: ``ceil(ratio * numel)``."""
+        return min(numel, math.ceil(self._compress_ratio * numel))
+
+    @abstractmethod
+    def select(self, values: torch.Tensor, k: int, salt: int) -> torch.Tensor:
+        """Indices (int64) of the ``k`` values of the 1-D ``values`` to send."""
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _SparsePlan:
+        plan = self._plans.get(layout.index)
+        if plan is not None and plan.layout is layout and plan.ratio == self._compress_ratio and plan.world_size == world_size:
+            return plan
+        compressed, dense, total_k = [], [], 0
+        for segment in layout.segments:
+            if self.compresses(segment):
+                k = self.k_for(segment.numel)
+                compressed.append((segment, k, total_k))
+                total_k += k
+            else:
+                dense.append(segment)
+        device = like.device
+        dense_all = not compressed
+        dense_positions = None
+        if dense and not dense_all:
+            dense_positions = torch.cat([torch.arange(s.start, s.stop, device=device) for s in dense])
+        payload_bytes = self.wire.payload_bytes(total_k)
+        plan = _SparsePlan(
+            layout=layout,
+            ratio=self._compress_ratio,
+            world_size=world_size,
+            compressed=tuple(compressed),
+            total_k=total_k,
+            dense_all=dense_all,
+            dense_positions=dense_positions,
+            dense_values=None if dense_positions is None else like.new_empty(dense_positions.numel()),
+            sent_indices=torch.empty(total_k, dtype=torch.int64, device=device),
+            sent_values=like.new_empty(total_k),
+            payload=torch.empty(payload_bytes, dtype=torch.uint8, device=device),
+            gathered=torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=device),
+        )
+        self._plans[layout.index] = plan
+        return plan
+
+    # ------------------------------------------------------------------ encode / decode
+    def encode(
+        self, velocity: torch.Tensor, out: torch.Tensor, layout: BucketLayout, *, step: int, world_size: int
+    ) -> Encoded:
+        plan = self._plan(layout, velocity, world_size)
+        if plan.dense_all:
+            return Encoded(
+                summed=out.copy_(velocity),
+                gathered=None,
+                gathered_out=None,
+                sent_indices=None,
+                sent_residual=None,
+                dense_positions=None,
+                dense_all=True,
+                bytes_sent=velocity.numel() * velocity.element_size(),
+                elements_sent=velocity.numel(),
+                context=plan,
+            )
+        for segment, k, first in plan.compressed:
+            local = self.select(segment.of(velocity), k, salt=step * _SALT_STEP + segment.order)
+            torch.add(local, segment.start, out=plan.sent_indices[first : first + k])
+        torch.index_select(velocity, 0, plan.sent_indices, out=plan.sent_values)
+        residual = self.wire.pack(plan.payload, plan.total_k, plan.sent_indices, plan.sent_values)
+        dense_bytes = 0
+        if plan.dense_positions is not None:
+            assert plan.dense_values is not None
+            torch.index_select(velocity, 0, plan.dense_positions, out=plan.dense_values)
+            dense_bytes = plan.dense_values.numel() * plan.dense_values.element_size()
+        dense_count = 0 if plan.dense_values is None else plan.dense_values.numel()
+        return Encoded(
+            summed=plan.dense_values,
+            gathered=plan.payload,
+            gathered_out=plan.gathered,
+            sent_indices=plan.sent_indices,
+            sent_residual=residual,
+            dense_positions=plan.dense_positions,
+            dense_all=False,
+            bytes_sent=plan.payload.numel() + dense_bytes,
+            elements_sent=plan.total_k + dense_count,
+            context=plan,
+        )
+
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        plan: _SparsePlan = encoded.context
+        if plan.dense_all:
+            assert encoded.summed is not None
+            out.div_(world_size)  # ``summed`` is ``out``: it was the send buffer
+            return
+        out.zero_()
+        indices, values = self.wire.unpack(plan.gathered, world_size, plan.total_k)
+        out.index_add_(0, indices, values.to(out.dtype), alpha=1.0 / world_size)
+        if plan.dense_positions is not None:
+            assert plan.dense_values is not None
+            out.index_copy_(0, plan.dense_positions, plan.dense_values.div_(world_size))
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "compress_ratio": self._compress_ratio,
+            "min_compress_numel": self.min_compress_numel,
+            "value_dtype": self.value_dtype_name,
+        }

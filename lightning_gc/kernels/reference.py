@@ -1,0 +1,107 @@
+"""Torch implementations of the compression hot path (the reference the Triton kernels must match).
+
+Top-k selection by sampled threshold (DGC §3.1)
+------------------------------------------------
+Exact ``torch.topk`` over millions of elements is slow (a partial sort). DGC instead estimates the
+magnitude threshold from a small sample, keeps the elements above it as candidates, and runs an
+exact top-k only over those candidates::
+
+    s      = sample size: max(sample_ratio * n, MIN_SAMPLE_HITS * n / k), a strided sample of |x|
+    j      = 2 * ceil(k * s / n) + 2          the sample rank expected to admit ~2k candidates
+    thr    = j-th largest |x| in the sample
+    C      = { i : |x_i| >= thr }             (retry with a 4x lower sample rank while |C| < k)
+    result = exact top-k of |x| over C
+
+Whenever ``|C| >= k`` every element of the true top-k has magnitude ``>= thr`` and is in ``C``,
+so the result *is* the exact top-k (up to ties): the sample only decides how much work the
+final top-k does, never which elements win. The 2x margin makes a retry rare (the sample rank
+``j`` is >= 34, so the candidate count's relative spread is about 1/sqrt(j) < 20 %).
+
+The sample is strided with an offset derived from ``salt`` (the step and the parameter), so the
+selection is a pure function of its inputs: reruns and resumed runs choose identical indices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MIN_SAMPLE_HITS = 16
+"""The sample is made large enough that at least this many sampled elements are expected above the
+true k-th magnitude (``k * s / n >= MIN_SAMPLE_HITS``)."""
+
+_CANDIDATE_MARGIN = 2
+_SALT_MULTIPLIER = 0x9E3779B1  # Knuth's multiplicative hash: spreads consecutive salts over the stride
+
+
+class SelectionScratch:
+    """Reusable ``|x|`` and mask buffers, grown to the largest tensor seen, so selection allocates
+    nothing gradient-sized in steady state. Not thread-safe: one per hook state."""
+
+    def __init__(self) -> None:
+        self._magnitude: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+
+    def buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        numel = like.numel()
+        current = self._magnitude
+        if current is None or current.numel() < numel or current.dtype != like.dtype or current.device != like.device:
+            self._magnitude = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._mask = torch.empty(numel, dtype=torch.bool, device=like.device)
+        assert self._magnitude is not None and self._mask is not None
+        return self._magnitude[:numel], self._mask[:numel]
+
+
+def sample_size(numel: int, k: int, sample_ratio: float) -> int:
+    """Number of elements sampled to estimate the threshold for keeping ``k`` of ``numel``."""
+    return min(numel, max(math.ceil(sample_ratio * numel), math.ceil(MIN_SAMPLE_HITS * numel / max(k, 1))))
+
+
+def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices (int64) of the ``k`` largest ``|values|``, exact, in no particular order."""
+    if k >= values.numel():
+        return torch.arange(values.numel(), device=values.device)
+    return torch.topk(values.abs(), k, sorted=False).indices
+
+
+def sampled_topk_indices(
+    values: torch.Tensor,
+    k: int,
+    *,
+    sample_ratio: float,
+    salt: int = 0,
+    scratch: SelectionScratch | None = None,
+) -> torch.Tensor:
+    """Indices (int64) of the ``k`` largest ``|values|`` of a 1-D tensor, via a sampled threshold.
+
+    Args:
+        values: 1-D tensor.
+        k: number of indices to return, ``1 <= k``; all indices when ``k >= values.numel()``.
+        sample_ratio: fraction of ``values`` sampled for the threshold (raised when too few
+            sampled elements would land above it, see :data:`MIN_SAMPLE_HITS`).
+        salt: selects the offset of the strided sample; the same salt gives the same result.
+        scratch: reusable buffers for ``|values|`` and the candidate mask.
+    """
+    numel = values.numel()
+    if k >= numel:
+        return torch.arange(numel, device=values.device)
+    samples = sample_size(numel, k, sample_ratio)
+    if 4 * samples >= numel:  # the sample would be a large part of the tensor: exact is as cheap
+        return topk_indices(values, k)
+    magnitude, mask = (scratch or SelectionScratch()).buffers(values)
+    torch.abs(values, out=magnitude)
+    stride = numel // samples
+    offset = (salt * _SALT_MULTIPLIER) % stride
+    sample = magnitude[offset::stride][:samples]
+    rank = min(samples, _CANDIDATE_MARGIN * math.ceil(k * samples / numel) + 2)
+    while True:
+        threshold = torch.topk(sample, rank, sorted=False).values.min()
+        candidates = torch.nonzero(torch.ge(magnitude, threshold, out=mask)).view(-1)
+        if candidates.numel() >= k:
+            break
+        if rank == samples:  # even the sample's minimum admits fewer than k: give up sampling
+            return torch.topk(magnitude, k, sorted=False).indices
+        rank = min(samples, 4 * rank)
+    chosen = torch.topk(magnitude[candidates], k, sorted=False).indices
+    return candidates[chosen]

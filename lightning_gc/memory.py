@@ -1,0 +1,215 @@
+"""What a rank remembers between steps: the velocity (residual) and DGC's corrected momentum.
+
+Per parameter, with local gradient ``g`` (DGC §3, Lin et al. 2018)::
+
+    g <- clip(g, clip_norm / sqrt(N))            optional, per tensor
+    g <- g + wd * p                              only where momentum moved here (see momentum.py)
+    u <- m*u + g          (Nesterov: u <- m*(u + g))
+    v <- v + u            (Nesterov: v <- v + u + g)      with m == 0: v <- v + g (error feedback)
+
+after which the compressor sends part of ``v`` and the memory is told what left:
+
+* sparse positions: ``v[idx] <- v[idx] - sent[idx]`` (0 unless the wire dtype rounded the value),
+  and with momentum factor masking ``u[idx] <- 0``;
+* dense positions (tensors sent whole): ``v <- 0`` and ``u`` is kept, so a tensor that is always
+  sent dense follows exactly ``torch.optim.SGD``'s momentum recurrence.
+
+Invariant: for every element, ``v + (everything sent so far) == sum of the inputs to v``: nothing
+is lost, only delayed.
+
+State is *keyed by parameter name* but *stored flat per bucket*: each bucket gets one contiguous
+velocity (and momentum) buffer so the update is a few vectorised passes, and each parameter's state
+is a view into it. When DDP rebuilds its buckets, the new flat buffers are filled from the old
+views, so no state is lost or misattributed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_gc.layout import BucketLayout
+from lightning_gc.momentum import NO_MOMENTUM, MomentumSpec
+
+_STATE_NAMES = ("velocity", "momentum")
+
+
+@dataclass
+class MomentumRun:
+    """A maximal run ``[start, stop)`` of consecutive segments sharing one momentum recurrence."""
+
+    start: int
+    stop: int
+    momentum: float
+    nesterov: bool
+
+
+@dataclass
+class BucketMemory:
+    """Flat state for one bucket layout; per-parameter state are views into these buffers."""
+
+    layout: BucketLayout
+    velocity: torch.Tensor
+    momentum: torch.Tensor | None
+    spec_version: int = -1
+    runs: list[MomentumRun] = field(default_factory=list)
+    decays: list[tuple[int, float]] = field(default_factory=list)  # (segment position, wd)
+
+
+class CompensationMemory:
+    """Velocity/momentum state of one rank, and the compensate/commit steps around compression.
+
+    Args:
+        momentum_correction: accumulate momentum-corrected updates (DGC) for parameters whose
+            optimizer momentum was handed over; other parameters use plain error feedback.
+        momentum_masking: zero the momentum where values were sent sparsely (DGC's momentum
+            factor masking).
+        clip_norm: local gradient clipping threshold before accumulation; each tensor's gradient
+            is clipped to L2 norm ``clip_norm / sqrt(world_size)``. ``None`` disables clipping.
+            Clipping is per tensor because a comm hook sees one bucket at a time, never the
+            whole model's gradient.
+    """
+
+    def __init__(self, *, momentum_correction: bool, momentum_masking: bool, clip_norm: float | None) -> None:
+        self.momentum_correction = momentum_correction
+        self.momentum_masking = momentum_masking
+        self.clip_norm = clip_norm
+        self._specs: dict[str, MomentumSpec] = {}
+        self._spec_version = 0
+        self._buckets: dict[int, BucketMemory] = {}
+        self._views: dict[str, dict[str, torch.Tensor]] = {}
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ configuration
+    def set_specs(self, specs: dict[str, MomentumSpec]) -> None:
+        """Set each parameter's momentum recurrence (by name); ignored without momentum correction."""
+        specs = specs if self.momentum_correction else {}
+        if specs != self._specs:
+            self._specs = dict(specs)
+            self._spec_version += 1
+
+    def spec(self, name: str) -> MomentumSpec:
+        return self._specs.get(name, NO_MOMENTUM)
+
+    # ------------------------------------------------------------------ bucket state
+    def bucket(self, layout: BucketLayout, like: torch.Tensor) -> BucketMemory:
+        """The flat state for ``layout``, (re)built when DDP's bucket behind ``layout.index`` changed."""
+        memory = self._buckets.get(layout.index)
+        if memory is None or memory.layout is not layout:
+            memory = self._bind(layout, like)
+            self._buckets[layout.index] = memory
+        if memory.spec_version != self._spec_version:
+            self._plan_runs(memory, like)
+        return memory
+
+    def _bind(self, layout: BucketLayout, like: torch.Tensor) -> BucketMemory:
+        needs_momentum = any(self.spec(s.name).momentum != 0.0 for s in layout.segments)
+        flat = {
+            "velocity": torch.zeros(layout.numel, dtype=like.dtype, device=like.device),
+            "momentum": torch.zeros(layout.numel, dtype=like.dtype, device=like.device) if needs_momentum else None,
+        }
+        for segment in layout.segments:
+            previous = self._views.get(segment.name) or self._pending.pop(segment.name, {})
+            views = {}
+            for state_name, buffer in flat.items():
+                if buffer is None:
+                    continue
+                view = segment.of(buffer)
+                if state_name in previous:
+                    source = previous[state_name]
+                    if source.numel() != view.numel():
+                        raise RuntimeError(
+                            f"compression state for {segment.name!r} has {source.numel()} elements, "
+                            f"the parameter has {view.numel()}"
+                        )
+                    view.copy_(source.reshape(-1))
+                views[state_name] = view
+            self._views[segment.name] = views
+        return BucketMemory(layout=layout, velocity=flat["velocity"], momentum=flat["momentum"])
+
+    def _plan_runs(self, memory: BucketMemory, like: torch.Tensor) -> None:
+        segments = memory.layout.segments
+        memory.runs = []
+        for segment in segments:
+            spec = self.spec(segment.name)
+            last = memory.runs[-1] if memory.runs else None
+            if last is not None and (last.momentum, last.nesterov) == (spec.momentum, spec.nesterov):
+                last.stop = segment.stop
+            else:
+                memory.runs.append(MomentumRun(segment.start, segment.stop, spec.momentum, spec.nesterov))
+        memory.decays = [
+            (position, self.spec(s.name).weight_decay)
+            for position, s in enumerate(segments)
+            if self.spec(s.name).weight_decay != 0.0
+        ]
+        if memory.momentum is None and any(run.momentum != 0.0 for run in memory.runs):
+            memory.momentum = torch.zeros_like(memory.velocity)
+            for segment in segments:
+                self._views[segment.name]["momentum"] = segment.of(memory.momentum)
+        memory.spec_version = self._spec_version
+
+    # ------------------------------------------------------------------ the update
+    def compensate(
+        self, memory: BucketMemory, grad: torch.Tensor, params: list[torch.Tensor], world_size: int
+    ) -> torch.Tensor:
+        """Fold the local gradient ``grad`` (modified in place) into the velocity and return it."""
+        segments = memory.layout.segments
+        if self.clip_norm is not None:
+            threshold = self.clip_norm / math.sqrt(world_size)
+            for segment in segments:
+                local = segment.of(grad)
+                # scale = min(1, thr/||g||) computed on device: no host sync.
+                local.mul_((threshold / (torch.linalg.vector_norm(local) + 1e-12)).clamp_(max=1.0))
+        for position, decay in memory.decays:
+            segments[position].of(grad).add_(params[position].detach().reshape(-1), alpha=decay)
+        velocity = memory.velocity
+        for run in memory.runs:
+            g = grad[run.start : run.stop]
+            v = velocity[run.start : run.stop]
+            if run.momentum == 0.0:
+                v.add_(g)
+                continue
+            assert memory.momentum is not None
+            u = memory.momentum[run.start : run.stop]
+            if run.nesterov:
+                u.add_(g).mul_(run.momentum)
+                v.add_(u).add_(g)
+            else:
+                torch.add(g, u, alpha=run.momentum, out=u)
+                v.add_(u)
+        return velocity
+
+    def commit_sparse(self, memory: BucketMemory, indices: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Record that ``v[indices]`` left this rank; ``residual`` is what rounding kept back (None: 0)."""
+        if residual is None:
+            memory.velocity.index_fill_(0, indices, 0.0)
+        else:
+            memory.velocity.index_copy_(0, indices, residual)
+        if self.momentum_masking and memory.momentum is not None:
+            memory.momentum.index_fill_(0, indices, 0.0)
+
+    def commit_dense(self, memory: BucketMemory, positions: torch.Tensor | None) -> None:
+        """Record that ``v`` left whole at ``positions`` (``None``: the whole bucket); momentum is kept."""
+        if positions is None:
+            memory.velocity.zero_()
+        else:
+            memory.velocity.index_fill_(0, positions, 0.0)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's state as standalone CPU tensors (never views of a bucket buffer)."""
+        state = {name: {k: t.detach().cpu().clone() for k, t in views.items()} for name, views in self._views.items()}
+        for name, pending in self._pending.items():
+            state.setdefault(name, {k: t.clone() for k, t in pending.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Replace all state; it is copied into bucket buffers as buckets are next seen."""
+        unknown = {key for entry in state.values() for key in entry} - set(_STATE_NAMES)
+        if unknown:
+            raise ValueError(f"unknown compression state entries {sorted(unknown)}; expected {list(_STATE_NAMES)}")
+        self._buckets.clear()
+        self._views.clear()
+        self._pending = {name: dict(entry) for name, entry in state.items()}

@@ -1,0 +1,263 @@
+"""Lightning strategies: DDP whose gradient exchange goes through a compressor.
+
+:class:`GradientCompressionStrategy` wires a compressor and a compensation memory into DDP's comm
+hook and owns their lifecycle: registration on every device (Lightning's own ``DDPStrategy`` only
+registers comm hooks on CUDA and silently ignores them on CPU), handing SGD momentum over to the
+memory, logging ``gc/*`` statistics, and saving/restoring every rank's memory in checkpoints.
+
+:class:`DGCStrategy` is the Deep Gradient Compression preset, registered as ``"dgc_ddp"`` and
+``"dgc_ddp_spawn"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
+
+import lightning.pytorch as pl
+from lightning_gc._validation import check_range
+from lightning_gc.compressors.base import Compressor
+from lightning_gc.compressors.dgc import DGCCompressor
+from lightning_gc.hook import CompressionHookState, compression_hook
+from lightning_gc.memory import CompensationMemory
+from lightning_gc.momentum import MomentumSpec, absorb_sgd_momentum
+
+CHECKPOINT_KEY = "lightning_gc"
+CHECKPOINT_FORMAT = 1
+_OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+
+
+class GradientCompressionStrategy(DDPStrategy):
+    """DDP with compressed gradient exchange.
+
+    Args:
+        compressor: the :class:`~lightning_gc.compressors.Compressor` that encodes each bucket.
+        momentum_correction: hand the momentum (and the weight decay inside it) of every
+            ``torch.optim.SGD`` param group over to the compression memory, which accumulates
+            momentum-corrected updates (DGC); the optimizer then takes momentum-free steps.
+            Parameters of other optimizers (or SGD without momentum) use plain error feedback.
+        momentum: momentum applied by the memory for parameters whose optimizer has none to hand
+            over (e.g. Adam, or SGD with ``momentum=0``); ``None`` takes it from SGD only.
+        momentum_masking: zero the momentum where values were sent sparsely (DGC §3.3).
+        clip_norm: local gradient clipping before accumulation: each tensor's local gradient is
+            clipped to L2 norm ``clip_norm / sqrt(world_size)`` (DGC §3.2). ``None``: off.
+        log_stats: log ``gc/bytes_sent``, ``gc/dense_bytes``, ``gc/wire_ratio``, ``gc/density``
+            and ``gc/compress_s`` after every optimizer step.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g.
+            ``bucket_cap_mb``, ``find_unused_parameters``, ``start_method``, ``timeout``).
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        *,
+        momentum_correction: bool = False,
+        momentum: float | None = None,
+        momentum_masking: bool = True,
+        clip_norm: float | None = None,
+        log_stats: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        owned = sorted(set(kwargs) & set(_OWNED_DDP_ARGUMENTS))
+        if owned:
+            raise ValueError(
+                f"{type(self).__name__} installs its own DDP comm hook; remove {owned} "
+                "(use DDPStrategy directly for a custom hook)"
+            )
+        if not isinstance(compressor, Compressor):
+            raise ValueError(f"`compressor` must be a lightning_gc Compressor, got {compressor!r}")
+        if momentum is not None:
+            check_range("momentum", momentum, 0.0, 1.0, high_inclusive=False)
+            if not momentum_correction:
+                raise ValueError(f"`momentum={momentum!r}` needs momentum_correction=True, got momentum_correction=False")
+        if clip_norm is not None:
+            check_range("clip_norm", clip_norm, 0.0, None, low_inclusive=False)
+        super().__init__(**kwargs)
+        self.compressor = compressor
+        self.explicit_momentum = momentum
+        self.memory = CompensationMemory(
+            momentum_correction=momentum_correction,
+            momentum_masking=momentum_masking,
+            clip_norm=clip_norm,
+        )
+        self.log_stats = log_stats
+        self._hook_state: CompressionHookState | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ public knobs
+    @property
+    def compress_ratio(self) -> float:
+        """The compressor's current ratio; :class:`~lightning_gc.SparsityWarmup` sets it."""
+        return self.compressor.compress_ratio  # type: ignore[attr-defined, no-any-return]
+
+    @compress_ratio.setter
+    def compress_ratio(self, value: float) -> None:
+        if not hasattr(self.compressor, "compress_ratio"):
+            raise AttributeError(f"compressor {self.compressor.name!r} has no compress_ratio")
+        self.compressor.compress_ratio = value  # type: ignore[attr-defined]
+
+    @property
+    def hook_state(self) -> CompressionHookState | None:
+        """The comm hook's state once DDP is set up (layouts, step counter, stats)."""
+        return self._hook_state
+
+    # ------------------------------------------------------------------ wiring
+    def _register_ddp_hooks(self) -> None:
+        # Replaces DDPStrategy's, which registers comm hooks on CUDA only.
+        assert isinstance(self.model, DistributedDataParallel)
+        names = {id(p): (name, order) for order, (name, p) in enumerate(self.model.module.named_parameters())}
+        self._hook_state = CompressionHookState(self.compressor, self.memory, names, self.model.process_group)
+        if self._pending_state is not None:
+            self._hook_state.load_state_dict(self._pending_state)
+            self._pending_state = None
+        self.model.register_comm_hook(self._hook_state, compression_hook)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._hand_over_momentum(announce=True)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._hand_over_momentum(announce=False)  # picks up momentum rewritten by a scheduler
+
+    def _hand_over_momentum(self, *, announce: bool) -> None:
+        if not self.memory.momentum_correction or self._hook_state is None:
+            return
+        from_sgd = absorb_sgd_momentum(self.optimizers)
+        if self.explicit_momentum is not None:
+            conflicting = sorted({s.momentum for s in from_sgd.values() if s.momentum != 0.0})
+            if conflicting:
+                raise ValueError(
+                    f"momentum is set both on the optimizer ({conflicting}) and on {type(self).__name__} "
+                    f"(momentum={self.explicit_momentum}); set it in one place"
+                )
+        fallback = MomentumSpec(momentum=self.explicit_momentum or 0.0)
+        names = self._hook_state.names
+        specs = {name: from_sgd.get(pid, fallback) for pid, (name, _) in names.items()}
+        self.memory.set_specs(specs)
+        if announce and all(spec.momentum == 0.0 for spec in specs.values()):
+            rank_zero_info(
+                "lightning_gc: no SGD momentum to correct; compressed updates use plain error feedback "
+                "(the optimizer keeps its own state)"
+            )
+
+    # ------------------------------------------------------------------ stats
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._log_stats()
+        return output
+
+    def _log_stats(self) -> None:
+        if self._hook_state is None:
+            return
+        metrics = self._hook_state.stats.pop_metrics()
+        module = self.lightning_module
+        if metrics is None or not self.log_stats or module is None or module._current_fx_name is None:
+            return
+        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Adds every rank's compression state; must be called on all ranks (Lightning does)."""
+        if self._hook_state is not None:
+            checkpoint[CHECKPOINT_KEY] = self._gather_state()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _gather_state(self) -> dict[str, Any]:
+        assert self._hook_state is not None
+        local = self._hook_state.state_dict()
+        group = self._hook_state.process_group
+        ranks: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
+        dist.gather_object(local, ranks, dst=0, group=group)
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "world_size": self.world_size,
+            "compressor": self.compressor.config(),
+            "ranks": ranks,
+        }
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        if entry is None:
+            rank_zero_info("lightning_gc: checkpoint holds no compression state; memory starts empty")
+            return checkpoint
+        if entry["world_size"] != self.world_size:
+            raise ValueError(
+                f"checkpoint {checkpoint_path} holds compression state of {entry['world_size']} ranks but this run "
+                f"has world_size={self.world_size}; residuals are per rank, so resume with "
+                f"{entry['world_size']} processes"
+            )
+        state = entry["ranks"][self.global_rank]
+        if self._hook_state is None:
+            self._pending_state = state
+        else:
+            self._hook_state.load_state_dict(state)
+        return checkpoint
+
+
+class DGCStrategy(GradientCompressionStrategy):
+    """Deep Gradient Compression over DDP (Lin et al., ICLR 2018).
+
+    Keep a plain ``torch.optim.SGD(momentum=..., nesterov=..., weight_decay=...)``: its momentum
+    and weight decay move into the compression memory (momentum correction), each large tensor
+    sends exactly ``ceil(compress_ratio * numel)`` values chosen by a sampled threshold, the
+    momentum is masked where values were sent, and the rest stays in the velocity for later steps.
+    With ``compress_ratio=1`` training equals plain DDP with the same SGD.
+
+    Args:
+        compress_ratio: fraction of elements sent per compressed tensor, in (0, 1].
+        momentum_correction, momentum, momentum_masking, clip_norm: see
+            :class:`GradientCompressionStrategy`.
+        sample_ratio: fraction of each tensor sampled for the threshold, in (0, 1].
+        min_compress_numel: tensors with fewer elements, and 1-D tensors, go dense.
+        value_dtype: values on the wire, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        **kwargs: :class:`GradientCompressionStrategy` / ``DDPStrategy`` arguments.
+    """
+
+    def __init__(
+        self,
+        compress_ratio: float = 0.001,
+        *,
+        momentum_correction: bool = True,
+        momentum: float | None = None,
+        momentum_masking: bool = True,
+        clip_norm: float | None = None,
+        sample_ratio: float = 0.01,
+        min_compress_numel: int = 1024,
+        value_dtype: str = "float32",
+        **kwargs: Any,
+    ) -> None:
+        compressor = DGCCompressor(
+            compress_ratio,
+            sample_ratio=sample_ratio,
+            min_compress_numel=min_compress_numel,
+            value_dtype=value_dtype,
+        )
+        super().__init__(
+            compressor,
+            momentum_correction=momentum_correction,
+            momentum=momentum,
+            momentum_masking=momentum_masking,
+            clip_norm=clip_norm,
+            **kwargs,
+        )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"dgc_ddp"`` and ``"dgc_ddp_spawn"`` (no-op for names already present)."""
+        for name, start_method in (("dgc_ddp", "popen"), ("dgc_ddp_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"Deep Gradient Compression over DDP, start_method={start_method!r}",
+                    start_method=start_method,
+                )

@@ -1,0 +1,109 @@
+"""End-to-end DGC training on two real gloo processes (see tests/workers/fit_worker.py)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_gc.strategy import CHECKPOINT_KEY
+from recipes.quickstart import NUM_CLASSES, NUM_FEATURES
+
+SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
+
+
+def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_dense_limit_equals_ddp_with_the_same_sgd(run_ranks) -> None:
+    """compress_ratio=1: DGC == DDP + SGD(momentum=0.9, weight_decay=1e-4), plain and Nesterov."""
+    fits = []
+    for nesterov in (False, True):
+        model = {"hidden": [64, 64], **SGD, "nesterov": nesterov}
+        fits += [
+            {"strategy": {"kind": "ddp"}, "model": model, "epochs": 2},
+            {"strategy": {"kind": "dgc", "compress_ratio": 1.0}, "model": model, "epochs": 2},
+        ]
+    rank0, rank1 = run_ranks({"fits": fits})
+    for ddp, dgc in (rank0[0:2], rank0[2:4]):
+        assert ddp["global_step"] == dgc["global_step"] >= 20
+        assert _relative_difference(dgc["params"], ddp["params"]) < 1e-5
+        # and it really trained: parameters moved far more than the tolerance
+        assert _relative_difference(dgc["epoch_params"][0], dgc["params"]) > 1e-2
+    assert torch.equal(rank0[1]["params"], rank1[1]["params"])
+
+
+def test_dgc_at_0_1_percent_on_a_million_parameters(run_ranks) -> None:
+    """ratio 0.001, 1.1 M params: ranks stay identical, <= 1/250 of dense bytes, loss falls."""
+    hidden = [1024, 1024]
+    fit = {"strategy": {"kind": "dgc", "compress_ratio": 0.001}, "model": {"hidden": hidden, **SGD}, "epochs": 4}
+    rank0, rank1 = run_ranks({"fits": [fit]})
+    ours, theirs = rank0[0], rank1[0]
+    assert ours["params"].numel() >= 1_000_000
+    for epoch, (a, b) in enumerate(zip(ours["epoch_params"], theirs["epoch_params"])):
+        assert torch.equal(a, b), f"ranks diverged after epoch {epoch}"
+
+    widths = [NUM_FEATURES, *hidden, NUM_CLASSES]
+    compressed_numel = sum(a * b for a, b in zip(widths[:-1], widths[1:]))  # weight matrices
+    dense_numel = sum(widths[1:])  # biases go dense, 4 bytes each
+    metrics = ours["epoch_metrics"][-1]
+    compressed_bytes_sent = metrics["gc/bytes_sent"] - 4 * dense_numel
+    assert 0 < compressed_bytes_sent <= 4 * compressed_numel / 250
+    assert metrics["gc/dense_bytes"] == 4 * (compressed_numel + dense_numel)
+    assert metrics["gc/wire_ratio"] == pytest.approx(metrics["gc/dense_bytes"] / metrics["gc/bytes_sent"])
+
+    losses = [m["train/loss_epoch"] for m in ours["epoch_metrics"]]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_bucket_rebuild_and_exact_resume(run_ranks, tmp_path: Path) -> None:
+    """>= 3 buckets across DDP's rebuild for 3 epochs; resuming a mid-run checkpoint gives the same parameters."""
+    ckpt_dir = tmp_path / "ckpts"
+    common = {
+        "strategy": {"kind": "dgc", "compress_ratio": 0.01, "bucket_cap_mb": 0.004, "value_dtype": "float16"},
+        "model": {"hidden": [128, 128], **SGD, "nesterov": True},
+        "warmup": {"densities": [0.25, 0.05]},
+        "epochs": 3,
+    }
+    straight = run_ranks({"fits": [{**common, "checkpoint_dir": str(ckpt_dir)}]}, name="straight")
+    mid_run = ckpt_dir / "epoch=0.ckpt"
+    resumed = run_ranks({"fits": [{**common, "resume_from": str(mid_run)}]}, name="resumed")
+
+    full = straight[0][0]
+    assert len(full["buckets"]) >= 3
+    assert full["layouts_built"] > len(full["buckets"])  # iteration 0's layout, then the rebuilt ones
+    for rank in range(2):
+        assert torch.equal(resumed[rank][0]["params"], full["params"])
+    assert resumed[0][0]["hook_step"] == full["hook_step"]
+
+    checkpoint = torch.load(mid_run, weights_only=True)
+    entry = checkpoint[CHECKPOINT_KEY]
+    assert entry["world_size"] == 2 and len(entry["ranks"]) == 2
+    assert entry["compressor"]["name"] == "dgc"
+    v0 = entry["ranks"][0]["memory"]["net.0.weight"]["velocity"]
+    v1 = entry["ranks"][1]["memory"]["net.0.weight"]["velocity"]
+    assert v0.abs().sum() > 0 and not torch.equal(v0, v1)  # residuals are per rank
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["momentum"] == 0.0
+
+
+def test_stats_reach_the_csv_logger(run_ranks, tmp_path: Path) -> None:
+    csv_dir = tmp_path / "csv"
+    fit = {
+        "strategy": {"kind": "dgc", "compress_ratio": 0.01},
+        "model": {"hidden": [256], **SGD},
+        "epochs": 1,
+        "csv_dir": str(csv_dir),
+    }
+    run_ranks({"fits": [fit]})
+    rows = list(csv.DictReader(open(csv_dir / "version_0" / "metrics.csv")))
+    stat_rows = [r for r in rows if r.get("gc/bytes_sent")]
+    assert len(stat_rows) >= 20  # one per optimizer step
+    for row in stat_rows:
+        sent, dense = float(row["gc/bytes_sent"]), float(row["gc/dense_bytes"])
+        assert float(row["gc/wire_ratio"]) == pytest.approx(dense / sent, rel=1e-5)
+        assert 0 < float(row["gc/density"]) < 0.05
+        assert float(row["gc/compress_s"]) > 0
+    assert float(stat_rows[-1]["gc/wire_ratio"]) > 20

@@ -1,0 +1,65 @@
+"""Bad arguments fail at construction with a ValueError naming the argument, the value and what is allowed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lightning_gc import DGCCompressor, DGCStrategy, SparsityWarmup
+
+CASES: list[tuple[type, dict[str, Any], str, str]] = [
+    # (constructor, kwargs, argument named in the message, allowed range/choices named in the message)
+    (DGCStrategy, {"compress_ratio": 0.0}, "compress_ratio", "(0, 1]"),
+    (DGCStrategy, {"compress_ratio": 1.5}, "compress_ratio", "(0, 1]"),
+    (DGCStrategy, {"compress_ratio": -0.1}, "compress_ratio", "(0, 1]"),
+    (DGCStrategy, {"compress_ratio": float("nan")}, "compress_ratio", "(0, 1]"),
+    (DGCStrategy, {"compress_ratio": "0.01"}, "compress_ratio", "(0, 1]"),
+    (DGCStrategy, {"momentum": -0.9}, "momentum", "[0, 1)"),
+    (DGCStrategy, {"momentum": 1.0}, "momentum", "[0, 1)"),
+    (DGCStrategy, {"clip_norm": 0.0}, "clip_norm", "(0, inf]"),
+    (DGCStrategy, {"clip_norm": -1.0}, "clip_norm", "(0, inf]"),
+    (DGCStrategy, {"value_dtype": "int8"}, "value_dtype", "['float32', 'float16', 'bfloat16']"),
+    (DGCStrategy, {"sample_ratio": 0.0}, "sample_ratio", "(0, 1]"),
+    (DGCStrategy, {"sample_ratio": -0.01}, "sample_ratio", "(0, 1]"),
+    (DGCStrategy, {"min_compress_numel": 0}, "min_compress_numel", ">= 1"),
+    (DGCStrategy, {"momentum": 0.9, "momentum_correction": False}, "momentum", "momentum_correction=True"),
+    (DGCStrategy, {"ddp_comm_hook": print}, "ddp_comm_hook", "own DDP comm hook"),
+    (DGCCompressor, {"compress_ratio": 2.0}, "compress_ratio", "(0, 1]"),
+    (SparsityWarmup, {"densities": [0.5, 0.0]}, "densities[1]", "(0, 1]"),
+    (SparsityWarmup, {"interval": "batch"}, "interval", "['epoch', 'step']"),
+    (SparsityWarmup, {"interval": "step"}, "steps_per_stage", "required"),
+    (SparsityWarmup, {"interval": "step", "steps_per_stage": 0}, "steps_per_stage", ">= 1"),
+    (SparsityWarmup, {"steps_per_stage": 10}, "steps_per_stage", "interval='step'"),
+]
+
+
+def _shown_value(kwargs: dict[str, Any], argument: str) -> str | None:
+    """The text under which the bad value must appear in the message (None: nothing printable)."""
+    value = kwargs.get(argument.split("[")[0], next(iter(kwargs.values())))
+    if callable(value):
+        return None
+    if isinstance(value, list):
+        return repr(next(v for v in value if not 0 < v <= 1))
+    return repr(value)
+
+
+@pytest.mark.parametrize(("constructor", "kwargs", "argument", "allowed"), CASES, ids=lambda c: repr(c)[:40])
+def test_bad_argument_is_rejected_at_construction(constructor: type, kwargs: dict, argument: str, allowed: str) -> None:
+    shown = _shown_value(kwargs, argument)
+    with pytest.raises(ValueError) as error:
+        constructor(**kwargs)
+    message = str(error.value)
+    assert argument in message
+    assert allowed in message
+    if shown is not None:
+        assert shown in message
+
+
+def test_good_arguments_are_kept() -> None:
+    strategy = DGCStrategy(0.01, clip_norm=1.0, sample_ratio=0.05, value_dtype="float16", bucket_cap_mb=1)
+    assert strategy.compress_ratio == 0.01
+    strategy.compress_ratio = 0.25
+    assert strategy.compressor.compress_ratio == 0.25
+    with pytest.raises(ValueError, match="compress_ratio"):
+        strategy.compress_ratio = 0

@@ -1,0 +1,55 @@
+"""SparsityWarmup's schedule: the paper's exponential warm-up, explicit lists, step intervals."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_gc import SparsityWarmup
+
+
+def test_default_is_the_papers_schedule() -> None:
+    warmup = SparsityWarmup()
+    sparsity = [1 - warmup.ratio_at(stage, target=0.001) for stage in range(6)]
+    assert sparsity[:3] == [0.75, 0.9375, 0.984375]
+    assert sparsity[3] == pytest.approx(0.996, abs=5e-4)
+    assert sparsity[4] == sparsity[5] == pytest.approx(0.999)
+
+
+def test_stage_never_sends_less_than_the_target() -> None:
+    warmup = SparsityWarmup([0.5, 0.01, 0.001])
+    assert [warmup.ratio_at(s, target=0.02) for s in range(4)] == [0.5, 0.02, 0.02, 0.02]
+
+
+def _fake_trainer(epoch: int, step: int, ratio: float) -> SimpleNamespace:
+    return SimpleNamespace(current_epoch=epoch, global_step=step, strategy=SimpleNamespace(compress_ratio=ratio))
+
+
+def test_epoch_interval_sets_the_strategy_ratio() -> None:
+    warmup = SparsityWarmup()
+    trainer = _fake_trainer(epoch=0, step=0, ratio=0.001)
+    warmup.setup(trainer, None, "fit")
+    for epoch, expected in [(0, 0.25), (2, 0.015625), (7, 0.001), (1, 0.0625)]:
+        trainer.current_epoch = epoch
+        warmup.on_train_batch_start(trainer, None, None, 0)
+        assert trainer.strategy.compress_ratio == expected
+
+
+def test_step_interval_and_target_captured_once() -> None:
+    warmup = SparsityWarmup([0.3, 0.1], interval="step", steps_per_stage=10)
+    trainer = _fake_trainer(epoch=0, step=0, ratio=0.01)
+    warmup.setup(trainer, None, "fit")
+    seen = []
+    for step in (0, 9, 10, 19, 20, 500):
+        trainer.global_step = step
+        warmup.on_train_batch_start(trainer, None, None, 0)
+        seen.append(trainer.strategy.compress_ratio)
+    assert seen == [0.3, 0.3, 0.1, 0.1, 0.01, 0.01]
+    warmup.setup(_fake_trainer(0, 0, ratio=0.3), None, "fit")  # a second fit: the target stays 0.01
+    assert warmup.target == 0.01
+
+
+def test_needs_a_compressing_strategy() -> None:
+    with pytest.raises(ValueError, match="compress_ratio"):
+        SparsityWarmup().setup(SimpleNamespace(strategy=object()), None, "fit")

@@ -1,0 +1,51 @@
+"""One rank of a raw-DDP run (no Lightning) with lightning_gc's comm hook; see test_hook_reference.py.
+
+The plan gives the model/optimizer settings; every rank trains on its own deterministic data
+(``data_for(rank, step)``) and saves its final parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gc.compressors import DGCCompressor
+from lightning_gc.hook import CompressionHookState, compression_hook
+from lightning_gc.memory import CompensationMemory
+from lightning_gc.momentum import MomentumSpec
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from test_hook_reference import data_for, make_model  # noqa: E402
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with open(sys.argv[1]) as f:
+        plan = json.load(f)
+    rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    model = make_model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=plan["bucket_cap_mb"])
+    names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
+    memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=plan["clip_norm"])
+    spec = MomentumSpec(plan["momentum"], plan["nesterov"], plan["weight_decay"])
+    memory.set_specs({name: spec for name, _ in model.named_parameters()})
+    compressor = DGCCompressor(plan["ratio"], min_compress_numel=plan["min_compress_numel"], value_dtype="float32")
+    ddp.register_comm_hook(CompressionHookState(compressor, memory, names), compression_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])  # momentum-free: it lives in memory
+    for step in range(plan["steps"]):
+        x, y = data_for(rank, step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+    torch.save([p.detach().clone() for p in model.parameters()], os.path.join(plan["out"], f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
