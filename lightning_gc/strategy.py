@@ -48,7 +48,8 @@ class GradientCompressionStrategy(DDPStrategy):
         clip_norm: local gradient clipping before accumulation: each tensor's local gradient is
             clipped to L2 norm ``clip_norm / sqrt(world_size)`` (DGC §3.2). ``None``: off.
         log_stats: log ``gc/bytes_sent``, ``gc/dense_bytes``, ``gc/wire_ratio``, ``gc/density``
-            and ``gc/compress_s`` after every optimizer step.
+            and ``gc/compress_s`` after every optimizer step. Running sums over all steps are kept
+            in :attr:`totals` either way.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g.
             ``bucket_cap_mb``, ``find_unused_parameters``, ``start_method``, ``timeout``).
     """
@@ -87,6 +88,7 @@ class GradientCompressionStrategy(DDPStrategy):
             clip_norm=clip_norm,
         )
         self.log_stats = log_stats
+        self.totals = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0}
         self._hook_state: CompressionHookState | None = None
         self._pending_state: dict[str, Any] | None = None
 
@@ -158,8 +160,13 @@ class GradientCompressionStrategy(DDPStrategy):
         if self._hook_state is None:
             return
         metrics = self._hook_state.stats.pop_metrics()
+        if metrics is None:
+            return
+        self.totals["steps"] += 1
+        self.totals["bytes_sent"] += metrics["gc/bytes_sent"]
+        self.totals["dense_bytes"] += metrics["gc/dense_bytes"]
         module = self.lightning_module
-        if metrics is None or not self.log_stats or module is None or module._current_fx_name is None:
+        if not self.log_stats or module is None or module._current_fx_name is None:
             return
         module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
