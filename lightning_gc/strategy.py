@@ -142,7 +142,10 @@ class GradientCompressionStrategy(DDPStrategy):
                 )
         fallback = MomentumSpec(momentum=self.explicit_momentum or 0.0)
         names = self._hook_state.names
-        specs = {name: from_sgd.get(pid, fallback) for pid, (name, _) in names.items()}
+        specs = {}
+        for pid, (name, _) in names.items():
+            spec = from_sgd.get(pid)
+            specs[name] = spec if spec is not None and spec.momentum != 0.0 else fallback
         self.memory.set_specs(specs)
         if announce and all(spec.momentum == 0.0 for spec in specs.values()):
             rank_zero_info(

@@ -16,6 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_gc._validation import check_choice
+
 NUM_FEATURES = 64
 NUM_CLASSES = 10
 
@@ -56,11 +58,12 @@ class DigitsDataModule(L.LightningDataModule):
 
 
 class DigitsClassifier(L.LightningModule):
-    """An MLP classifier trained with ``torch.optim.SGD`` (momentum, Nesterov, weight decay).
+    """An MLP classifier trained with ``torch.optim.SGD`` (or Adam).
 
     Args:
         hidden: widths of the hidden layers.
-        lr, momentum, nesterov, weight_decay: the SGD settings.
+        lr, momentum, nesterov, weight_decay: the optimizer settings (Adam ignores momentum/nesterov).
+        optimizer: ``"sgd"`` or ``"adam"``.
     """
 
     def __init__(
@@ -70,8 +73,10 @@ class DigitsClassifier(L.LightningModule):
         momentum: float = 0.9,
         nesterov: bool = False,
         weight_decay: float = 1e-4,
+        optimizer: str = "sgd",
     ) -> None:
         super().__init__()
+        check_choice("optimizer", optimizer, ("sgd", "adam"))
         self.save_hyperparameters()
         widths = [NUM_FEATURES, *hidden]
         layers: list[nn.Module] = []
@@ -97,6 +102,8 @@ class DigitsClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         h = self.hparams
+        if h.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)
         return torch.optim.SGD(
             self.parameters(), lr=h.lr, momentum=h.momentum, nesterov=h.nesterov, weight_decay=h.weight_decay
         )

@@ -16,6 +16,14 @@ def _layout(index: int, params: list[torch.nn.Parameter], names: dict[int, tuple
     return BucketLayout.build(index, params, names, sum(p.numel() for p in params))
 
 
+def _memory_with_momentum(
+    names: dict[int, tuple[str, int]], momentum: float = 0.9, *, masking: bool = True, **spec: float
+) -> CompensationMemory:
+    memory = CompensationMemory(momentum_correction=True, momentum_masking=masking, clip_norm=None)
+    memory.set_specs({name: MomentumSpec(momentum, **spec) for name, _ in names.values()})
+    return memory
+
+
 @pytest.fixture
 def params() -> tuple[list[torch.nn.Parameter], dict[int, tuple[str, int]]]:
     torch.manual_seed(0)
@@ -27,8 +35,7 @@ def params() -> tuple[list[torch.nn.Parameter], dict[int, tuple[str, int]]]:
 def test_compensate_follows_dgc_recurrence(params, nesterov: bool) -> None:
     ps, names = params
     m, wd = 0.9, 0.01
-    memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
-    memory.set_specs({f"p{i}": MomentumSpec(m, nesterov, wd) for i in range(3)})
+    memory = _memory_with_momentum(names, m, nesterov=nesterov, weight_decay=wd)
     layout = _layout(0, ps, names)
     flat_p = torch.cat([p.detach().reshape(-1) for p in ps])
     u = torch.zeros_like(flat_p)
@@ -50,8 +57,7 @@ def test_compensate_follows_dgc_recurrence(params, nesterov: bool) -> None:
 
 def test_masking_zeroes_momentum_and_velocity_only_where_sent(params) -> None:
     ps, names = params
-    memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
-    memory.set_specs({f"p{i}": MomentumSpec(0.9) for i in range(3)})
+    memory = _memory_with_momentum(names)
     layout = _layout(0, ps, names)
     g = torch.randn(layout.numel)
     state = memory.bucket(layout, g)
@@ -67,8 +73,7 @@ def test_masking_zeroes_momentum_and_velocity_only_where_sent(params) -> None:
 
 def test_without_masking_momentum_survives_a_send(params) -> None:
     ps, names = params
-    memory = CompensationMemory(momentum_correction=True, momentum_masking=False, clip_norm=None)
-    memory.set_specs({f"p{i}": MomentumSpec(0.9) for i in range(3)})
+    memory = _memory_with_momentum(names, masking=False)
     layout = _layout(0, ps, names)
     g = torch.ones(layout.numel)
     state = memory.bucket(layout, g)
@@ -112,8 +117,7 @@ def test_local_clipping_scales_each_tensor_by_world_size(params) -> None:
 
 def test_state_follows_parameters_across_a_bucket_rebuild(params) -> None:
     ps, names = params
-    memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
-    memory.set_specs({f"p{i}": MomentumSpec(0.5) for i in range(3)})
+    memory = _memory_with_momentum(names, 0.5)
     big = _layout(0, ps, names)  # iteration 0: one bucket
     g = torch.arange(big.numel, dtype=torch.float32)
     state = memory.bucket(big, g)
@@ -133,15 +137,13 @@ def test_state_follows_parameters_across_a_bucket_rebuild(params) -> None:
 
 def test_state_dict_round_trip_and_independence(params) -> None:
     ps, names = params
-    memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
-    memory.set_specs({f"p{i}": MomentumSpec(0.9) for i in range(3)})
+    memory = _memory_with_momentum(names)
     layout = _layout(0, ps, names)
     g = torch.randn(layout.numel)
     memory.compensate(memory.bucket(layout, g), g.clone(), ps, world_size=1)
     saved = memory.state_dict()
     assert saved["p0"]["velocity"].untyped_storage().nbytes() == 20 * 4  # a standalone copy, not a view
-    restored = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
-    restored.set_specs({f"p{i}": MomentumSpec(0.9) for i in range(3)})
+    restored = _memory_with_momentum(names)
     restored.load_state_dict(saved)
     assert restored.state_dict()["p2"]["momentum"].equal(saved["p2"]["momentum"])  # before any bucket is seen
     state = restored.bucket(layout, g)

@@ -59,6 +59,29 @@ def test_dgc_at_0_1_percent_on_a_million_parameters(run_ranks) -> None:
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+def test_momentum_given_to_the_strategy_equals_momentum_taken_from_sgd(run_ranks) -> None:
+    base = {"hidden": [128], "lr": 0.05, "weight_decay": 0.0}
+    from_sgd = {"strategy": {"kind": "dgc", "compress_ratio": 0.01}, "model": {**base, "momentum": 0.9}, "epochs": 1}
+    explicit = {"strategy": {"kind": "dgc", "compress_ratio": 0.01, "momentum": 0.9}, "model": {**base, "momentum": 0.0}, "epochs": 1}
+    plain = {"strategy": {"kind": "dgc", "compress_ratio": 0.01}, "model": {**base, "momentum": 0.0}, "epochs": 1}
+    (a, b, c), _ = run_ranks({"fits": [from_sgd, explicit, plain]})
+    assert torch.equal(a["params"], b["params"])
+    assert not torch.allclose(a["params"], c["params"])  # momentum made a difference
+
+
+def test_adam_trains_with_plain_error_feedback(run_ranks) -> None:
+    fit = {
+        "strategy": {"kind": "dgc", "compress_ratio": 0.01},
+        "model": {"hidden": [256], "lr": 1e-2, "optimizer": "adam"},
+        "epochs": 3,
+    }
+    rank0, rank1 = run_ranks({"fits": [fit]})
+    assert torch.equal(rank0[0]["params"], rank1[0]["params"])
+    losses = [m["train/loss_epoch"] for m in rank0[0]["epoch_metrics"]]
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert rank0[0]["memory_entries"] == ["velocity"]  # no momentum kept: the optimizer has its own
+
+
 def test_bucket_rebuild_and_exact_resume(run_ranks, tmp_path: Path) -> None:
     """>= 3 buckets across DDP's rebuild for 3 epochs; resuming a mid-run checkpoint gives the same parameters."""
     ckpt_dir = tmp_path / "ckpts"
@@ -107,3 +130,30 @@ def test_stats_reach_the_csv_logger(run_ranks, tmp_path: Path) -> None:
         assert 0 < float(row["gc/density"]) < 0.05
         assert float(row["gc/compress_s"]) > 0
     assert float(stat_rows[-1]["gc/wire_ratio"]) > 20
+
+
+def test_spawn_preset_trains_through_lightnings_own_launcher() -> None:
+    """``strategy="dgc_ddp_spawn"``: Lightning spawns the 2 processes itself (the strategy is pickled)."""
+    import lightning as L
+
+    import lightning_gc  # noqa: F401  (registers the names)
+    from recipes.quickstart import DigitsClassifier, DigitsDataModule
+
+    L.seed_everything(0, verbose=False)
+    model = DigitsClassifier(hidden=(128,))
+    before = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="dgc_ddp_spawn",
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DigitsDataModule())
+    assert type(trainer.strategy).__name__ == "DGCStrategy" and trainer.strategy.compress_ratio == 0.001
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert not torch.allclose(before, after)
+    assert float(trainer.callback_metrics["val/acc"]) > 0.8

@@ -95,6 +95,7 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
         result["buckets"] = sorted(hook.layouts)
         result["layouts_built"] = hook.layouts_built
         result["hook_step"] = hook.step
+        result["memory_entries"] = sorted({key for entry in hook.memory.state_dict().values() for key in entry})
     return result
 
 
