@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_gc import kernels
 from lightning_gc.layout import BucketLayout
 from lightning_gc.momentum import NO_MOMENTUM, MomentumSpec
 
@@ -172,13 +173,7 @@ class CompensationMemory:
                 v.add_(g)
                 continue
             assert memory.momentum is not None
-            u = memory.momentum[run.start : run.stop]
-            if run.nesterov:
-                u.add_(g).mul_(run.momentum)
-                v.add_(u).add_(g)
-            else:
-                torch.add(g, u, alpha=run.momentum, out=u)
-                v.add_(u)
+            kernels.momentum_compensate_(g, memory.momentum[run.start : run.stop], v, run.momentum, run.nesterov)
         return velocity
 
     def commit_sparse(self, memory: BucketMemory, indices: torch.Tensor, residual: torch.Tensor | None) -> None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
+
+# Triton kernels run in Triton's CPU interpreter unless told otherwise; this must be set before
+# triton is first imported. On a GPU machine, run with TRITON_INTERPRET=0 to test compiled kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json
 import socket
 import subprocess
 import sys

@@ -105,3 +105,19 @@ def sampled_topk_indices(
         rank = min(samples, 4 * rank)
     chosen = torch.topk(magnitude[candidates], k, sorted=False).indices
     return candidates[chosen]
+
+
+def momentum_compensate_(
+    grad: torch.Tensor, momentum_buf: torch.Tensor, velocity: torch.Tensor, momentum: float, nesterov: bool
+) -> None:
+    """DGC's momentum correction, in place on ``momentum_buf`` (u) and ``velocity`` (v)::
+
+        plain:    u <- m*u + g;      v <- v + u
+        Nesterov: u <- m*(u + g);    v <- v + u + g
+    """
+    if nesterov:
+        momentum_buf.add_(grad).mul_(momentum)
+        velocity.add_(momentum_buf).add_(grad)
+    else:
+        torch.add(grad, momentum_buf, alpha=momentum, out=momentum_buf)
+        velocity.add_(momentum_buf)

@@ -1,0 +1,34 @@
+"""Strategy wiring that needs no process group: registration and checkpoint guards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_gc import DGCStrategy
+from lightning_gc.strategy import CHECKPOINT_KEY
+
+
+def test_names_are_registered_once_and_reregistration_is_harmless() -> None:
+    assert {"dgc_ddp", "dgc_ddp_spawn"} <= set(StrategyRegistry.available_strategies())
+    DGCStrategy.register_strategies(StrategyRegistry)  # what a re-import does: must not raise
+    spawn = StrategyRegistry.get("dgc_ddp_spawn")
+    assert isinstance(spawn, DGCStrategy) and spawn._start_method == "spawn"
+    assert StrategyRegistry.get("dgc_ddp")._start_method == "popen"
+
+
+def test_resuming_at_another_world_size_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "two_ranks.ckpt"
+    torch.save({CHECKPOINT_KEY: {"format": 1, "world_size": 2, "ranks": [{}, {}]}}, path)
+    strategy = DGCStrategy()  # outside a Trainer: world_size == 1
+    with pytest.raises(ValueError, match=r"2 ranks but this run has world_size=1"):
+        strategy.load_checkpoint(path)
+
+
+def test_checkpoint_without_compression_state_loads(tmp_path: Path) -> None:
+    path = tmp_path / "plain_ddp.ckpt"
+    torch.save({"state_dict": {}}, path)
+    assert DGCStrategy().load_checkpoint(path) == {"state_dict": {}}
