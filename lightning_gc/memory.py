@@ -38,13 +38,20 @@ _STATE_NAMES = ("velocity", "momentum")
 
 
 @dataclass
-class MomentumRun:
-    """A maximal run ``[start, stop)`` of consecutive segments sharing one momentum recurrence."""
+class CompensationPiece:
+    """A slice ``[start, stop)`` of a bucket compensated by one kernel call.
+
+    Consecutive segments share a piece when they share the momentum recurrence and need neither
+    a parameter (weight decay) nor their own clipping factor; otherwise a segment is its own
+    piece and ``segment`` gives its position in the layout.
+    """
 
     start: int
     stop: int
     momentum: float
     nesterov: bool
+    weight_decay: float = 0.0
+    segment: int | None = None
 
 
 @dataclass
@@ -55,8 +62,7 @@ class BucketMemory:
     velocity: torch.Tensor
     momentum: torch.Tensor | None
     spec_version: int = -1
-    runs: list[MomentumRun] = field(default_factory=list)
-    decays: list[tuple[int, float]] = field(default_factory=list)  # (segment position, wd)
+    pieces: list[CompensationPiece] = field(default_factory=list)
 
 
 class CompensationMemory:
@@ -102,7 +108,7 @@ class CompensationMemory:
             memory = self._bind(layout, like)
             self._buckets[layout.index] = memory
         if memory.spec_version != self._spec_version:
-            self._plan_runs(memory, like)
+            self._plan_pieces(memory)
         return memory
 
     def _bind(self, layout: BucketLayout, like: torch.Tensor) -> BucketMemory:
@@ -130,24 +136,28 @@ class CompensationMemory:
             self._views[segment.name] = views
         return BucketMemory(layout=layout, velocity=flat["velocity"], momentum=flat["momentum"])
 
-    def _plan_runs(self, memory: BucketMemory, like: torch.Tensor) -> None:
-        segments = memory.layout.segments
-        memory.runs = []
-        for segment in segments:
+    def _plan_pieces(self, memory: BucketMemory) -> None:
+        memory.pieces = []
+        for position, segment in enumerate(memory.layout.segments):
             spec = self.spec(segment.name)
-            last = memory.runs[-1] if memory.runs else None
-            if last is not None and (last.momentum, last.nesterov) == (spec.momentum, spec.nesterov):
+            alone = self.clip_norm is not None or spec.weight_decay != 0.0
+            last = memory.pieces[-1] if memory.pieces else None
+            if not alone and last is not None and last.segment is None and (last.momentum, last.nesterov) == (spec.momentum, spec.nesterov):
                 last.stop = segment.stop
-            else:
-                memory.runs.append(MomentumRun(segment.start, segment.stop, spec.momentum, spec.nesterov))
-        memory.decays = [
-            (position, self.spec(s.name).weight_decay)
-            for position, s in enumerate(segments)
-            if self.spec(s.name).weight_decay != 0.0
-        ]
-        if memory.momentum is None and any(run.momentum != 0.0 for run in memory.runs):
+                continue
+            memory.pieces.append(
+                CompensationPiece(
+                    start=segment.start,
+                    stop=segment.stop,
+                    momentum=spec.momentum,
+                    nesterov=spec.nesterov,
+                    weight_decay=spec.weight_decay,
+                    segment=position if alone else None,
+                )
+            )
+        if memory.momentum is None and any(piece.momentum != 0.0 for piece in memory.pieces):
             memory.momentum = torch.zeros_like(memory.velocity)
-            for segment in segments:
+            for segment in memory.layout.segments:
                 self._views[segment.name]["momentum"] = segment.of(memory.momentum)
         memory.spec_version = self._spec_version
 
@@ -155,26 +165,29 @@ class CompensationMemory:
     def compensate(
         self, memory: BucketMemory, grad: torch.Tensor, params: list[torch.Tensor], world_size: int
     ) -> torch.Tensor:
-        """Fold the local gradient ``grad`` (modified in place) into the velocity and return it."""
-        segments = memory.layout.segments
-        if self.clip_norm is not None:
-            threshold = self.clip_norm / math.sqrt(world_size)
-            for segment in segments:
-                local = segment.of(grad)
-                # scale = min(1, thr/||g||) computed on device: no host sync.
-                local.mul_((threshold / (torch.linalg.vector_norm(local) + 1e-12)).clamp_(max=1.0))
-        for position, decay in memory.decays:
-            segments[position].of(grad).add_(params[position].detach().reshape(-1), alpha=decay)
-        velocity = memory.velocity
-        for run in memory.runs:
-            g = grad[run.start : run.stop]
-            v = velocity[run.start : run.stop]
-            if run.momentum == 0.0:
-                v.add_(g)
-                continue
-            assert memory.momentum is not None
-            kernels.momentum_compensate_(g, memory.momentum[run.start : run.stop], v, run.momentum, run.nesterov)
-        return velocity
+        """Fold the local gradient ``grad`` into the velocity and return it (``grad`` may be overwritten)."""
+        threshold = None if self.clip_norm is None else self.clip_norm / math.sqrt(world_size)
+        for piece in memory.pieces:
+            g = grad[piece.start : piece.stop]
+            scale = None
+            if threshold is not None:
+                # min(1, thr/||g||) stays on the device: no host sync.
+                scale = (threshold / (torch.linalg.vector_norm(g) + 1e-12)).clamp_(max=1.0)
+            param = None
+            if piece.weight_decay != 0.0:
+                assert piece.segment is not None
+                param = params[piece.segment].detach().reshape(-1)
+            kernels.compensate_(
+                g,
+                memory.velocity[piece.start : piece.stop],
+                None if memory.momentum is None else memory.momentum[piece.start : piece.stop],
+                momentum=piece.momentum,
+                nesterov=piece.nesterov,
+                grad_scale=scale,
+                weight_decay=piece.weight_decay,
+                param=param,
+            )
+        return memory.velocity
 
     def commit_sparse(self, memory: BucketMemory, indices: torch.Tensor, residual: torch.Tensor | None) -> None:
         """Record that ``v[indices]`` left this rank; ``residual`` is what rounding kept back (None: 0)."""

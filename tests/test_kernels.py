@@ -14,21 +14,42 @@ DEVICE = "cuda" if torch.cuda.is_available() and not dispatch.interpreting() els
 TOLERANCE = {torch.float32: (1e-6, 1e-6), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 
 
-@pytest.mark.parametrize("numel", [0, 1, 1023, 1024, 1025, 4099])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_momentum_compensate_kernel_equals_reference(numel: int, dtype: torch.dtype, nesterov: bool) -> None:
-    gen = torch.Generator().manual_seed(numel)
-    g, u, v = (torch.randn(numel, generator=gen).to(device=DEVICE, dtype=dtype) for _ in range(3))
-    # Reference in fp32 from the same inputs, rounded once: the kernel computes in fp32 too.
+SIZES = [0, 1, 1023, 1024, 1025, 4099]  # empty, single, around the 1024 block, ragged
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+COMPENSATE_VARIANTS = {
+    "error-feedback": {"momentum": 0.0},
+    "momentum": {"momentum": 0.9},
+    "nesterov": {"momentum": 0.9, "nesterov": True},
+    "nesterov+clip+decay": {"momentum": 0.9, "nesterov": True, "scale": 0.3, "weight_decay": 1e-2},
+    "feedback+clip+decay": {"momentum": 0.0, "scale": 0.5, "weight_decay": 1e-3},
+}
+
+
+def _randn(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", list(COMPENSATE_VARIANTS))
+def test_compensate_kernel_equals_reference(numel: int, dtype: torch.dtype, variant: str) -> None:
+    options = dict(COMPENSATE_VARIANTS[variant])
+    scale = options.pop("scale", None)
+    g, u, v, p = (_randn(numel, dtype, seed=numel * 4 + i) for i in range(4))
+    kwargs = {**options, "param": p, "grad_scale": None if scale is None else torch.tensor(scale, device=DEVICE)}
+    # Reference in fp32 from the same inputs, rounded once at the end, as the kernel does.
     u_ref, v_ref = u.float(), v.float()
-    reference.momentum_compensate_(g.float(), u_ref, v_ref, 0.9, nesterov)
+    ref_kwargs = {**kwargs, "param": p.float()}
+    reference.compensate_(g.float(), v_ref, u_ref, **ref_kwargs)
+    g_before, u_before = g.clone(), u.clone()
     with kernels.use_backend("triton"):
         assert kernels.backend_for(g) == "triton"
-        kernels.momentum_compensate_(g, u, v, 0.9, nesterov)
+        kernels.compensate_(g, v, u, **kwargs)
     rtol, atol = TOLERANCE[dtype]
-    torch.testing.assert_close(u, u_ref.to(dtype), rtol=rtol, atol=atol)
     torch.testing.assert_close(v, v_ref.to(dtype), rtol=rtol, atol=atol)
+    expected_u = u_ref.to(dtype) if options["momentum"] else u_before  # error feedback leaves u alone
+    torch.testing.assert_close(u, expected_u, rtol=rtol, atol=atol)
+    assert torch.equal(g, g_before)  # the kernel reads the gradient, never writes it
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

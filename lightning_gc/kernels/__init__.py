@@ -7,6 +7,9 @@ Triton for CUDA tensors and torch otherwise (overridable for tests).
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import Any
+
 import torch
 
 from lightning_gc.kernels import reference
@@ -20,23 +23,29 @@ from lightning_gc.kernels.reference import (
 )
 
 
-def momentum_compensate_(
-    grad: torch.Tensor, momentum_buf: torch.Tensor, velocity: torch.Tensor, momentum: float, nesterov: bool
+def compensate_(
+    grad: torch.Tensor,
+    velocity: torch.Tensor,
+    momentum_buf: torch.Tensor | None = None,
+    **kwargs: Any,
 ) -> None:
-    """DGC momentum correction in place (see :func:`reference.momentum_compensate_`), dispatched."""
-    if backend_for(grad) == "triton":
+    """DGC compensation of one slice in place (see :func:`reference.compensate_`), dispatched."""
+    _implementation(grad).compensate_(grad, velocity, momentum_buf, **kwargs)
+
+
+def _implementation(tensor: torch.Tensor) -> ModuleType:
+    if backend_for(tensor) == "triton":
         from lightning_gc.kernels import triton_kernels
 
-        triton_kernels.momentum_compensate_(grad, momentum_buf, velocity, momentum, nesterov)
-    else:
-        reference.momentum_compensate_(grad, momentum_buf, velocity, momentum, nesterov)
+        return triton_kernels
+    return reference
 
 
 __all__ = [
     "MIN_SAMPLE_HITS",
     "SelectionScratch",
     "backend_for",
-    "momentum_compensate_",
+    "compensate_",
     "sample_size",
     "sampled_topk_indices",
     "topk_indices",

@@ -107,14 +107,37 @@ def sampled_topk_indices(
     return candidates[chosen]
 
 
-def momentum_compensate_(
-    grad: torch.Tensor, momentum_buf: torch.Tensor, velocity: torch.Tensor, momentum: float, nesterov: bool
-) -> None:
-    """DGC's momentum correction, in place on ``momentum_buf`` (u) and ``velocity`` (v)::
 
-        plain:    u <- m*u + g;      v <- v + u
-        Nesterov: u <- m*(u + g);    v <- v + u + g
+def compensate_(
+    grad: torch.Tensor,
+    velocity: torch.Tensor,
+    momentum_buf: torch.Tensor | None = None,
+    *,
+    momentum: float = 0.0,
+    nesterov: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    weight_decay: float = 0.0,
+    param: torch.Tensor | None = None,
+) -> None:
+    """One slice's compensation step, in place on ``velocity`` (v) and ``momentum_buf`` (u)::
+
+        d = grad * grad_scale + weight_decay * param      (each term only when given)
+        momentum != 0, plain:    u <- m*u + d;      v <- v + u
+        momentum != 0, Nesterov: u <- m*(u + d);    v <- v + u + d
+        momentum == 0:           v <- v + d         (error feedback; u untouched, may be None)
+
+    ``grad_scale`` is a 0-d tensor on the slice's device (e.g. a clipping factor), so no host
+    sync is needed. ``grad`` may be overwritten with ``d``.
     """
+    if grad_scale is not None:
+        grad.mul_(grad_scale)
+    if weight_decay != 0.0:
+        assert param is not None, "weight decay needs the parameter"
+        grad.add_(param, alpha=weight_decay)
+    if momentum == 0.0:
+        velocity.add_(grad)
+        return
+    assert momentum_buf is not None, "momentum needs a momentum buffer"
     if nesterov:
         momentum_buf.add_(grad).mul_(momentum)
         velocity.add_(momentum_buf).add_(grad)
