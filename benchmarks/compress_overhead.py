@@ -6,7 +6,8 @@ compressed tensor. Both selections run interleaved in the same process on the sa
 so their ratio is measured side by side; the script prints medians and, with ``--record``,
 appends a row to benchmarks/RESULTS.md.
 
-    python benchmarks/compress_overhead.py [--numel 25600000] [--ratio 0.001] [--repeats 7] [--device cpu|cuda] [--record]
+    python benchmarks/compress_overhead.py [--numel 25600000] [--ratio 0.001] [--repeats 7]
+        [--device cpu|cuda] [--record]
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def make_step(numel: int, ratio: float, device: torch.device, select: Callable[[
         state = memory.bucket(layout, work)
         velocity = memory.compensate(state, work, [param], world_size=1)
         indices = select(velocity, k, step)
-        memory.commit_sparse(state, indices, residual=None)
+        memory.commit_sparse(state, indices, velocity[indices])
         _sync(device)
         step += 1
         return time.perf_counter() - started

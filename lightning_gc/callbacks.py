@@ -39,7 +39,9 @@ class SparsityWarmup(Callback):
         steps_per_stage: int | None = None,
     ) -> None:
         chosen = PAPER_WARMUP_DENSITIES if densities is None else tuple(densities)
-        self.densities = tuple(check_range(f"densities[{i}]", d, 0.0, 1.0, low_inclusive=False) for i, d in enumerate(chosen))
+        self.densities = tuple(
+            check_range(f"densities[{i}]", d, 0.0, 1.0, low_inclusive=False) for i, d in enumerate(chosen)
+        )
         self.interval = check_choice("interval", interval, ("epoch", "step"))
         if interval == "step":
             if steps_per_stage is None:

@@ -86,7 +86,8 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     velocity = state.memory.compensate(memory, grad, bucket.parameters(), state.world_size)
     encoded = state.compressor.encode(velocity, grad, layout, step=state.step, world_size=state.world_size)
     if encoded.sent_indices is not None:
-        state.memory.commit_sparse(memory, encoded.sent_indices, encoded.sent_residual)
+        assert encoded.sent_values is not None
+        state.memory.commit_sparse(memory, encoded.sent_indices, encoded.sent_values)
     if encoded.dense_all or encoded.dense_positions is not None:
         state.memory.commit_dense(memory, None if encoded.dense_all else encoded.dense_positions)
 

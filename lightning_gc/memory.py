@@ -9,8 +9,8 @@ Per parameter, with local gradient ``g`` (DGC §3, Lin et al. 2018)::
 
 after which the compressor sends part of ``v`` and the memory is told what left:
 
-* sparse positions: ``v[idx] <- v[idx] - sent[idx]`` (0 unless the wire dtype rounded the value),
-  and with momentum factor masking ``u[idx] <- 0``;
+* sparse pairs: ``v[idx] <- v[idx] - sent`` (0 unless the wire dtype rounded the value),
+  and with momentum factor masking ``u[idx] <- 0`` where a non-zero value left;
 * dense positions (tensors sent whole): ``v <- 0`` and ``u`` is kept, so a tensor that is always
   sent dense follows exactly ``torch.optim.SGD``'s momentum recurrence.
 
@@ -142,7 +142,12 @@ class CompensationMemory:
             spec = self.spec(segment.name)
             alone = self.clip_norm is not None or spec.weight_decay != 0.0
             last = memory.pieces[-1] if memory.pieces else None
-            if not alone and last is not None and last.segment is None and (last.momentum, last.nesterov) == (spec.momentum, spec.nesterov):
+            if (
+                not alone
+                and last is not None
+                and last.segment is None
+                and (last.momentum, last.nesterov) == (spec.momentum, spec.nesterov)
+            ):
                 last.stop = segment.stop
                 continue
             memory.pieces.append(
@@ -189,14 +194,11 @@ class CompensationMemory:
             )
         return memory.velocity
 
-    def commit_sparse(self, memory: BucketMemory, indices: torch.Tensor, residual: torch.Tensor | None) -> None:
-        """Record that ``v[indices]`` left this rank; ``residual`` is what rounding kept back (None: 0)."""
-        if residual is None:
-            memory.velocity.index_fill_(0, indices, 0.0)
-        else:
-            memory.velocity.index_copy_(0, indices, residual)
-        if self.momentum_masking and memory.momentum is not None:
-            memory.momentum.index_fill_(0, indices, 0.0)
+    def commit_sparse(self, memory: BucketMemory, indices: torch.Tensor, sent: torch.Tensor) -> None:
+        """Record that the pairs ``(indices, sent)`` left: ``v[i] -= sent``, and with masking
+        ``u[i] <- 0`` where a non-zero value left. Keeps what wire rounding dropped; (i, 0) is a no-op."""
+        masked = memory.momentum if self.momentum_masking else None
+        kernels.commit_sparse_(memory.velocity, masked, indices, sent)
 
     def commit_dense(self, memory: BucketMemory, positions: torch.Tensor | None) -> None:
         """Record that ``v`` left whole at ``positions`` (``None``: the whole bucket); momentum is kept."""

@@ -11,16 +11,17 @@ memory, logging ``gc/*`` statistics, and saving/restoring every rank's memory in
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+import lightning.pytorch as pl
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-import lightning.pytorch as pl
 from lightning_gc._validation import check_range
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.dgc import DGCCompressor
@@ -76,7 +77,9 @@ class GradientCompressionStrategy(DDPStrategy):
         if momentum is not None:
             check_range("momentum", momentum, 0.0, 1.0, high_inclusive=False)
             if not momentum_correction:
-                raise ValueError(f"`momentum={momentum!r}` needs momentum_correction=True, got momentum_correction=False")
+                raise ValueError(
+                    f"`momentum={momentum!r}` needs momentum_correction=True, got momentum_correction=False"
+                )
         if clip_norm is not None:
             check_range("clip_norm", clip_norm, 0.0, None, low_inclusive=False)
         super().__init__(**kwargs)

@@ -144,11 +144,11 @@ def run_quickstart(epochs: int = 12, devices: int = 2, compress_ratio: float = 0
             "last_step_wire_ratio": float(trainer.callback_metrics.get("gc/wire_ratio", float("nan"))),
         }
     if trainer.is_global_zero:
-        dgc = results["dgc"]
+        dgc, dense = results["dgc"], results["dense ddp"]
         print(
             f"\nquickstart: digits MLP ({sum(p.numel() for p in DigitsClassifier().parameters()):,} params), "
             f"{devices} processes, {epochs} epochs\n"
-            f"  dense DDP  val acc {results['dense ddp']['val_acc']:.3f}   sent {dgc['dense_bytes'] / 1e6:8.2f} MB per rank\n"
+            f"  dense DDP  val acc {dense['val_acc']:.3f}   sent {dgc['dense_bytes'] / 1e6:8.2f} MB per rank\n"
             f"  DGC        val acc {dgc['val_acc']:.3f}   sent {dgc['bytes_sent'] / 1e6:8.2f} MB per rank "
             f"(wire compression {dgc['dense_bytes'] / dgc['bytes_sent']:.0f}x over the run with warm-up, "
             f"{dgc['last_step_wire_ratio']:.0f}x per step after it)"

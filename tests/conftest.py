@@ -12,8 +12,9 @@ import json
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -49,7 +50,11 @@ def launch_ranks(worker: str, plan: dict[str, Any], out: Path, world_size: int =
         }
         log = open(out / f"rank{rank}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / worker), str(plan_path)], env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKERS / worker), str(plan_path)], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:
@@ -59,7 +64,9 @@ def launch_ranks(worker: str, plan: dict[str, Any], out: Path, world_size: int =
         for log in logs:
             log.close()
     if any(codes):
-        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + (out / f"rank{r}.log").read_text()[-4000:] for r, c in enumerate(codes))
+        tails = "\n".join(
+            f"--- rank {r} (exit {c}) ---\n" + (out / f"rank{r}.log").read_text()[-4000:] for r, c in enumerate(codes)
+        )
         raise AssertionError(f"distributed worker failed:\n{tails}")
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 

@@ -18,7 +18,9 @@ MIN_COMPRESS_NUMEL = 100
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)
+    )
 
 
 def data_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +68,15 @@ def reference_dgc(plan: dict) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("nesterov", "clip_norm", "bucket_cap_mb"),
-    [(False, None, 25.0), (True, 0.5, 0.002)],
-    ids=["plain-one-bucket", "nesterov-clipped-several-buckets"],
+    ("nesterov", "clip_norm", "bucket_cap_mb", "kernels"),
+    [(False, None, 25.0, "torch"), (True, 0.5, 0.002, "torch"), (True, 0.5, 0.002, "triton")],
+    ids=["plain-one-bucket", "nesterov-clipped-several-buckets", "same-with-triton-kernels"],
 )
-def test_hook_matches_reference_dgc(run_ranks, nesterov: bool, clip_norm: float | None, bucket_cap_mb: float) -> None:
+def test_hook_matches_reference_dgc(
+    run_ranks, nesterov: bool, clip_norm: float | None, bucket_cap_mb: float, kernels: str
+) -> None:
     plan = {
+        "kernels": kernels,
         "ratio": 0.05,
         "momentum": 0.9,
         "nesterov": nesterov,

@@ -96,3 +96,97 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch: pyt
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with kernels.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         kernels.backend_for(torch.zeros(1))
+
+
+def _pairs(indices: torch.Tensor, values: torch.Tensor) -> dict[int, float]:
+    return {int(i): float(v) for i, v in zip(indices.cpu(), values.float().cpu())}
+
+
+def _select(values: torch.Tensor, k: int, backend: str, salt: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    out_indices = torch.empty(k, dtype=torch.int64, device=values.device)
+    out_values = torch.empty(k, dtype=values.dtype, device=values.device)
+    with kernels.use_backend(backend):
+        kernels.sampled_topk_(
+            values, k, sample_ratio=0.01, salt=salt, scratch=None, out_indices=out_indices, out_values=out_values
+        )
+    return out_indices, out_values
+
+
+@pytest.mark.parametrize(("numel", "k"), [(5_000, 5), (100_003, 100), (300_001, 3_000), (262_144, 262)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sync_free_selection_equals_exact_selection(numel: int, k: int, dtype: torch.dtype) -> None:
+    values = (_randn(numel, torch.float32, seed=numel) ** 3).to(dtype)  # heavy-ish tails
+    got = _pairs(*_select(values, k, "triton"))
+    want = _pairs(*_select(values, k, "torch"))
+    assert len(got) == k
+    assert all(float(values[i]) == v for i, v in got.items())  # genuine (index, value) pairs
+    assert sorted(map(abs, got.values())) == sorted(map(abs, want.values()))
+    cut = min(map(abs, want.values()))  # elements tied at the cut may be chosen either way
+    assert {i for i, v in got.items() if abs(v) > cut} == {i for i, v in want.items() if abs(v) > cut}
+
+
+def test_sync_free_selection_pads_with_no_ops_when_the_threshold_is_too_high() -> None:
+    # Every sampled position holds the maximum: the threshold admits only the sample, fewer than k.
+    numel, k = 100_000, 5_000
+    samples = kernels.sample_size(numel, k, 0.01)
+    stride = numel // samples
+    values = torch.ones(numel, device=DEVICE)
+    values[0 : samples * stride : stride] = 100.0
+    indices, sent = _select(values, k, "triton", salt=0)
+    real = sent != 0
+    assert int(real.sum()) == samples
+    assert set(indices[real].tolist()) == set(range(0, samples * stride, stride))
+    _assert_commit_is_lossless(values, indices, sent)
+
+
+def test_sync_free_selection_survives_candidate_overflow() -> None:
+    # A zero threshold admits everything: more candidates than the buffer holds.
+    numel, k = 400_000, 50
+    values = torch.zeros(numel, device=DEVICE)
+    hot = torch.arange(13, numel, 4001)[:k]
+    values[hot] = torch.linspace(1, 2, k, device=DEVICE)
+    indices, sent = _select(values, k, "triton", salt=0)
+    assert set(indices[sent != 0].tolist()) <= set(hot.tolist())
+    _assert_commit_is_lossless(values, indices, sent)
+
+
+def _assert_commit_is_lossless(values: torch.Tensor, indices: torch.Tensor, sent: torch.Tensor) -> None:
+    velocity = values.clone()
+    with kernels.use_backend("triton"):
+        kernels.commit_sparse_(velocity, None, indices, sent)
+    received = torch.zeros_like(values).index_add_(0, indices, sent)
+    torch.testing.assert_close(velocity + received, values, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pairs", [0, 1, 1023, 1025, 3000])
+@pytest.mark.parametrize("masking", [False, True])
+def test_commit_sparse_kernel_equals_reference(pairs: int, masking: bool) -> None:
+    numel = 5_000
+    gen = torch.Generator().manual_seed(pairs)
+    indices = torch.randint(0, numel, (pairs,), generator=gen).to(DEVICE)  # with duplicates
+    velocity, momentum = _randn(numel, torch.float32, 1), _randn(numel, torch.float32, 2)
+    sent = velocity[indices] / 2
+    sent[::7] = 0  # no-op pairs
+    results = []
+    for backend in ("torch", "triton"):
+        v, u = velocity.clone(), momentum.clone()
+        with kernels.use_backend(backend):
+            kernels.commit_sparse_(v, u if masking else None, indices, sent)
+        results.append((v, u))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(results[1][1], results[0][1])
+
+
+@pytest.mark.parametrize("pairs", [0, 1, 1024, 2049])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_average_kernel_equals_reference(pairs: int, dtype: torch.dtype) -> None:
+    numel = 3_000
+    indices = torch.randint(0, numel, (pairs,), generator=torch.Generator().manual_seed(pairs)).to(DEVICE)
+    values = _randn(pairs, dtype, 3)
+    outs = []
+    for backend in ("torch", "triton"):
+        out = torch.zeros(numel, device=DEVICE)
+        with kernels.use_backend(backend):
+            kernels.scatter_average_(out, indices.to(torch.int32), values, world_size=3)
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)

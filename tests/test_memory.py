@@ -27,7 +27,11 @@ def _memory_with_momentum(
 @pytest.fixture
 def params() -> tuple[list[torch.nn.Parameter], dict[int, tuple[str, int]]]:
     torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(4, 5)), torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3, 3))]
+    ps = [
+        torch.nn.Parameter(torch.randn(4, 5)),
+        torch.nn.Parameter(torch.randn(5)),
+        torch.nn.Parameter(torch.randn(3, 3)),
+    ]
     return ps, {id(p): (f"p{i}", i) for i, p in enumerate(ps)}
 
 
@@ -40,7 +44,7 @@ def test_compensate_follows_dgc_recurrence(params, nesterov: bool) -> None:
     flat_p = torch.cat([p.detach().reshape(-1) for p in ps])
     u = torch.zeros_like(flat_p)
     v = torch.zeros_like(flat_p)
-    for step in range(4):
+    for _ in range(4):
         g = torch.randn_like(flat_p)
         state = memory.bucket(layout, g)
         got = memory.compensate(state, g.clone(), ps, world_size=2)
@@ -64,7 +68,7 @@ def test_masking_zeroes_momentum_and_velocity_only_where_sent(params) -> None:
     memory.compensate(state, g.clone(), ps, world_size=1)
     before_u, before_v = state.momentum.clone(), state.velocity.clone()
     sent = torch.tensor([0, 7, 20])
-    memory.commit_sparse(state, sent, residual=None)
+    memory.commit_sparse(state, sent, state.velocity[sent].clone())
     kept = torch.ones(layout.numel, dtype=torch.bool)
     kept[sent] = False
     assert (state.velocity[sent] == 0).all() and (state.momentum[sent] == 0).all()
@@ -78,7 +82,8 @@ def test_without_masking_momentum_survives_a_send(params) -> None:
     g = torch.ones(layout.numel)
     state = memory.bucket(layout, g)
     memory.compensate(state, g.clone(), ps, world_size=1)
-    memory.commit_sparse(state, torch.tensor([1, 2]), residual=None)
+    sent = torch.tensor([1, 2])
+    memory.commit_sparse(state, sent, state.velocity[sent].clone())
     assert (state.momentum[[1, 2]] == 1).all() and (state.velocity[[1, 2]] == 0).all()
 
 
@@ -98,8 +103,24 @@ def test_error_feedback_conserves_every_input(params) -> None:
         idx = torch.topk(v.abs(), 5).indices
         wire = v[idx].to(torch.float16).to(torch.float32)  # a lossy wire dtype: the residual stays
         total_sent[idx] += wire
-        memory.commit_sparse(state, idx, residual=v[idx] - wire)
+        memory.commit_sparse(state, idx, wire)
     torch.testing.assert_close(state.velocity + total_sent, total_in, atol=1e-5, rtol=0)
+
+
+def test_zero_valued_pairs_are_no_ops_and_duplicates_accumulate(params) -> None:
+    """The Triton selection pads with (i, 0) pairs: they must change nothing."""
+    ps, names = params
+    memory = _memory_with_momentum(names)
+    layout = _layout(0, ps, names)
+    g = torch.randn(layout.numel)
+    state = memory.bucket(layout, g)
+    memory.compensate(state, g.clone(), ps, world_size=1)
+    u, v = state.momentum.clone(), state.velocity.clone()
+    memory.commit_sparse(state, torch.tensor([3, 3, 5]), torch.tensor([0.0, 0.0, 0.0]))
+    assert torch.equal(state.velocity, v) and torch.equal(state.momentum, u)
+    half = v[7] / 2
+    memory.commit_sparse(state, torch.tensor([7, 7]), torch.stack([half, half]))
+    assert state.velocity[7].abs() <= 1e-6 * v[7].abs() and state.momentum[7] == 0
 
 
 def test_local_clipping_scales_each_tensor_by_world_size(params) -> None:

@@ -13,9 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_train_py_quickstart_reaches_accuracy_with_high_compression() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
-    done = subprocess.run(
-        [sys.executable, "train.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
+    done = subprocess.run([sys.executable, "train.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     dense = re.search(r"dense DDP\s+val acc ([\d.]+)\s+sent\s+([\d.]+) MB", done.stdout)
     dgc = re.search(r"DGC\s+val acc ([\d.]+)\s+sent\s+([\d.]+) MB.*?(\d+)x over the run.*?(\d+)x per step", done.stdout)

@@ -25,7 +25,9 @@ def _inputs(kind: str, numel: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "student_t", "sparse_spikes"])
-@pytest.mark.parametrize(("numel", "ratio"), [(1_000_000, 0.001), (300_000, 0.01), (50_000, 0.001), (2_000_000, 0.0001)])
+@pytest.mark.parametrize(
+    ("numel", "ratio"), [(1_000_000, 0.001), (300_000, 0.01), (50_000, 0.001), (2_000_000, 0.0001)]
+)
 def test_sampled_topk_keeps_exactly_k_and_matches_exact(kind: str, numel: int, ratio: float) -> None:
     x = _inputs(kind, numel, seed=numel)
     k = max(1, int(numel * ratio))

@@ -62,7 +62,11 @@ def test_dgc_at_0_1_percent_on_a_million_parameters(run_ranks) -> None:
 def test_momentum_given_to_the_strategy_equals_momentum_taken_from_sgd(run_ranks) -> None:
     base = {"hidden": [128], "lr": 0.05, "weight_decay": 0.0}
     from_sgd = {"strategy": {"kind": "dgc", "compress_ratio": 0.01}, "model": {**base, "momentum": 0.9}, "epochs": 1}
-    explicit = {"strategy": {"kind": "dgc", "compress_ratio": 0.01, "momentum": 0.9}, "model": {**base, "momentum": 0.0}, "epochs": 1}
+    explicit = {
+        "strategy": {"kind": "dgc", "compress_ratio": 0.01, "momentum": 0.9},
+        "model": {**base, "momentum": 0.0},
+        "epochs": 1,
+    }
     plain = {"strategy": {"kind": "dgc", "compress_ratio": 0.01}, "model": {**base, "momentum": 0.0}, "epochs": 1}
     (a, b, c), _ = run_ranks({"fits": [from_sgd, explicit, plain]})
     assert torch.equal(a["params"], b["params"])

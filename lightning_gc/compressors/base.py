@@ -31,8 +31,9 @@ class Encoded:
     Attributes:
         summed: all-reduced in place (sum over ranks), or ``None``.
         gathered: all-gathered into ``gathered_out`` (``world_size`` x its size), or ``None``.
-        sent_indices: bucket positions (int64) whose velocity left sparsely, or ``None``.
-        sent_residual: what rounding kept back at ``sent_indices`` (``None``: sent exactly).
+        sent_indices: bucket positions (int64) of the pairs sent sparsely, or ``None``.
+        sent_values: the values of those pairs as receivers decode them; a pair with value 0
+            is a no-op (the Triton selection pads with such pairs).
         dense_positions: bucket positions (int64) whose velocity left whole; ``None`` when the
             whole bucket did (``dense_all``) or nothing did.
         dense_all: the whole bucket was sent dense.
@@ -45,7 +46,7 @@ class Encoded:
     gathered: torch.Tensor | None
     gathered_out: torch.Tensor | None
     sent_indices: torch.Tensor | None
-    sent_residual: torch.Tensor | None
+    sent_values: torch.Tensor | None
     dense_positions: torch.Tensor | None
     dense_all: bool
     bytes_sent: int

@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
+from lightning_gc import kernels
 from lightning_gc._validation import check_range
 from lightning_gc.compressors.sparse import SparseCompressor
-from lightning_gc.kernels import SelectionScratch, sampled_topk_indices
+from lightning_gc.kernels import SelectionScratch
 
 
 class DGCCompressor(SparseCompressor):
@@ -39,8 +40,18 @@ class DGCCompressor(SparseCompressor):
         self.sample_ratio = check_range("sample_ratio", sample_ratio, 0.0, 1.0, low_inclusive=False)
         self._scratch = SelectionScratch()
 
-    def select(self, values: torch.Tensor, k: int, salt: int) -> torch.Tensor:
-        return sampled_topk_indices(values, k, sample_ratio=self.sample_ratio, salt=salt, scratch=self._scratch)
+    def select(
+        self, values: torch.Tensor, k: int, salt: int, out_indices: torch.Tensor, out_values: torch.Tensor
+    ) -> None:
+        kernels.sampled_topk_(
+            values,
+            k,
+            sample_ratio=self.sample_ratio,
+            salt=salt,
+            scratch=self._scratch,
+            out_indices=out_indices,
+            out_values=out_values,
+        )
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "sample_ratio": self.sample_ratio}

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lightning_gc import kernels
 from lightning_gc._validation import check_choice, check_int, check_range
 from lightning_gc.compressors.base import Compressor, Encoded
 from lightning_gc.compressors.wire import VALUE_DTYPES, SparseWireFormat
@@ -87,13 +88,24 @@ class SparseCompressor(Compressor):
         return min(numel, math.ceil(self._compress_ratio * numel))
 
     @abstractmethod
-    def select(self, values: torch.Tensor, k: int, salt: int) -> torch.Tensor:
-        """Indices (int64) of the ``k`` values of the 1-D ``values`` to send."""
+    def select(
+        self, values: torch.Tensor, k: int, salt: int, out_indices: torch.Tensor, out_values: torch.Tensor
+    ) -> None:
+        """Write the ``k`` (index, value) pairs of the 1-D ``values`` to send into the outputs.
+
+        Each pair is a selected element (its index in ``values`` and its value) or a no-op
+        (any index, value 0).
+        """
 
     # ------------------------------------------------------------------ planning
     def _plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _SparsePlan:
         plan = self._plans.get(layout.index)
-        if plan is not None and plan.layout is layout and plan.ratio == self._compress_ratio and plan.world_size == world_size:
+        if (
+            plan is not None
+            and plan.layout is layout
+            and plan.ratio == self._compress_ratio
+            and plan.world_size == world_size
+        ):
             return plan
         compressed, dense, total_k = [], [], 0
         for segment in layout.segments:
@@ -137,7 +149,7 @@ class SparseCompressor(Compressor):
                 gathered=None,
                 gathered_out=None,
                 sent_indices=None,
-                sent_residual=None,
+                sent_values=None,
                 dense_positions=None,
                 dense_all=True,
                 bytes_sent=velocity.numel() * velocity.element_size(),
@@ -145,10 +157,16 @@ class SparseCompressor(Compressor):
                 context=plan,
             )
         for segment, k, first in plan.compressed:
-            local = self.select(segment.of(velocity), k, salt=step * _SALT_STEP + segment.order)
-            torch.add(local, segment.start, out=plan.sent_indices[first : first + k])
-        torch.index_select(velocity, 0, plan.sent_indices, out=plan.sent_values)
-        residual = self.wire.pack(plan.payload, plan.total_k, plan.sent_indices, plan.sent_values)
+            chosen = slice(first, first + k)
+            self.select(
+                segment.of(velocity),
+                k,
+                step * _SALT_STEP + segment.order,
+                out_indices=plan.sent_indices[chosen],
+                out_values=plan.sent_values[chosen],
+            )
+            plan.sent_indices[chosen].add_(segment.start)
+        sent = self.wire.pack(plan.payload, plan.total_k, plan.sent_indices, plan.sent_values)
         dense_bytes = 0
         if plan.dense_positions is not None:
             assert plan.dense_values is not None
@@ -160,7 +178,7 @@ class SparseCompressor(Compressor):
             gathered=plan.payload,
             gathered_out=plan.gathered,
             sent_indices=plan.sent_indices,
-            sent_residual=residual,
+            sent_values=sent,
             dense_positions=plan.dense_positions,
             dense_all=False,
             bytes_sent=plan.payload.numel() + dense_bytes,
@@ -176,7 +194,7 @@ class SparseCompressor(Compressor):
             return
         out.zero_()
         indices, values = self.wire.unpack(plan.gathered, world_size, plan.total_k)
-        out.index_add_(0, indices, values.to(out.dtype), alpha=1.0 / world_size)
+        kernels.scatter_average_(out, indices, values, world_size)
         if plan.dense_positions is not None:
             assert plan.dense_values is not None
             out.index_copy_(0, plan.dense_positions, plan.dense_values.div_(world_size))

@@ -41,18 +41,19 @@ class SparseWireFormat:
         value_end = index_end + k * self.value_bytes
         return payload[..., :index_end].view(INDEX_DTYPE), payload[..., index_end:value_end].view(self.value_dtype)
 
-    def pack(self, payload: torch.Tensor, k: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
-        """Write ``indices`` and ``values`` into ``payload``; return the rounding residual of the values.
+    def pack(self, payload: torch.Tensor, k: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write ``indices`` and ``values`` into ``payload``; return the values as receivers decode them.
 
-        The residual (``values - wire(values)``) is ``None`` when the wire dtype holds the values
-        exactly (same dtype), so callers can zero instead of subtract.
+        With a wire dtype narrower than ``values``' the result is the rounded values (in
+        ``values``' dtype), so memory can keep exactly what rounding dropped; otherwise it is
+        ``values`` itself.
         """
         index_view, value_view = self.views(payload, k)
         index_view.copy_(indices)
         value_view.copy_(values)
         if values.dtype == self.value_dtype:
-            return None
-        return values - value_view.to(values.dtype)
+            return values
+        return value_view.to(values.dtype)
 
     def unpack(self, gathered: torch.Tensor, world_size: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All ranks' (indices, values) from the gathered buffer, each flattened to ``world_size * k``."""

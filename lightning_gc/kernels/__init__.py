@@ -33,6 +33,23 @@ def compensate_(
     _implementation(grad).compensate_(grad, velocity, momentum_buf, **kwargs)
 
 
+def sampled_topk_(values: torch.Tensor, k: int, **kwargs: Any) -> None:
+    """Top-k (index, value) pairs via a sampled threshold (see :func:`reference.sampled_topk_`), dispatched."""
+    _implementation(values).sampled_topk_(values, k, **kwargs)
+
+
+def commit_sparse_(
+    velocity: torch.Tensor, momentum_buf: torch.Tensor | None, indices: torch.Tensor, sent: torch.Tensor
+) -> None:
+    """Remove sent pairs from memory, masking momentum (see :func:`reference.commit_sparse_`), dispatched."""
+    _implementation(velocity).commit_sparse_(velocity, momentum_buf, indices, sent)
+
+
+def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, world_size: int) -> None:
+    """Scatter-add gathered pairs divided by the world size (see :func:`reference.scatter_average_`), dispatched."""
+    _implementation(out).scatter_average_(out, indices, values, world_size)
+
+
 def _implementation(tensor: torch.Tensor) -> ModuleType:
     if backend_for(tensor) == "triton":
         from lightning_gc.kernels import triton_kernels
@@ -45,9 +62,12 @@ __all__ = [
     "MIN_SAMPLE_HITS",
     "SelectionScratch",
     "backend_for",
+    "commit_sparse_",
     "compensate_",
     "sample_size",
+    "sampled_topk_",
     "sampled_topk_indices",
+    "scatter_average_",
     "topk_indices",
     "use_backend",
 ]

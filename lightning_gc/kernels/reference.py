@@ -107,7 +107,6 @@ def sampled_topk_indices(
     return candidates[chosen]
 
 
-
 def compensate_(
     grad: torch.Tensor,
     velocity: torch.Tensor,
@@ -144,3 +143,44 @@ def compensate_(
     else:
         torch.add(grad, momentum_buf, alpha=momentum, out=momentum_buf)
         velocity.add_(momentum_buf)
+
+
+def sampled_topk_(
+    values: torch.Tensor,
+    k: int,
+    *,
+    sample_ratio: float,
+    salt: int,
+    scratch: SelectionScratch | None,
+    out_indices: torch.Tensor,
+    out_values: torch.Tensor,
+) -> None:
+    """Write the ``k`` largest-magnitude (index, value) pairs of ``values`` into the outputs.
+
+    Contract shared with the Triton implementation: every pair is either a selected element
+    (its index and exact value) or a no-op (any index, value 0). This implementation always
+    writes exactly the top-k (no no-ops).
+    """
+    indices = sampled_topk_indices(values, k, sample_ratio=sample_ratio, salt=salt, scratch=scratch)
+    out_indices.copy_(indices)
+    torch.index_select(values, 0, indices, out=out_values)
+
+
+def commit_sparse_(
+    velocity: torch.Tensor, momentum_buf: torch.Tensor | None, indices: torch.Tensor, sent: torch.Tensor
+) -> None:
+    """Remove what was sent from memory: ``v[i] -= sent`` for every pair, and, when a momentum
+    buffer is given (momentum factor masking), ``u[i] <- 0`` where a non-zero value left.
+
+    Subtracting (rather than zeroing) keeps whatever a narrow wire dtype rounded away, and makes
+    (i, 0) pairs no-ops; duplicate indices accumulate.
+    """
+    velocity.index_add_(0, indices, sent.to(velocity.dtype), alpha=-1)
+    if momentum_buf is not None:
+        keep = (sent == 0).to(momentum_buf.dtype)
+        momentum_buf.scatter_reduce_(0, indices, keep, reduce="prod")
+
+
+def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, world_size: int) -> None:
+    """``out[i] += v / world_size`` for every gathered (i, v) pair; duplicates add."""
+    out.index_add_(0, indices, values.to(out.dtype), alpha=1.0 / world_size)

@@ -6,11 +6,27 @@ users never pay Triton's import or compile cost.
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
+from lightning_gc.kernels.dispatch import interpreting
+
 BLOCK = 1024
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """Launch ``kernel``; serialised under TRITON_INTERPRET=1, whose interpreter keeps global grid
+    state (DDP runs hooks and communication callbacks on different threads)."""
+    if interpreting():
+        with _INTERPRETER_LOCK:
+            kernel[grid](*args, **meta)
+    else:
+        kernel[grid](*args, **meta)
 
 
 @triton.jit
@@ -69,7 +85,9 @@ def compensate_(
         return
     has_momentum = momentum != 0.0
     has_decay = weight_decay != 0.0
-    _compensate_kernel[(triton.cdiv(numel, BLOCK),)](
+    _launch(
+        _compensate_kernel,
+        (triton.cdiv(numel, BLOCK),),
         grad,
         velocity,
         momentum_buf if has_momentum else velocity,  # unused pointer when HAS_MOMENTUM is false
@@ -82,5 +100,179 @@ def compensate_(
         NESTEROV=nesterov,
         HAS_SCALE=grad_scale is not None,
         HAS_DECAY=has_decay,
+        BLOCK=BLOCK,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Top-k selection without a host sync: sample -> threshold -> count -> compact -> exact top-k
+# ---------------------------------------------------------------------------------------------
+CANDIDATE_HEADROOM = 4
+"""Candidate buffer capacity, in multiples of the expected candidate count (which is ~2k)."""
+
+
+@triton.jit
+def _strided_abs_kernel(values_ptr, out_ptr, offset, stride, samples, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < samples
+    x = tl.load(values_ptr + offset + i.to(tl.int64) * stride, mask=inside)
+    tl.store(out_ptr + i, tl.abs(x.to(tl.float32)), mask=inside)
+
+
+@triton.jit
+def _count_kernel(values_ptr, numel, threshold_ptr, counts_ptr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    magnitude = tl.abs(tl.load(values_ptr + offsets, mask=inside, other=0.0).to(tl.float32))
+    hit = (magnitude >= tl.load(threshold_ptr)) & inside
+    tl.store(counts_ptr + tl.program_id(0), tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _compact_kernel(
+    values_ptr, numel, threshold_ptr, block_start_ptr, cand_index_ptr, cand_magnitude_ptr, capacity, BLOCK: tl.constexpr
+):
+    # Block b writes its hits, in position order, from slot block_start[b] on (exclusive prefix sum).
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < numel
+    magnitude = tl.abs(tl.load(values_ptr + offsets, mask=inside, other=0.0).to(tl.float32))
+    hit = (magnitude >= tl.load(threshold_ptr)) & inside
+    slot = tl.load(block_start_ptr + tl.program_id(0)) + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+    keep = hit & (slot < capacity)
+    tl.store(cand_index_ptr + slot, offsets.to(tl.int64), mask=keep)
+    tl.store(cand_magnitude_ptr + slot, magnitude, mask=keep)
+
+
+def sampled_topk_(
+    values: torch.Tensor,
+    k: int,
+    *,
+    sample_ratio: float,
+    salt: int,
+    scratch: object | None,
+    out_indices: torch.Tensor,
+    out_values: torch.Tensor,
+) -> None:
+    """Sync-free :func:`lightning_gc.kernels.reference.sampled_topk_`.
+
+    Candidates ``|x| >= thr`` are compacted into a buffer of fixed capacity, then an exact top-k
+    runs over it. When fewer than ``k`` elements pass the threshold, the missing pairs are no-ops
+    (value 0); when more than the capacity pass, the first ones by position are kept. Both cases
+    only make a step send less than the exact top-k; nothing is lost, since memory keeps all that
+    was not sent. With the default 2x margin and 4x headroom both are rare.
+    """
+    from lightning_gc.kernels.reference import _CANDIDATE_MARGIN, _SALT_MULTIPLIER, sample_size
+
+    numel = values.numel()
+    device = values.device
+    samples = sample_size(numel, k, sample_ratio)
+    if k >= numel or 4 * samples >= numel:
+        indices = torch.topk(values.abs(), min(k, numel), sorted=False).indices
+        out_indices.copy_(indices)
+        torch.index_select(values, 0, indices, out=out_values)
+        return
+    stride = numel // samples
+    sample = torch.empty(samples, dtype=torch.float32, device=device)
+    _launch(
+        _strided_abs_kernel,
+        (triton.cdiv(samples, BLOCK),),
+        values,
+        sample,
+        (salt * _SALT_MULTIPLIER) % stride,
+        stride,
+        samples,
+        BLOCK=BLOCK,
+    )
+    rank = min(samples, _CANDIDATE_MARGIN * -(-k * samples // numel) + 2)
+    threshold = torch.topk(sample, rank, sorted=False).values.min().reshape(1)
+
+    blocks = triton.cdiv(numel, BLOCK)
+    counts = torch.empty(blocks, dtype=torch.int32, device=device)
+    _launch(_count_kernel, (blocks,), values, numel, threshold, counts, BLOCK=BLOCK)
+    block_start = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    expected = -(-rank * numel // samples)
+    capacity = max(k, min(numel, CANDIDATE_HEADROOM * expected + BLOCK))
+    cand_index = torch.zeros(capacity, dtype=torch.int64, device=device)
+    cand_magnitude = torch.full((capacity,), -1.0, dtype=torch.float32, device=device)
+    _launch(
+        _compact_kernel,
+        (blocks,),
+        values,
+        numel,
+        threshold,
+        block_start,
+        cand_index,
+        cand_magnitude,
+        capacity,
+        BLOCK=BLOCK,
+    )
+
+    best = torch.topk(cand_magnitude, k, sorted=False)
+    indices = cand_index[best.indices]
+    out_indices.copy_(indices)
+    chosen = torch.index_select(values, 0, indices)
+    torch.where(best.values >= 0, chosen, torch.zeros((), dtype=values.dtype, device=device), out=out_values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory commit (with momentum factor masking) and decompression: scatters over k pairs
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _commit_sparse_kernel(
+    velocity_ptr, momentum_ptr, index_ptr, sent_ptr, pairs, MASK: tl.constexpr, BLOCK: tl.constexpr
+):
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = j < pairs
+    i = tl.load(index_ptr + j, mask=inside, other=0).to(tl.int64)
+    sent = tl.load(sent_ptr + j, mask=inside, other=0.0).to(tl.float32)
+    tl.atomic_add(velocity_ptr + i, -sent, mask=inside)  # atomic: indices may repeat
+    if MASK:
+        zero = tl.zeros([BLOCK], dtype=tl.float32).to(momentum_ptr.dtype.element_ty)
+        tl.store(momentum_ptr + i, zero, mask=inside & (sent != 0.0))
+
+
+def commit_sparse_(
+    velocity: torch.Tensor, momentum_buf: torch.Tensor | None, indices: torch.Tensor, sent: torch.Tensor
+) -> None:
+    """Fused :func:`lightning_gc.kernels.reference.commit_sparse_`: one pass over the sent pairs."""
+    pairs = indices.numel()
+    if pairs == 0:
+        return
+    masking = momentum_buf is not None
+    _launch(
+        _commit_sparse_kernel,
+        (triton.cdiv(pairs, BLOCK),),
+        velocity,
+        momentum_buf if masking else velocity,
+        indices,
+        sent,
+        pairs,
+        MASK=masking,
+        BLOCK=BLOCK,
+    )
+
+
+@triton.jit
+def _scatter_average_kernel(out_ptr, index_ptr, values_ptr, pairs, scale, BLOCK: tl.constexpr):
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = j < pairs
+    i = tl.load(index_ptr + j, mask=inside, other=0).to(tl.int64)
+    v = tl.load(values_ptr + j, mask=inside, other=0.0).to(tl.float32)
+    tl.atomic_add(out_ptr + i, v * scale, mask=inside)
+
+
+def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, world_size: int) -> None:
+    """Fused :func:`lightning_gc.kernels.reference.scatter_average_` (atomics: sums in any order)."""
+    pairs = indices.numel()
+    if pairs == 0:
+        return
+    _launch(
+        _scatter_average_kernel,
+        (triton.cdiv(pairs, BLOCK),),
+        out,
+        indices,
+        values,
+        pairs,
+        1.0 / world_size,
         BLOCK=BLOCK,
     )

@@ -28,6 +28,7 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         plan = json.load(f)
     rank = int(os.environ["LOCAL_RANK"])
+    os.environ["LIGHTNING_GC_KERNELS"] = plan["kernels"]  # "torch", or "triton" (interpreted on CPU)
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     model = make_model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=plan["bucket_cap_mb"])
