@@ -190,3 +190,92 @@ def test_scatter_average_kernel_equals_reference(pairs: int, dtype: torch.dtype)
             kernels.scatter_average_(out, indices.to(torch.int32), values, world_size=3)
         outs.append(out)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+
+
+PACK_SIZES = [0, 1, 7, 8, 9, 1023, 2049]
+
+
+def _on_backend(backend: str, fn, *args):
+    with kernels.use_backend(backend):
+        return fn(*args)
+
+
+def test_philox_twin_equals_tritons_rand() -> None:
+    import triton.language as tl
+
+    @triton.jit
+    def uniform_kernel(out_ptr, seed, numel, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offsets, tl.rand(seed, offsets), mask=offsets < numel)
+
+    numel = 3000
+    for seed in (0, 7, 2**33 + 5):
+        out = torch.empty(numel, device=DEVICE)
+        uniform_kernel[(triton.cdiv(numel, 1024),)](out, seed, numel, BLOCK=1024)
+        assert torch.equal(out.cpu(), reference.philox_uniform(seed, torch.arange(numel)))
+
+
+@pytest.mark.parametrize("numel", PACK_SIZES)
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_code_packing_kernels_equal_reference_and_round_trip(numel: int, width: int) -> None:
+    codes = torch.randint(0, 2**width, (numel,), generator=torch.Generator().manual_seed(numel)).to(torch.uint8)
+    codes = codes.to(DEVICE)
+    packed = _on_backend("triton", kernels.pack_codes, codes, width)
+    assert packed.numel() == (numel * width + 7) // 8
+    assert torch.equal(packed, _on_backend("torch", kernels.pack_codes, codes, width))
+    assert torch.equal(_on_backend("triton", kernels.unpack_codes, packed, width, numel), codes)
+    assert torch.equal(_on_backend("torch", kernels.unpack_codes, packed, width, numel), codes)
+
+
+@pytest.mark.parametrize("numel", PACK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sign_packing_kernel_equals_reference(numel: int, dtype: torch.dtype) -> None:
+    values = _randn(numel, dtype, seed=numel)
+    if numel:
+        values[0] = 0.0  # zero counts as positive
+    packed = _on_backend("triton", kernels.pack_signs, values)
+    assert torch.equal(packed, _on_backend("torch", kernels.pack_signs, values))
+    assert torch.equal(kernels.unpack_codes(packed, 1, numel).bool(), values < 0)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 9, 1000, 4097])
+@pytest.mark.parametrize("levels", [1, 3, 7, 15, 127])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stochastic_quantize_kernel_equals_reference_bit_for_bit(numel: int, levels: int, dtype: torch.dtype) -> None:
+    values = _randn(numel, dtype, seed=levels)
+    for scale in (torch.linalg.vector_norm(values.float()), values.float().abs().max() if numel else torch.zeros(())):
+        packed = _on_backend("triton", kernels.stochastic_quantize, values, scale, levels, 11)
+        assert torch.equal(packed, _on_backend("torch", kernels.stochastic_quantize, values, scale, levels, 11))
+        decoded = kernels.stochastic_dequantize(packed, scale, levels, numel)
+        step = float(scale) / levels
+        assert (decoded - values.float()).abs().max().item() <= step * (1 + 1e-5) if numel else decoded.numel() == 0
+
+
+def test_stochastic_quantization_is_reproducible_and_unbiased() -> None:
+    """Mean over S seeds of the decoded values -> x. Each decode is x + e with |e| < step and
+    E[e] = 0, so the mean's error has std <= step / (2 sqrt(S)); we allow 5 of those."""
+    values = _randn(2000, torch.float32, seed=0)
+    scale, levels, seeds = torch.linalg.vector_norm(values), 7, 1600
+    with kernels.use_backend("triton"):
+        first = kernels.stochastic_quantize(values, scale, levels, 3)
+        assert torch.equal(first, kernels.stochastic_quantize(values, scale, levels, 3))
+        assert not torch.equal(first, kernels.stochastic_quantize(values, scale, levels, 4))
+    # The kernel equals its torch twin bit for bit (tested above), so draw the statistics fast:
+    with kernels.use_backend("torch"):
+        mean = (
+            sum(
+                kernels.stochastic_dequantize(
+                    kernels.stochastic_quantize(values, scale, levels, s), scale, levels, 2000
+                )
+                for s in range(seeds)
+            )
+            / seeds
+        )
+    step = float(scale) / levels
+    assert (mean - values).abs().max().item() < 5 * step / (2 * seeds**0.5)
+
+
+def test_code_width_rejects_too_many_levels() -> None:
+    assert [kernels.code_width(s) for s in (1, 3, 7, 127)] == [2, 4, 4, 8]
+    with pytest.raises(ValueError, match=r"`levels` must be in \[1, 127\]"):
+        kernels.code_width(128)

@@ -17,8 +17,11 @@ from lightning_gc.kernels.dispatch import backend_for, use_backend
 from lightning_gc.kernels.reference import (
     MIN_SAMPLE_HITS,
     SelectionScratch,
+    code_width,
+    philox_uniform,
     sample_size,
     sampled_topk_indices,
+    stochastic_dequantize,
     topk_indices,
 )
 
@@ -50,6 +53,26 @@ def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Ten
     _implementation(out).scatter_average_(out, indices, values, world_size)
 
 
+def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Pack ``width``-bit uint8 codes into bytes (see :func:`reference.pack_codes`), dispatched."""
+    return _implementation(codes).pack_codes(codes, width)
+
+
+def unpack_codes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`, dispatched."""
+    return _implementation(packed).unpack_codes(packed, width, numel)
+
+
+def pack_signs(values: torch.Tensor) -> torch.Tensor:
+    """Sign bits, 8 per byte (see :func:`reference.pack_signs`), dispatched."""
+    return _implementation(values).pack_signs(values)
+
+
+def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, seed: int) -> torch.Tensor:
+    """Unbiased, reproducible stochastic rounding to packed level codes (QSGD, TernGrad), dispatched."""
+    return _implementation(values).stochastic_quantize(values, scale, levels, seed)
+
+
 def _implementation(tensor: torch.Tensor) -> ModuleType:
     if backend_for(tensor) == "triton":
         from lightning_gc.kernels import triton_kernels
@@ -62,12 +85,19 @@ __all__ = [
     "MIN_SAMPLE_HITS",
     "SelectionScratch",
     "backend_for",
+    "code_width",
     "commit_sparse_",
     "compensate_",
+    "pack_codes",
+    "pack_signs",
+    "philox_uniform",
     "sample_size",
     "sampled_topk_",
     "sampled_topk_indices",
     "scatter_average_",
+    "stochastic_dequantize",
+    "stochastic_quantize",
+    "unpack_codes",
     "topk_indices",
     "use_backend",
 ]

@@ -184,3 +184,116 @@ def commit_sparse_(
 def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, world_size: int) -> None:
     """``out[i] += v / world_size`` for every gathered (i, v) pair; duplicates add."""
     out.index_add_(0, indices, values.to(out.dtype), alpha=1.0 / world_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based random numbers: Philox4x32-10, bit-identical to Triton's ``tl.rand(seed, offset)``
+# ---------------------------------------------------------------------------------------------
+_MASK32 = 0xFFFFFFFF
+_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
+_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
+_UNIFORM_SCALE = 4.6566127342e-10  # Triton's: largest s with (2**31 - 1) * s < 1 in float32
+
+
+def _mul_halves(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of the 64-bit product of the uint32 constant ``a`` and uint32s ``b``
+    (held in int64), computed on 16-bit halves so nothing overflows int64."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    low_low = a_lo * b_lo
+    cross = a_hi * b_lo + a_lo * b_hi + (low_low >> 16)  # < 2**34
+    high = a_hi * b_hi + (cross >> 16)
+    low = ((cross & 0xFFFF) << 16) | (low_low & 0xFFFF)
+    return high & _MASK32, low
+
+
+def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 in [0, 1) for each (seed, offset) pair, equal to Triton's ``tl.rand``."""
+    c0 = offsets.to(torch.int64) & _MASK32
+    c1 = (offsets.to(torch.int64) >> 32) & _MASK32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        hi_b, lo_b = _mul_halves(_PHILOX_ROUND[1], c2)
+        hi_a, lo_a = _mul_halves(_PHILOX_ROUND[0], c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY[0]) & _MASK32, (k1 + _PHILOX_KEY[1]) & _MASK32
+    as_int32 = torch.where(c0 >= 2**31, c0 - 2**32, c0)
+    as_int32 = torch.where(as_int32 < 0, ~as_int32, as_int32).to(torch.int32)
+    return as_int32.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit packing and stochastic quantisation
+# ---------------------------------------------------------------------------------------------
+CODE_WIDTHS = (1, 2, 4, 8)
+
+
+def code_width(levels: int) -> int:
+    """Bits per code ``(level << 1) | negative`` for ``levels`` quantisation levels (a power of 2)."""
+    needed = 1 + int(levels).bit_length()
+    for width in CODE_WIDTHS[1:]:
+        if width >= needed:
+            return width
+    raise ValueError(f"`levels` must be in [1, 127] to fit 8-bit codes, got {levels!r}")
+
+
+def packed_bytes(numel: int, width: int) -> int:
+    return -(-numel * width // 8)
+
+
+def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Pack ``width``-bit codes (uint8, each < 2**width) little-end first: code j of byte b sits
+    at bits ``[j*width, (j+1)*width)`` of byte b. The tail is zero-padded."""
+    per_byte = 8 // width
+    padded = torch.zeros(packed_bytes(codes.numel(), width) * per_byte, dtype=torch.int32, device=codes.device)
+    padded[: codes.numel()] = codes.to(torch.int32)
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * width
+    return (padded.view(-1, per_byte) << shifts).sum(1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: the first ``numel`` codes as uint8."""
+    per_byte = 8 // width
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * width
+    codes = (packed.to(torch.int32).view(-1, 1) >> shifts) & ((1 << width) - 1)
+    return codes.reshape(-1)[:numel].to(torch.uint8)
+
+
+def pack_signs(values: torch.Tensor) -> torch.Tensor:
+    """One bit per element, 1 where ``values < 0`` (so 0 counts as positive), 8 per byte."""
+    return pack_codes((values < 0).to(torch.uint8), 1)
+
+
+def quantize_factor(scale: torch.Tensor, levels: int) -> torch.Tensor:
+    """``levels / scale`` as a 0-d float32 tensor (0 when ``scale == 0``), computed once so both
+    implementations multiply by the same correctly rounded factor (GPU division may be approximate)."""
+    scale = scale.to(torch.float32)
+    positive = scale > 0
+    return torch.where(positive, levels / torch.where(positive, scale, torch.ones_like(scale)), torch.zeros_like(scale))
+
+
+def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, seed: int) -> torch.Tensor:
+    """Unbiased stochastic rounding of ``|values| / scale * levels`` to an integer level, packed.
+
+    ``level = floor(r) + [uniform < r - floor(r)]`` with ``r = |x| / scale * levels`` (clamped to
+    ``levels``) and the uniform drawn by :func:`philox_uniform` at offset = element index, so
+    ``E[sign * level / levels * scale] = x`` and the result is reproducible. QSGD uses
+    ``scale = ||x||_2``; TernGrad is ``levels = 1`` with ``scale = max |x|``. Codes are
+    ``(level << 1) | negative`` at :func:`code_width` bits.
+    """
+    x = values.to(torch.float32)
+    r = torch.clamp(x.abs() * quantize_factor(scale, levels), max=float(levels))
+    floor = torch.floor(r)
+    uniform = philox_uniform(seed, torch.arange(x.numel(), device=x.device))
+    level = (floor + (uniform < (r - floor)).to(torch.float32)).to(torch.int32)
+    codes = (level << 1) | (x < 0).to(torch.int32)
+    return pack_codes(codes.to(torch.uint8), code_width(levels))
+
+
+def stochastic_dequantize(packed: torch.Tensor, scale: torch.Tensor, levels: int, numel: int) -> torch.Tensor:
+    """Values (float32) of :func:`stochastic_quantize`'s codes: ``sign * level / levels * scale``."""
+    codes = unpack_codes(packed, code_width(levels), numel).to(torch.int32)
+    magnitude = (codes >> 1).to(torch.float32) * (scale.to(torch.float32) / levels).reshape(())
+    return torch.where((codes & 1).bool(), -magnitude, magnitude)

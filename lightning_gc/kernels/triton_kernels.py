@@ -276,3 +276,112 @@ def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Ten
         1.0 / world_size,
         BLOCK=BLOCK,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit packing and stochastic quantisation: each program owns BLOCK output bytes
+# ---------------------------------------------------------------------------------------------
+PACK_BLOCK = 256
+
+
+@triton.jit
+def _pack_tile(codes, WIDTH: tl.constexpr, PER_BYTE: tl.constexpr):
+    # codes: [PACK_BLOCK, PER_BYTE] int32 -> [PACK_BLOCK] bytes, code j at bits [j*WIDTH, (j+1)*WIDTH).
+    shifts = (tl.arange(0, PER_BYTE) * WIDTH)[None, :]
+    return tl.sum(codes << shifts, axis=1).to(tl.uint8)
+
+
+@triton.jit
+def _pack_codes_kernel(
+    codes_ptr, out_ptr, numel, n_bytes, WIDTH: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr
+):
+    byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    element = byte[:, None] * PER_BYTE + tl.arange(0, PER_BYTE)[None, :]
+    codes = tl.load(codes_ptr + element, mask=element < numel, other=0).to(tl.int32)
+    tl.store(out_ptr + byte, _pack_tile(codes, WIDTH, PER_BYTE), mask=byte < n_bytes)
+
+
+@triton.jit
+def _unpack_codes_kernel(
+    packed_ptr, out_ptr, numel, n_bytes, WIDTH: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr
+):
+    byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
+    shifts = (tl.arange(0, PER_BYTE) * WIDTH)[None, :]
+    codes = (packed[:, None] >> shifts) & ((1 << WIDTH) - 1)
+    element = byte[:, None] * PER_BYTE + tl.arange(0, PER_BYTE)[None, :]
+    tl.store(out_ptr + element, codes.to(tl.uint8), mask=element < numel)
+
+
+@triton.jit
+def _pack_signs_kernel(values_ptr, out_ptr, numel, n_bytes, BLOCK: tl.constexpr):
+    byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    element = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
+    x = tl.load(values_ptr + element, mask=element < numel, other=0.0)
+    tl.store(out_ptr + byte, _pack_tile((x < 0).to(tl.int32), 1, 8), mask=byte < n_bytes)
+
+
+@triton.jit
+def _stochastic_quantize_kernel(
+    values_ptr, factor_ptr, out_ptr, numel, n_bytes, seed, levels,
+    WIDTH: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    element = byte[:, None] * PER_BYTE + tl.arange(0, PER_BYTE)[None, :]
+    inside = element < numel
+    x = tl.load(values_ptr + element, mask=inside, other=0.0).to(tl.float32)
+    r = tl.minimum(tl.abs(x) * tl.load(factor_ptr), levels.to(tl.float32))
+    floor = tl.floor(r)
+    level = (floor + (tl.rand(seed, element) < (r - floor)).to(tl.float32)).to(tl.int32)
+    codes = tl.where(inside, (level << 1) | (x < 0).to(tl.int32), 0)
+    tl.store(out_ptr + byte, _pack_tile(codes, WIDTH, PER_BYTE), mask=byte < n_bytes)
+
+
+def _byte_grid(n_bytes: int) -> tuple[int]:
+    return (triton.cdiv(n_bytes, PACK_BLOCK),)
+
+
+def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Fused :func:`lightning_gc.kernels.reference.pack_codes`."""
+    from lightning_gc.kernels.reference import packed_bytes
+
+    n_bytes = packed_bytes(codes.numel(), width)
+    out = torch.empty(n_bytes, dtype=torch.uint8, device=codes.device)
+    if n_bytes:
+        _launch(_pack_codes_kernel, _byte_grid(n_bytes), codes, out, codes.numel(), n_bytes,
+                WIDTH=width, PER_BYTE=8 // width, BLOCK=PACK_BLOCK)  # fmt: skip
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
+    """Fused :func:`lightning_gc.kernels.reference.unpack_codes`."""
+    out = torch.empty(numel, dtype=torch.uint8, device=packed.device)
+    if numel:
+        _launch(_unpack_codes_kernel, _byte_grid(packed.numel()), packed, out, numel, packed.numel(),
+                WIDTH=width, PER_BYTE=8 // width, BLOCK=PACK_BLOCK)  # fmt: skip
+    return out
+
+
+def pack_signs(values: torch.Tensor) -> torch.Tensor:
+    """Fused :func:`lightning_gc.kernels.reference.pack_signs`: reads values, writes bits."""
+    from lightning_gc.kernels.reference import packed_bytes
+
+    n_bytes = packed_bytes(values.numel(), 1)
+    out = torch.empty(n_bytes, dtype=torch.uint8, device=values.device)
+    if n_bytes:
+        _launch(_pack_signs_kernel, _byte_grid(n_bytes), values, out, values.numel(), n_bytes, BLOCK=PACK_BLOCK)
+    return out
+
+
+def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, seed: int) -> torch.Tensor:
+    """Fused :func:`lightning_gc.kernels.reference.stochastic_quantize`: quantise and pack in one pass."""
+    from lightning_gc.kernels.reference import code_width, packed_bytes, quantize_factor
+
+    width = code_width(levels)
+    n_bytes = packed_bytes(values.numel(), width)
+    out = torch.empty(n_bytes, dtype=torch.uint8, device=values.device)
+    if n_bytes:
+        factor = quantize_factor(scale, levels).reshape(1)
+        _launch(_stochastic_quantize_kernel, _byte_grid(n_bytes), values, factor, out, values.numel(), n_bytes,
+                seed, levels, WIDTH=width, PER_BYTE=8 // width, BLOCK=PACK_BLOCK)  # fmt: skip
+    return out
