@@ -187,41 +187,48 @@ def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Ten
 
 
 # ---------------------------------------------------------------------------------------------
-# Counter-based random numbers: Philox4x32-10, bit-identical to Triton's ``tl.rand(seed, offset)``
+# Counter-based random numbers, bit-identical in torch (any device) and in the Triton kernels
 # ---------------------------------------------------------------------------------------------
 _MASK32 = 0xFFFFFFFF
-_PHILOX_KEY = (0x9E3779B9, 0xBB67AE85)
-_PHILOX_ROUND = (0xD2511F53, 0xCD9E8D57)
-_UNIFORM_SCALE = 4.6566127342e-10  # Triton's: largest s with (2**31 - 1) * s < 1 in float32
+_HASH_MUL = (0x7FEB352D, 0x846CA68B)  # "lowbias32" (C. Wellons), a 32-bit integer hash with low bias
+_ROUND_SALT = 0x9E3779B9
+_SEED_HI_SALT = 0x68E31DA4
 
 
-def _mul_halves(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit words of the 64-bit product of the uint32 constant ``a`` and uint32s ``b``
-    (held in int64), computed on 16-bit halves so nothing overflows int64."""
-    a_hi, a_lo = a >> 16, a & 0xFFFF
-    b_hi, b_lo = b >> 16, b & 0xFFFF
-    low_low = a_lo * b_lo
-    cross = a_hi * b_lo + a_lo * b_hi + (low_low >> 16)  # < 2**34
-    high = a_hi * b_hi + (cross >> 16)
-    low = ((cross & 0xFFFF) << 16) | (low_low & 0xFFFF)
-    return high & _MASK32, low
+def lowbias32(x: int) -> int:
+    """The 32-bit hash on a Python int (for keys computed on the host)."""
+    x ^= x >> 16
+    x = (x * _HASH_MUL[0]) & _MASK32
+    x ^= x >> 15
+    x = (x * _HASH_MUL[1]) & _MASK32
+    return x ^ (x >> 16)
 
 
-def philox_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
-    """Uniform float32 in [0, 1) for each (seed, offset) pair, equal to Triton's ``tl.rand``."""
-    c0 = offsets.to(torch.int64) & _MASK32
-    c1 = (offsets.to(torch.int64) >> 32) & _MASK32
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
-    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
-    for _ in range(10):
-        hi_b, lo_b = _mul_halves(_PHILOX_ROUND[1], c2)
-        hi_a, lo_a = _mul_halves(_PHILOX_ROUND[0], c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + _PHILOX_KEY[0]) & _MASK32, (k1 + _PHILOX_KEY[1]) & _MASK32
-    as_int32 = torch.where(c0 >= 2**31, c0 - 2**32, c0)
-    as_int32 = torch.where(as_int32 < 0, ~as_int32, as_int32).to(torch.int32)
-    return as_int32.to(torch.float32) * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32)
+def seed_key(seed: int) -> int:
+    """A 32-bit key mixing all 64 bits of ``seed``."""
+    return lowbias32(seed & _MASK32) ^ lowbias32(((seed >> 32) & _MASK32) ^ _SEED_HI_SALT)
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    # Low 32 bits of x * constant for uint32 x held in int64; 16-bit halves keep products < 2**49.
+    return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _lowbias32_tensor(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _HASH_MUL[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, _HASH_MUL[1])
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 in [0, 1) for each offset: ``hash(hash(offset ^ key(seed)) ^ salt) >> 8``
+    scaled by 2**-24 (exact in float32). A pure function of (seed, offset), so reproducible, and
+    identical to the Triton kernels' ``_counter_uniform``. Offsets must be below 2**32."""
+    x = offsets.to(torch.int64) ^ seed_key(seed)
+    bits = _lowbias32_tensor(_lowbias32_tensor(x) ^ _ROUND_SALT)
+    return (bits >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +285,7 @@ def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, 
     """Unbiased stochastic rounding of ``|values| / scale * levels`` to an integer level, packed.
 
     ``level = floor(r) + [uniform < r - floor(r)]`` with ``r = |x| / scale * levels`` (clamped to
-    ``levels``) and the uniform drawn by :func:`philox_uniform` at offset = element index, so
+    ``levels``) and the uniform drawn by :func:`counter_uniform` at offset = element index, so
     ``E[sign * level / levels * scale] = x`` and the result is reproducible. QSGD uses
     ``scale = ||x||_2``; TernGrad is ``levels = 1`` with ``scale = max |x|``. Codes are
     ``(level << 1) | negative`` at :func:`code_width` bits.
@@ -286,7 +293,7 @@ def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, 
     x = values.to(torch.float32)
     r = torch.clamp(x.abs() * quantize_factor(scale, levels), max=float(levels))
     floor = torch.floor(r)
-    uniform = philox_uniform(seed, torch.arange(x.numel(), device=x.device))
+    uniform = counter_uniform(seed, torch.arange(x.numel(), device=x.device))
     level = (floor + (uniform < (r - floor)).to(torch.float32)).to(torch.int32)
     codes = (level << 1) | (x < 0).to(torch.int32)
     return pack_codes(codes.to(torch.uint8), code_width(levels))

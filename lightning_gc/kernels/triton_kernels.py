@@ -322,8 +322,25 @@ def _pack_signs_kernel(values_ptr, out_ptr, numel, n_bytes, BLOCK: tl.constexpr)
 
 
 @triton.jit
+def _lowbias32(x):
+    x = x ^ (x >> 16)
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full([], 0x846CA68B, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _counter_uniform(key, offsets):
+    # Twin of reference.counter_uniform: key = seed_key(seed), computed on the host.
+    x = offsets.to(tl.uint32) ^ key.to(tl.uint32)
+    bits = _lowbias32(_lowbias32(x) ^ tl.full([], 0x9E3779B9, tl.uint32))
+    return (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
 def _stochastic_quantize_kernel(
-    values_ptr, factor_ptr, out_ptr, numel, n_bytes, seed, levels,
+    values_ptr, factor_ptr, out_ptr, numel, n_bytes, key, levels,
     WIDTH: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -332,7 +349,7 @@ def _stochastic_quantize_kernel(
     x = tl.load(values_ptr + element, mask=inside, other=0.0).to(tl.float32)
     r = tl.minimum(tl.abs(x) * tl.load(factor_ptr), levels.to(tl.float32))
     floor = tl.floor(r)
-    level = (floor + (tl.rand(seed, element) < (r - floor)).to(tl.float32)).to(tl.int32)
+    level = (floor + (_counter_uniform(key, element) < (r - floor)).to(tl.float32)).to(tl.int32)
     codes = tl.where(inside, (level << 1) | (x < 0).to(tl.int32), 0)
     tl.store(out_ptr + byte, _pack_tile(codes, WIDTH, PER_BYTE), mask=byte < n_bytes)
 
@@ -375,7 +392,7 @@ def pack_signs(values: torch.Tensor) -> torch.Tensor:
 
 def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, seed: int) -> torch.Tensor:
     """Fused :func:`lightning_gc.kernels.reference.stochastic_quantize`: quantise and pack in one pass."""
-    from lightning_gc.kernels.reference import code_width, packed_bytes, quantize_factor
+    from lightning_gc.kernels.reference import code_width, packed_bytes, quantize_factor, seed_key
 
     width = code_width(levels)
     n_bytes = packed_bytes(values.numel(), width)
@@ -383,5 +400,5 @@ def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, 
     if n_bytes:
         factor = quantize_factor(scale, levels).reshape(1)
         _launch(_stochastic_quantize_kernel, _byte_grid(n_bytes), values, factor, out, values.numel(), n_bytes,
-                seed, levels, WIDTH=width, PER_BYTE=8 // width, BLOCK=PACK_BLOCK)  # fmt: skip
+                seed_key(seed), levels, WIDTH=width, PER_BYTE=8 // width, BLOCK=PACK_BLOCK)  # fmt: skip
     return out
