@@ -24,6 +24,7 @@ selection is a pure function of its inputs: reruns and resumed runs choose ident
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -58,6 +59,27 @@ def sample_size(numel: int, k: int, sample_ratio: float) -> int:
     return min(numel, max(math.ceil(sample_ratio * numel), math.ceil(MIN_SAMPLE_HITS * numel / max(k, 1))))
 
 
+@dataclass(frozen=True)
+class SamplePlan:
+    """Where the threshold sample is taken and which of its order statistics is the threshold."""
+
+    samples: int
+    stride: int
+    offset: int
+    rank: int  # the threshold is the rank-th largest sampled magnitude
+
+
+def sample_plan(numel: int, k: int, sample_ratio: float, salt: int) -> SamplePlan | None:
+    """The sample for keeping ``k`` of ``numel`` (``k < numel``); ``None`` when the sample would be
+    a large part of the tensor and an exact top-k is as cheap. Shared by every implementation."""
+    samples = sample_size(numel, k, sample_ratio)
+    if 4 * samples >= numel:
+        return None
+    stride = numel // samples
+    rank = min(samples, _CANDIDATE_MARGIN * math.ceil(k * samples / numel) + 2)
+    return SamplePlan(samples=samples, stride=stride, offset=(salt * _SALT_MULTIPLIER) % stride, rank=rank)
+
+
 def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     """Indices (int64) of the ``k`` largest ``|values|``, exact, in no particular order."""
     if k >= values.numel():
@@ -86,15 +108,14 @@ def sampled_topk_indices(
     numel = values.numel()
     if k >= numel:
         return torch.arange(numel, device=values.device)
-    samples = sample_size(numel, k, sample_ratio)
-    if 4 * samples >= numel:  # the sample would be a large part of the tensor: exact is as cheap
+    plan = sample_plan(numel, k, sample_ratio, salt)
+    if plan is None:
         return topk_indices(values, k)
     magnitude, mask = (scratch or SelectionScratch()).buffers(values)
     torch.abs(values, out=magnitude)
-    stride = numel // samples
-    offset = (salt * _SALT_MULTIPLIER) % stride
-    sample = magnitude[offset::stride][:samples]
-    rank = min(samples, _CANDIDATE_MARGIN * math.ceil(k * samples / numel) + 2)
+    samples = plan.samples
+    sample = magnitude[plan.offset :: plan.stride][:samples]
+    rank = plan.rank
     while True:
         threshold = torch.topk(sample, rank, sorted=False).values.min()
         candidates = torch.nonzero(torch.ge(magnitude, threshold, out=mask)).view(-1)

@@ -161,36 +161,26 @@ def sampled_topk_(
     only make a step send less than the exact top-k; nothing is lost, since memory keeps all that
     was not sent. With the default 2x margin and 4x headroom both are rare.
     """
-    from lightning_gc.kernels.reference import _CANDIDATE_MARGIN, _SALT_MULTIPLIER, sample_size
+    from lightning_gc.kernels.reference import sample_plan
 
     numel = values.numel()
     device = values.device
-    samples = sample_size(numel, k, sample_ratio)
-    if k >= numel or 4 * samples >= numel:
+    plan = None if k >= numel else sample_plan(numel, k, sample_ratio, salt)
+    if plan is None:
         indices = torch.topk(values.abs(), min(k, numel), sorted=False).indices
         out_indices.copy_(indices)
         torch.index_select(values, 0, indices, out=out_values)
         return
-    stride = numel // samples
-    sample = torch.empty(samples, dtype=torch.float32, device=device)
-    _launch(
-        _strided_abs_kernel,
-        (triton.cdiv(samples, BLOCK),),
-        values,
-        sample,
-        (salt * _SALT_MULTIPLIER) % stride,
-        stride,
-        samples,
-        BLOCK=BLOCK,
-    )
-    rank = min(samples, _CANDIDATE_MARGIN * -(-k * samples // numel) + 2)
-    threshold = torch.topk(sample, rank, sorted=False).values.min().reshape(1)
+    sample = torch.empty(plan.samples, dtype=torch.float32, device=device)
+    _launch(_strided_abs_kernel, (triton.cdiv(plan.samples, BLOCK),), values, sample, plan.offset, plan.stride,
+            plan.samples, BLOCK=BLOCK)  # fmt: skip
+    threshold = torch.topk(sample, plan.rank, sorted=False).values.min().reshape(1)
 
     blocks = triton.cdiv(numel, BLOCK)
     counts = torch.empty(blocks, dtype=torch.int32, device=device)
     _launch(_count_kernel, (blocks,), values, numel, threshold, counts, BLOCK=BLOCK)
     block_start = torch.cumsum(counts, 0, dtype=torch.int32) - counts
-    expected = -(-rank * numel // samples)
+    expected = -(-plan.rank * numel // plan.samples)
     capacity = max(k, min(numel, CANDIDATE_HEADROOM * expected + BLOCK))
     cand_index = torch.zeros(capacity, dtype=torch.int64, device=device)
     cand_magnitude = torch.full((capacity,), -1.0, dtype=torch.float32, device=device)
