@@ -89,7 +89,8 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
         assert encoded.sent_values is not None
         state.memory.commit_sparse(memory, encoded.sent_indices, encoded.sent_values)
     if encoded.dense_all or encoded.dense_positions is not None:
-        state.memory.commit_dense(memory, None if encoded.dense_all else encoded.dense_positions)
+        positions = None if encoded.dense_all else encoded.dense_positions
+        state.memory.commit_dense(memory, positions, encoded.dense_sent)
 
     futures = []
     if encoded.summed is not None:

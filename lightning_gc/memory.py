@@ -200,12 +200,22 @@ class CompensationMemory:
         masked = memory.momentum if self.momentum_masking else None
         kernels.commit_sparse_(memory.velocity, masked, indices, sent)
 
-    def commit_dense(self, memory: BucketMemory, positions: torch.Tensor | None) -> None:
-        """Record that ``v`` left whole at ``positions`` (``None``: the whole bucket); momentum is kept."""
-        if positions is None:
-            memory.velocity.zero_()
+    def commit_dense(self, memory: BucketMemory, positions: torch.Tensor | None, sent: torch.Tensor | None) -> None:
+        """Record that ``v`` left whole at ``positions`` (``None``: the whole bucket); momentum is kept.
+
+        ``sent`` is what receivers decode when the wire rounded the values (``None``: exact), in
+        which case ``v <- v - sent`` keeps the rounding error instead of ``v <- 0``.
+        """
+        velocity = memory.velocity
+        if sent is None:
+            if positions is None:
+                velocity.zero_()
+            else:
+                velocity.index_fill_(0, positions, 0.0)
+        elif positions is None:
+            velocity.sub_(sent)
         else:
-            memory.velocity.index_fill_(0, positions, 0.0)
+            velocity.index_add_(0, positions, sent.to(velocity.dtype), alpha=-1)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -11,6 +11,7 @@ memory, logging ``gc/*`` statistics, and saving/restoring every rank's memory in
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -25,20 +26,35 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gc._validation import check_range
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.dgc import DGCCompressor
+from lightning_gc.compressors.registry import argument_names, compressor_class
+from lightning_gc.compressors.registry import available as available_compressors
+from lightning_gc.compressors.registry import create as create_compressor
 from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec, absorb_sgd_momentum
 
 CHECKPOINT_KEY = "lightning_gc"
 CHECKPOINT_FORMAT = 1
+PRESET_CLASSES: dict[str, str] = {"dgc": "DGCStrategy"}
+"""Compressors whose ``<name>_ddp`` preset is a dedicated class (with that method's defaults)."""
 _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def _ddp_argument_names() -> set[str]:
+    """Keyword arguments DDPStrategy accepts, its own and those it forwards to DistributedDataParallel."""
+    set_by_lightning = {"self", "module", "device_ids", "output_device", "kwargs"}
+    names = set(inspect.signature(DDPStrategy.__init__).parameters)
+    names |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    return names - set_by_lightning
 
 
 class GradientCompressionStrategy(DDPStrategy):
     """DDP with compressed gradient exchange.
 
     Args:
-        compressor: the :class:`~lightning_gc.compressors.Compressor` that encodes each bucket.
+        compressor: a compressor name from :func:`lightning_gc.compressors.available` (its
+            arguments are then taken from ``**kwargs``) or a
+            :class:`~lightning_gc.compressors.Compressor` object.
         momentum_correction: hand the momentum (and the weight decay inside it) of every
             ``torch.optim.SGD`` param group over to the compression memory, which accumulates
             momentum-corrected updates (DGC); the optimizer then takes momentum-free steps.
@@ -51,13 +67,15 @@ class GradientCompressionStrategy(DDPStrategy):
         log_stats: log ``gc/bytes_sent``, ``gc/dense_bytes``, ``gc/wire_ratio``, ``gc/density``
             and ``gc/compress_s`` after every optimizer step. Running sums over all steps are kept
             in :attr:`totals` either way.
-        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (e.g.
-            ``bucket_cap_mb``, ``find_unused_parameters``, ``start_method``, ``timeout``).
+        **kwargs: the named compressor's arguments (e.g. ``compress_ratio``), and anything
+            :class:`~lightning.pytorch.strategies.DDPStrategy` or ``DistributedDataParallel``
+            take (e.g. ``bucket_cap_mb``, ``find_unused_parameters``, ``start_method``,
+            ``timeout``). Unknown names raise ``ValueError`` here, not at setup.
     """
 
     def __init__(
         self,
-        compressor: Compressor,
+        compressor: str | Compressor = "none",
         *,
         momentum_correction: bool = False,
         momentum: float | None = None,
@@ -72,8 +90,20 @@ class GradientCompressionStrategy(DDPStrategy):
                 f"{type(self).__name__} installs its own DDP comm hook; remove {owned} "
                 "(use DDPStrategy directly for a custom hook)"
             )
-        if not isinstance(compressor, Compressor):
-            raise ValueError(f"`compressor` must be a lightning_gc Compressor, got {compressor!r}")
+        if isinstance(compressor, str):
+            accepted = argument_names(compressor_class(compressor))
+            compressor = create_compressor(compressor, **{k: kwargs.pop(k) for k in list(kwargs) if k in accepted})
+        elif not isinstance(compressor, Compressor):
+            raise ValueError(
+                f"`compressor` must be one of {available_compressors()} or a lightning_gc Compressor, "
+                f"got {compressor!r}"
+            )
+        unknown = sorted(set(kwargs) - _ddp_argument_names())
+        if unknown:
+            raise ValueError(
+                f"unknown argument(s) {unknown} for {type(self).__name__}: compressor {compressor.name!r} takes "
+                f"{sorted(argument_names(type(compressor)))}, DDP takes {sorted(_ddp_argument_names())}"
+            )
         if momentum is not None:
             check_range("momentum", momentum, 0.0, 1.0, high_inclusive=False)
             if not momentum_correction:
@@ -94,6 +124,16 @@ class GradientCompressionStrategy(DDPStrategy):
         self.totals = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0}
         self._hook_state: CompressionHookState | None = None
         self._pending_state: dict[str, Any] | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"<name>_ddp"`` for every compressor without a dedicated preset class."""
+        for name in available_compressors():
+            preset = f"{name}_ddp"
+            if name not in PRESET_CLASSES and preset not in strategy_registry:
+                strategy_registry.register(
+                    preset, cls, description=f"DDP with the {name!r} gradient compressor", compressor=name
+                )
 
     # ------------------------------------------------------------------ public knobs
     @property

@@ -1,7 +1,20 @@
-"""Gradient compressors behind one interface (:class:`Compressor`)."""
+"""Gradient compressors behind one interface (:class:`Compressor`), registered by name."""
 
 from lightning_gc.compressors.base import Compressor, Encoded
 from lightning_gc.compressors.dgc import DGCCompressor
+from lightning_gc.compressors.registry import available, create
+from lightning_gc.compressors.simple import BF16Compressor, FP16Compressor, NoCompressor, TopKCompressor
 from lightning_gc.compressors.sparse import SparseCompressor
 
-__all__ = ["Compressor", "DGCCompressor", "Encoded", "SparseCompressor"]
+__all__ = [
+    "BF16Compressor",
+    "Compressor",
+    "DGCCompressor",
+    "Encoded",
+    "FP16Compressor",
+    "NoCompressor",
+    "SparseCompressor",
+    "TopKCompressor",
+    "available",
+    "create",
+]

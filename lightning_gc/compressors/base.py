@@ -37,6 +37,8 @@ class Encoded:
         dense_positions: bucket positions (int64) whose velocity left whole; ``None`` when the
             whole bucket did (``dense_all``) or nothing did.
         dense_all: the whole bucket was sent dense.
+        dense_sent: the dense values as receivers decode them, when the wire rounds them (e.g.
+            fp16); ``None`` means they left exactly.
         bytes_sent: bytes this rank hands to the collectives.
         elements_sent: number of gradient values this rank sends.
         context: compressor-private data needed by :meth:`Compressor.decode`.
@@ -52,6 +54,23 @@ class Encoded:
     bytes_sent: int
     elements_sent: int
     context: Any = None
+    dense_sent: torch.Tensor | None = None
+
+
+def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor, context: Any = None) -> Encoded:
+    """The bucket's velocity, sent whole and exactly through one all-reduce in ``out``."""
+    return Encoded(
+        summed=out.copy_(velocity),
+        gathered=None,
+        gathered_out=None,
+        sent_indices=None,
+        sent_values=None,
+        dense_positions=None,
+        dense_all=True,
+        bytes_sent=velocity.numel() * velocity.element_size(),
+        elements_sent=velocity.numel(),
+        context=context,
+    )
 
 
 class Compressor(ABC):

@@ -12,10 +12,12 @@ import torch
 
 from lightning_gc import kernels
 from lightning_gc._validation import check_range
+from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
 from lightning_gc.kernels import SelectionScratch
 
 
+@register
 class DGCCompressor(SparseCompressor):
     """Exactly ``k`` largest magnitudes per compressed tensor, found via a sampled threshold.
 

@@ -25,7 +25,7 @@ import torch
 
 from lightning_gc import kernels
 from lightning_gc._validation import check_choice, check_int, check_range
-from lightning_gc.compressors.base import Compressor, Encoded
+from lightning_gc.compressors.base import Compressor, Encoded, encode_whole_bucket
 from lightning_gc.compressors.wire import VALUE_DTYPES, SparseWireFormat
 from lightning_gc.layout import BucketLayout, Segment
 
@@ -144,18 +144,7 @@ class SparseCompressor(Compressor):
     ) -> Encoded:
         plan = self._plan(layout, velocity, world_size)
         if plan.dense_all:
-            return Encoded(
-                summed=out.copy_(velocity),
-                gathered=None,
-                gathered_out=None,
-                sent_indices=None,
-                sent_values=None,
-                dense_positions=None,
-                dense_all=True,
-                bytes_sent=velocity.numel() * velocity.element_size(),
-                elements_sent=velocity.numel(),
-                context=plan,
-            )
+            return encode_whole_bucket(velocity, out, context=plan)
         for segment, k, first in plan.compressed:
             chosen = slice(first, first + k)
             self.select(

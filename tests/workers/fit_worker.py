@@ -4,7 +4,7 @@ Launched by ``tests/conftest.py::run_ranks`` once per rank with ``LOCAL_RANK``/`
 the way torchrun or a cluster scheduler launches Lightning, so Lightning uses the processes
 as they are (no re-launch). Each fit of the plan is a dict::
 
-    {"strategy": {"kind": "ddp" | "dgc", ...strategy kwargs},
+    {"strategy": {"kind": "ddp" | "dgc" | "gc", ...strategy kwargs},
      "model": {...DigitsClassifier kwargs}, "data": {...DigitsDataModule kwargs},
      "epochs": int, "seed": int, "warmup": {...SparsityWarmup kwargs} | None,
      "checkpoint_dir": str | None, "resume_from": str | None, "csv_dir": str | None}
@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_gc import DGCStrategy, SparsityWarmup
+from lightning_gc import DGCStrategy, GradientCompressionStrategy, SparsityWarmup
 from recipes.quickstart import DigitsClassifier, DigitsDataModule
 
 
@@ -53,6 +53,8 @@ def make_strategy(spec: dict[str, Any]) -> DDPStrategy:
         return DDPStrategy(**spec)
     if kind == "dgc":
         return DGCStrategy(**spec)
+    if kind == "gc":
+        return GradientCompressionStrategy(**spec)
     raise ValueError(f"unknown strategy kind {kind!r}")
 
 

@@ -1,0 +1,115 @@
+"""The simplest compressors: none (plain all-reduce), casts to 16-bit floats, and exact top-k."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_gc.compressors.base import Compressor, Encoded, encode_whole_bucket
+from lightning_gc.compressors.registry import register
+from lightning_gc.compressors.sparse import SparseCompressor
+from lightning_gc.kernels import topk_indices
+from lightning_gc.layout import BucketLayout
+
+
+@register
+class NoCompressor(Compressor):
+    """Sends every value exactly through one all-reduce per bucket: DDP through the same path
+    (a baseline that still counts bytes and, with momentum correction, equals SGD momentum)."""
+
+    name = "none"
+
+    def encode(
+        self, velocity: torch.Tensor, out: torch.Tensor, layout: BucketLayout, *, step: int, world_size: int
+    ) -> Encoded:
+        return encode_whole_bucket(velocity, out)
+
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        out.div_(world_size)  # ``out`` was the all-reduce buffer
+
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+class _CastCompressor(Compressor):
+    """All-reduce of the velocity cast to ``wire_dtype``; the rounding stays in memory.
+
+    The sum over ranks is accumulated in ``wire_dtype`` by the collective. 2 bytes per element.
+    """
+
+    wire_dtype: torch.dtype
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def encode(
+        self, velocity: torch.Tensor, out: torch.Tensor, layout: BucketLayout, *, step: int, world_size: int
+    ) -> Encoded:
+        wire = self._buffers.get(layout.index)
+        if wire is None or wire.numel() != velocity.numel() or wire.device != velocity.device:
+            wire = self._buffers[layout.index] = torch.empty(
+                velocity.numel(), dtype=self.wire_dtype, device=velocity.device
+            )
+        wire.copy_(velocity)
+        return Encoded(
+            summed=wire,
+            gathered=None,
+            gathered_out=None,
+            sent_indices=None,
+            sent_values=None,
+            dense_positions=None,
+            dense_all=True,
+            bytes_sent=wire.numel() * wire.element_size(),
+            elements_sent=wire.numel(),
+            dense_sent=wire,  # memory subtracts it in place (mixed dtypes): v keeps the rounding
+        )
+
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        assert encoded.summed is not None
+        out.copy_(encoded.summed).div_(world_size)
+
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name}
+
+
+@register
+class FP16Compressor(_CastCompressor):
+    """Half-precision all-reduce (2x), like torch's ``fp16_compress_hook`` plus error feedback."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+@register
+class BF16Compressor(_CastCompressor):
+    """bfloat16 all-reduce (2x): fp32's range, 8 bits of mantissa; rounding kept by error feedback."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16
+
+
+@register
+class TopKCompressor(SparseCompressor):
+    """Exact top-k by magnitude per compressed tensor (``torch.topk``), with error feedback.
+
+    Args: as :class:`~lightning_gc.compressors.sparse.SparseCompressor`; default ratio 1 %.
+    """
+
+    name = "topk"
+
+    def __init__(
+        self,
+        compress_ratio: float = 0.01,
+        *,
+        min_compress_numel: int = 1024,
+        value_dtype: str | torch.dtype = "float32",
+    ) -> None:
+        super().__init__(compress_ratio, min_compress_numel, value_dtype)
+
+    def select(
+        self, values: torch.Tensor, k: int, salt: int, out_indices: torch.Tensor, out_values: torch.Tensor
+    ) -> None:
+        indices = topk_indices(values, k)
+        out_indices.copy_(indices)
+        torch.index_select(values, 0, indices, out=out_values)
