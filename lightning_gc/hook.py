@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.futures import Future, collect_all
 
 from lightning_gc import comm
-from lightning_gc.compressors.base import Compressor
+from lightning_gc.compressors.base import Compressor, Encoded
 from lightning_gc.layout import BucketLayout
-from lightning_gc.memory import CompensationMemory
+from lightning_gc.memory import BucketMemory, CompensationMemory
 from lightning_gc.stats import CompressionStats
 
 
@@ -50,6 +50,7 @@ class CompressionHookState:
         self.names = names
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
         self.step = 0
         self.stats = CompressionStats()
         self.layouts: dict[int, BucketLayout] = {}
@@ -74,6 +75,17 @@ class CompressionHookState:
         self.memory.load_state_dict(state["memory"])
 
 
+def commit(memory: CompensationMemory, bucket_memory: BucketMemory, encoded: Encoded) -> None:
+    """Tell ``memory`` what left this rank for one bucket, as described by ``encoded``."""
+    if encoded.sent_indices is not None:
+        assert encoded.sent_values is not None
+        memory.commit_sparse(bucket_memory, encoded.sent_indices, encoded.sent_values)
+    if encoded.dense_all or encoded.dense_positions is not None:
+        positions = None if encoded.dense_all else encoded.dense_positions
+        memory.commit_dense(bucket_memory, positions, encoded.dense_sent)
+    memory.end_step(bucket_memory)
+
+
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """DDP comm hook implementing compressed gradient exchange; register with ``register_comm_hook``.
 
@@ -84,13 +96,10 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     layout = state.layout_for(bucket)
     memory = state.memory.bucket(layout, grad)
     velocity = state.memory.compensate(memory, grad, bucket.parameters(), state.world_size)
-    encoded = state.compressor.encode(velocity, grad, layout, step=state.step, world_size=state.world_size)
-    if encoded.sent_indices is not None:
-        assert encoded.sent_values is not None
-        state.memory.commit_sparse(memory, encoded.sent_indices, encoded.sent_values)
-    if encoded.dense_all or encoded.dense_positions is not None:
-        positions = None if encoded.dense_all else encoded.dense_positions
-        state.memory.commit_dense(memory, positions, encoded.dense_sent)
+    encoded = state.compressor.encode(
+        velocity, grad, layout, step=state.step, world_size=state.world_size, rank=state.rank
+    )
+    commit(state.memory, memory, encoded)
 
     futures = []
     if encoded.summed is not None:

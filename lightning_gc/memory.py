@@ -75,12 +75,23 @@ class CompensationMemory:
             factor masking).
         clip_norm: local gradient clipping threshold before accumulation; each tensor's gradient
             is clipped to L2 norm ``clip_norm / sqrt(world_size)``. ``None`` disables clipping.
+        error_feedback: keep what was not sent for later steps. Without it the velocity is
+            dropped after every send (:meth:`end_step`): right for unbiased compressors, whose
+            errors average out, and the momentum recurrence is unaffected.
             Clipping is per tensor because a comm hook sees one bucket at a time, never the
             whole model's gradient.
     """
 
-    def __init__(self, *, momentum_correction: bool, momentum_masking: bool, clip_norm: float | None) -> None:
+    def __init__(
+        self,
+        *,
+        momentum_correction: bool,
+        momentum_masking: bool,
+        clip_norm: float | None,
+        error_feedback: bool = True,
+    ) -> None:
         self.momentum_correction = momentum_correction
+        self.error_feedback = error_feedback
         self.momentum_masking = momentum_masking
         self.clip_norm = clip_norm
         self._specs: dict[str, MomentumSpec] = {}
@@ -216,6 +227,11 @@ class CompensationMemory:
             velocity.sub_(sent)
         else:
             velocity.index_add_(0, positions, sent.to(velocity.dtype), alpha=-1)
+
+    def end_step(self, memory: BucketMemory) -> None:
+        """After the bucket's commits: without error feedback, forget the residual."""
+        if not self.error_feedback:
+            memory.velocity.zero_()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -64,6 +64,8 @@ class GradientCompressionStrategy(DDPStrategy):
         momentum_masking: zero the momentum where values were sent sparsely (DGC §3.3).
         clip_norm: local gradient clipping before accumulation: each tensor's local gradient is
             clipped to L2 norm ``clip_norm / sqrt(world_size)`` (DGC §3.2). ``None``: off.
+        error_feedback: keep what was not sent (the residual) for later steps; ``None`` (default)
+            turns it on exactly for biased compressors. Momentum correction requires it.
         log_stats: log ``gc/bytes_sent``, ``gc/dense_bytes``, ``gc/wire_ratio``, ``gc/density``
             and ``gc/compress_s`` after every optimizer step. Running sums over all steps are kept
             in :attr:`totals` either way.
@@ -81,6 +83,7 @@ class GradientCompressionStrategy(DDPStrategy):
         momentum: float | None = None,
         momentum_masking: bool = True,
         clip_norm: float | None = None,
+        error_feedback: bool | None = None,
         log_stats: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -115,10 +118,18 @@ class GradientCompressionStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.compressor = compressor
         self.explicit_momentum = momentum
+        if error_feedback is None:
+            error_feedback = compressor.biased
+        elif momentum_correction and not error_feedback:
+            raise ValueError(
+                "`error_feedback=False` drops what was not sent, which momentum correction needs; "
+                "got momentum_correction=True"
+            )
         self.memory = CompensationMemory(
             momentum_correction=momentum_correction,
             momentum_masking=momentum_masking,
             clip_norm=clip_norm,
+            error_feedback=error_feedback,
         )
         self.log_stats = log_stats
         self.totals = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0}

@@ -15,7 +15,7 @@ HIDDEN = [1024, 1024]
 
 
 def test_every_compressor_has_a_preset() -> None:
-    assert {"none", "fp16", "bf16", "topk", "dgc"} <= set(available())
+    assert {"none", "fp16", "bf16", "topk", "dgc", "qsgd", "terngrad", "onebit"} <= set(available())
     for name in available():
         strategy = StrategyRegistry.get(f"{name}_ddp")
         assert isinstance(strategy, GradientCompressionStrategy) and strategy.compressor.name == name
@@ -32,7 +32,7 @@ def test_arguments_go_to_the_compressor_or_to_ddp() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"compressor": "zip"}, "must be one of ['bf16', 'dgc', 'fp16', 'none', 'topk'"),
+        ({"compressor": "zip"}, f"must be one of {available()}, got 'zip'"),
         ({"compressor": "topk", "levels": 2}, "unknown argument(s) ['levels']"),
         ({"compressor": "fp16", "compress_ratio": 0.1}, "compressor 'fp16' takes []"),
         ({"compressor": "topk", "bucket_cap": 4}, "DDP takes"),
@@ -48,7 +48,7 @@ def test_bad_compressor_arguments_fail_at_construction(kwargs: dict, message: st
 
 def test_training_with_each_compressor(run_ranks) -> None:
     """2 ranks: identical parameters, falling loss, and gc/wire_ratio == dense bytes / bytes sent."""
-    names = ["none", "fp16", "bf16", "topk"]
+    names = ["none", "fp16", "bf16", "topk", "onebit", "terngrad", "qsgd"]
     model = {"hidden": HIDDEN, **SGD}
     fits = [{"strategy": {"kind": "ddp"}, "model": model, "epochs": 3}]
     fits += [{"strategy": {"kind": "gc", "compressor": n}, "model": model, "epochs": 3} for n in names]
@@ -72,3 +72,75 @@ def test_training_with_each_compressor(run_ranks) -> None:
     assert results["fp16"]["epoch_metrics"][-1]["gc/wire_ratio"] == 2.0
     assert results["bf16"]["epoch_metrics"][-1]["gc/wire_ratio"] == 2.0
     assert results["topk"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 45  # 1 % of a 1.1 M-parameter model
+    assert results["onebit"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 25
+    assert results["terngrad"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 14
+    assert results["qsgd"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 7  # 7 levels: 4-bit codes
+
+
+# ------------------------------------------------------------------ single-process properties
+def _layout_and_params(shapes: list[tuple[int, ...]]):
+    from lightning_gc.layout import BucketLayout
+
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    names = {id(p): (f"p{i}", i) for i, p in enumerate(params)}
+    return BucketLayout.build(0, params, names, sum(p.numel() for p in params)), params
+
+
+def _round_trip(compressor, velocity: torch.Tensor, layout, step: int) -> tuple[torch.Tensor, object]:
+    """What a world of one rank decodes from ``velocity`` (the collectives are identities)."""
+    out = torch.empty_like(velocity)
+    encoded = compressor.encode(velocity, out, layout, step=step, world_size=1, rank=0)
+    if encoded.gathered is not None:
+        encoded.gathered_out.copy_(encoded.gathered)
+    compressor.decode(encoded, out, world_size=1)
+    return out, encoded
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad"])
+def test_unbiased_compressors_average_to_their_input(name: str) -> None:
+    """Mean of S decodes -> x. Each decode errs by less than one level step per element with mean
+    0, so the mean's error has std <= step / (2 sqrt(S)); the tolerance is 5 of those."""
+    compressor = create(name)
+    assert not compressor.biased
+    layout, _ = _layout_and_params([(40, 30), (7,)])
+    x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    samples = 800
+    mean = sum(_round_trip(compressor, x, layout, step)[0] for step in range(samples)) / samples
+    for segment in layout.segments:
+        part = segment.of(x)
+        scale = part.norm() if name == "qsgd" else part.abs().max()
+        step_size = float(scale) / compressor.levels
+        error = (segment.of(mean) - part).abs().max().item()
+        assert error < 5 * step_size / (2 * samples**0.5), (segment.name, error, step_size)
+
+
+def test_onebit_sends_scaled_signs() -> None:
+    layout, _ = _layout_and_params([(33, 3)])
+    x = torch.randn(layout.numel)
+    x[0] = 0.0
+    decoded, _ = _round_trip(create("onebit"), x, layout, step=0)
+    expected = torch.where(x < 0, -x.abs().mean(), x.abs().mean())
+    torch.testing.assert_close(decoded, expected)
+
+
+@pytest.mark.parametrize("name", ["onebit", "topk", "fp16", "bf16", "dgc"])
+def test_error_feedback_loses_nothing(name: str) -> None:
+    """Over many steps: everything decoded + what memory still holds == every gradient fed in."""
+    from lightning_gc.hook import commit
+    from lightning_gc.memory import CompensationMemory
+
+    compressor = create(name, **({"compress_ratio": 0.05} if name in ("topk", "dgc") else {}))
+    assert compressor.biased
+    layout, params = _layout_and_params([(64, 50), (50,), (30, 40)])
+    memory = CompensationMemory(momentum_correction=False, momentum_masking=True, clip_norm=None)
+    gen = torch.Generator().manual_seed(1)
+    fed, received = torch.zeros(layout.numel, dtype=torch.float64), torch.zeros(layout.numel, dtype=torch.float64)
+    for step in range(12):
+        g = torch.randn(layout.numel, generator=gen)
+        fed += g.double()
+        state = memory.bucket(layout, g)
+        velocity = memory.compensate(state, g.clone(), params, world_size=1)
+        decoded, encoded = _round_trip(compressor, velocity, layout, step)
+        commit(memory, state, encoded)
+        received += decoded.double()
+    torch.testing.assert_close(received + state.velocity.double(), fed, rtol=0, atol=1e-4)

@@ -2,6 +2,7 @@
 
 from lightning_gc.compressors.base import Compressor, Encoded
 from lightning_gc.compressors.dgc import DGCCompressor
+from lightning_gc.compressors.quantize import OneBitCompressor, QSGDCompressor, TernGradCompressor
 from lightning_gc.compressors.registry import available, create
 from lightning_gc.compressors.simple import BF16Compressor, FP16Compressor, NoCompressor, TopKCompressor
 from lightning_gc.compressors.sparse import SparseCompressor
@@ -13,7 +14,10 @@ __all__ = [
     "Encoded",
     "FP16Compressor",
     "NoCompressor",
+    "OneBitCompressor",
+    "QSGDCompressor",
     "SparseCompressor",
+    "TernGradCompressor",
     "TopKCompressor",
     "available",
     "create",

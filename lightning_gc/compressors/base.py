@@ -77,15 +77,25 @@ class Compressor(ABC):
     """Encodes a bucket's velocity for the wire and decodes the aggregate."""
 
     name: ClassVar[str]
+    biased: ClassVar[bool] = True
+    """Whether E[decoded] != input; biased compressors get error feedback by default."""
 
     @abstractmethod
     def encode(
-        self, velocity: torch.Tensor, out: torch.Tensor, layout: BucketLayout, *, step: int, world_size: int
+        self,
+        velocity: torch.Tensor,
+        out: torch.Tensor,
+        layout: BucketLayout,
+        *,
+        step: int,
+        world_size: int,
+        rank: int = 0,
     ) -> Encoded:
         """Choose what to send from ``velocity`` (the bucket's flat compensated values).
 
         ``out`` is the bucket's gradient buffer: its content has already been folded into
         ``velocity``, so it may serve as a send buffer; :meth:`decode` writes the result into it.
+        ``rank`` lets randomised compressors draw independently on every rank.
         """
 
     @abstractmethod

@@ -19,9 +19,17 @@ class NoCompressor(Compressor):
     (a baseline that still counts bytes and, with momentum correction, equals SGD momentum)."""
 
     name = "none"
+    biased = False
 
     def encode(
-        self, velocity: torch.Tensor, out: torch.Tensor, layout: BucketLayout, *, step: int, world_size: int
+        self,
+        velocity: torch.Tensor,
+        out: torch.Tensor,
+        layout: BucketLayout,
+        *,
+        step: int,
+        world_size: int,
+        rank: int = 0,
     ) -> Encoded:
         return encode_whole_bucket(velocity, out)
 
@@ -44,7 +52,14 @@ class _CastCompressor(Compressor):
         self._buffers: dict[int, torch.Tensor] = {}
 
     def encode(
-        self, velocity: torch.Tensor, out: torch.Tensor, layout: BucketLayout, *, step: int, world_size: int
+        self,
+        velocity: torch.Tensor,
+        out: torch.Tensor,
+        layout: BucketLayout,
+        *,
+        step: int,
+        world_size: int,
+        rank: int = 0,
     ) -> Encoded:
         wire = self._buffers.get(layout.index)
         if wire is None or wire.numel() != velocity.numel() or wire.device != velocity.device:

@@ -140,7 +140,14 @@ class SparseCompressor(Compressor):
 
     # ------------------------------------------------------------------ encode / decode
     def encode(
-        self, velocity: torch.Tensor, out: torch.Tensor, layout: BucketLayout, *, step: int, world_size: int
+        self,
+        velocity: torch.Tensor,
+        out: torch.Tensor,
+        layout: BucketLayout,
+        *,
+        step: int,
+        world_size: int,
+        rank: int = 0,
     ) -> Encoded:
         plan = self._plan(layout, velocity, world_size)
         if plan.dense_all:
