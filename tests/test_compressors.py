@@ -15,7 +15,7 @@ HIDDEN = [1024, 1024]
 
 
 def test_every_compressor_has_a_preset() -> None:
-    assert {"none", "fp16", "bf16", "topk", "dgc", "qsgd", "terngrad", "onebit"} <= set(available())
+    assert {"none", "fp16", "bf16", "topk", "randomk", "dgc", "qsgd", "terngrad", "onebit"} <= set(available())
     for name in available():
         strategy = StrategyRegistry.get(f"{name}_ddp")
         assert isinstance(strategy, GradientCompressionStrategy) and strategy.compressor.name == name
@@ -48,7 +48,7 @@ def test_bad_compressor_arguments_fail_at_construction(kwargs: dict, message: st
 
 def test_training_with_each_compressor(run_ranks) -> None:
     """2 ranks: identical parameters, falling loss, and gc/wire_ratio == dense bytes / bytes sent."""
-    names = ["none", "fp16", "bf16", "topk", "onebit", "terngrad", "qsgd"]
+    names = ["none", "fp16", "bf16", "topk", "randomk", "onebit", "terngrad", "qsgd"]
     model = {"hidden": HIDDEN, **SGD}
     fits = [{"strategy": {"kind": "ddp"}, "model": model, "epochs": 3}]
     fits += [{"strategy": {"kind": "gc", "compressor": n}, "model": model, "epochs": 3} for n in names]
@@ -72,6 +72,8 @@ def test_training_with_each_compressor(run_ranks) -> None:
     assert results["fp16"]["epoch_metrics"][-1]["gc/wire_ratio"] == 2.0
     assert results["bf16"]["epoch_metrics"][-1]["gc/wire_ratio"] == 2.0
     assert results["topk"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 45  # 1 % of a 1.1 M-parameter model
+    sampled = sum(-(-(a * b) // 100) for a, b in zip(widths[:-1], widths[1:]))  # one per block of 100
+    assert results["randomk"]["epoch_metrics"][-1]["gc/bytes_sent"] == 4 * (sampled + sum(widths[1:]))
     assert results["onebit"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 25
     assert results["terngrad"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 14
     assert results["qsgd"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 7  # 7 levels: 4-bit codes
@@ -123,13 +125,36 @@ def test_onebit_sends_scaled_signs() -> None:
     torch.testing.assert_close(decoded, expected)
 
 
-@pytest.mark.parametrize("name", ["onebit", "topk", "fp16", "bf16", "dgc"])
+def test_randomk_with_rescaling_is_unbiased_and_ranks_agree_on_indices() -> None:
+    """Decoded element i is x_i * s_i with probability 1 / s_i (s_i: its block size), else 0, so the
+    mean of S decodes has std |x_i| sqrt(s_i - 1) / sqrt(S); the tolerance is 5 of those."""
+    compressor = create("randomk", compress_ratio=0.1, rescale=True)
+    assert not compressor.biased and create("randomk").biased
+    layout, _ = _layout_and_params([(41, 30)])
+    x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    samples = 2000
+    mean = sum(_round_trip(compressor, x, layout, step)[0] for step in range(samples)) / samples
+    assert ((mean - x).abs() <= 5 * x.abs() * (10 - 1) ** 0.5 / samples**0.5 + 1e-6).all()
+    # The draw depends on the step and tensor only, never on the rank: all-reducible.
+    out = torch.empty_like(x)
+    first = compressor.encode(x, out, layout, step=3, world_size=2, rank=0).sent_indices.clone()
+    assert torch.equal(first, compressor.encode(x, out, layout, step=3, world_size=2, rank=1).sent_indices)
+    assert first.unique().numel() == first.numel() == 123  # one per block of 10 (1230 elements), distinct
+
+
+def test_randomk_wire_ratio_on_a_large_tensor() -> None:
+    layout, _ = _layout_and_params([(1000, 1000)])
+    _, encoded = _round_trip(create("randomk", compress_ratio=0.01), torch.randn(layout.numel), layout, 0)
+    assert 4 * layout.numel / encoded.bytes_sent == 100.0  # values only: no indices on the wire
+
+
+@pytest.mark.parametrize("name", ["onebit", "topk", "randomk", "fp16", "bf16", "dgc"])
 def test_error_feedback_loses_nothing(name: str) -> None:
     """Over many steps: everything decoded + what memory still holds == every gradient fed in."""
     from lightning_gc.hook import commit
     from lightning_gc.memory import CompensationMemory
 
-    compressor = create(name, **({"compress_ratio": 0.05} if name in ("topk", "dgc") else {}))
+    compressor = create(name, **({"compress_ratio": 0.05} if name in ("topk", "dgc", "randomk") else {}))
     assert compressor.biased
     layout, params = _layout_and_params([(64, 50), (50,), (30, 40)])
     memory = CompensationMemory(momentum_correction=False, momentum_masking=True, clip_norm=None)

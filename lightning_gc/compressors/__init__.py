@@ -3,6 +3,7 @@
 from lightning_gc.compressors.base import Compressor, Encoded
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.quantize import OneBitCompressor, QSGDCompressor, TernGradCompressor
+from lightning_gc.compressors.randomk import RandomKCompressor
 from lightning_gc.compressors.registry import available, create
 from lightning_gc.compressors.simple import BF16Compressor, FP16Compressor, NoCompressor, TopKCompressor
 from lightning_gc.compressors.sparse import SparseCompressor
@@ -16,6 +17,7 @@ __all__ = [
     "NoCompressor",
     "OneBitCompressor",
     "QSGDCompressor",
+    "RandomKCompressor",
     "SparseCompressor",
     "TernGradCompressor",
     "TopKCompressor",

@@ -1,0 +1,158 @@
+"""Random-k sparsification with indices every rank derives from a shared seed: values only, all-reduced.
+
+Each compressed tensor of ``n`` elements is cut into blocks of ``b = floor(1 / compress_ratio)``
+elements (the last one shorter); one element per block is chosen, at an offset drawn from the
+counter-based RNG keyed by (step, tensor). Every rank draws the same indices, so the payload is
+just the values, and values at the same positions can be summed by an all-reduce: no index bytes,
+no all-gather. Element ``i`` of a block of size ``s_i`` is chosen with probability ``1 / s_i``;
+with ``rescale=True`` sent values are multiplied by ``s_i``, which makes the compressor unbiased.
+
+Stratification (one per block instead of ``k`` uniformly anywhere) keeps the draw O(k), always
+distinct, and spreads the choice over the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_gc._validation import check_int, check_range
+from lightning_gc.compressors.base import Compressor, Encoded
+from lightning_gc.compressors.registry import register
+from lightning_gc.kernels.reference import counter_uniform
+from lightning_gc.layout import BucketLayout, Segment
+
+_SEED_STEP = 1_000_003
+
+
+@dataclass
+class _RandomKPlan:
+    layout: BucketLayout
+    ratio: float
+    compressed: tuple[tuple[Segment, int, int], ...]  # (segment, first slot, blocks)
+    block_starts: torch.Tensor  # bucket position of each block's first element
+    block_sizes: torch.Tensor  # float, elements per block
+    dense_positions: torch.Tensor
+    indices: torch.Tensor
+    summed: torch.Tensor  # [dense values | sampled values]
+    sent: torch.Tensor  # sampled values as receivers decode them (for memory)
+
+
+@register
+class RandomKCompressor(Compressor):
+    """Shared-seed random-k: about ``compress_ratio`` of each large tensor, values only, all-reduced.
+
+    Args:
+        compress_ratio: fraction of elements sent per compressed tensor, in (0, 1).
+        rescale: multiply each sent value by its block size (1 / its probability): unbiased,
+            so error feedback is off by default; without it the compressor is biased and
+            error feedback keeps the rest.
+        min_compress_numel: smaller (and 1-D) tensors are sent dense.
+    """
+
+    name = "randomk"
+
+    def __init__(self, compress_ratio: float = 0.01, *, rescale: bool = False, min_compress_numel: int = 1024) -> None:
+        self.compress_ratio = compress_ratio
+        self.rescale = bool(rescale)
+        self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 1)
+        self._plans: dict[int, _RandomKPlan] = {}
+
+    @property
+    def compress_ratio(self) -> float:
+        """Fraction of each compressed tensor's elements sent; settable (e.g. by SparsityWarmup)."""
+        return self._compress_ratio
+
+    @compress_ratio.setter
+    def compress_ratio(self, value: float) -> None:
+        self._compress_ratio = check_range("compress_ratio", value, 0.0, 1.0, low_inclusive=False, high_inclusive=False)
+
+    @property
+    def biased(self) -> bool:  # type: ignore[override]
+        return not self.rescale
+
+    def _plan(self, layout: BucketLayout, like: torch.Tensor) -> _RandomKPlan:
+        plan = self._plans.get(layout.index)
+        if plan is not None and plan.layout is layout and plan.ratio == self.compress_ratio:
+            return plan
+        device = like.device
+        block = max(1, math.floor(1 / self.compress_ratio))
+        compressed, starts, sizes, dense, slots = [], [], [], [], 0
+        for segment in layout.segments:
+            if len(segment.shape) > 1 and segment.numel >= self.min_compress_numel:
+                blocks = math.ceil(segment.numel / block)
+                first = torch.arange(blocks, device=device) * block
+                starts.append(first + segment.start)
+                sizes.append(torch.clamp(segment.numel - first, max=block))
+                compressed.append((segment, slots, blocks))
+                slots += blocks
+            else:
+                dense.append(torch.arange(segment.start, segment.stop, device=device))
+        cat = lambda parts, dtype: torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)  # noqa: E731
+        dense_positions = cat(dense, torch.int64)
+        plan = _RandomKPlan(
+            layout=layout,
+            ratio=self.compress_ratio,
+            compressed=tuple(compressed),
+            block_starts=cat(starts, torch.int64),
+            block_sizes=cat(sizes, torch.int64).to(like.dtype),
+            dense_positions=dense_positions,
+            indices=torch.empty(slots, dtype=torch.int64, device=device),
+            summed=like.new_empty(dense_positions.numel() + slots),
+            sent=like.new_empty(slots),
+        )
+        self._plans[layout.index] = plan
+        return plan
+
+    def encode(
+        self,
+        velocity: torch.Tensor,
+        out: torch.Tensor,
+        layout: BucketLayout,
+        *,
+        step: int,
+        world_size: int,
+        rank: int = 0,
+    ) -> Encoded:
+        plan = self._plan(layout, velocity)
+        for segment, first, blocks in plan.compressed:  # the same draw on every rank: seed has no rank
+            chosen = slice(first, first + blocks)
+            uniform = counter_uniform(step * _SEED_STEP + segment.order, torch.arange(blocks, device=velocity.device))
+            offsets = (uniform * plan.block_sizes[chosen]).to(torch.int64)
+            torch.add(plan.block_starts[chosen], offsets, out=plan.indices[chosen])
+        dense_count = plan.dense_positions.numel()
+        torch.index_select(velocity, 0, plan.dense_positions, out=plan.summed[:dense_count])
+        torch.index_select(velocity, 0, plan.indices, out=plan.summed[dense_count:])
+        torch.mul(plan.summed[dense_count:], plan.block_sizes if self.rescale else 1.0, out=plan.sent)
+        return Encoded(
+            summed=plan.summed,
+            gathered=None,
+            gathered_out=None,
+            sent_indices=plan.indices,
+            sent_values=plan.sent,
+            dense_positions=plan.dense_positions if dense_count else None,
+            dense_all=False,
+            bytes_sent=plan.summed.numel() * plan.summed.element_size(),
+            elements_sent=plan.summed.numel(),
+            context=plan,
+        )
+
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        plan: _RandomKPlan = encoded.context
+        dense_count = plan.dense_positions.numel()
+        mean = plan.summed.div_(world_size)
+        out.zero_()
+        out.index_copy_(0, plan.dense_positions, mean[:dense_count])
+        sampled = mean[dense_count:]
+        out.index_copy_(0, plan.indices, sampled * plan.block_sizes if self.rescale else sampled)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "compress_ratio": self.compress_ratio,
+            "rescale": self.rescale,
+            "min_compress_numel": self.min_compress_numel,
+        }
