@@ -256,6 +256,8 @@ def counter_uniform(seed: int, offsets: torch.Tensor) -> torch.Tensor:
 # Bit packing and stochastic quantisation
 # ---------------------------------------------------------------------------------------------
 CODE_WIDTHS = (1, 2, 4, 8)
+CHUNK = 1 << 18
+"""Elements per step of the chunked torch quantiser (a multiple of 8, so chunks start on bytes)."""
 
 
 def code_width(levels: int) -> int:
@@ -273,20 +275,30 @@ def packed_bytes(numel: int, width: int) -> int:
 
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Pack ``width``-bit codes (uint8, each < 2**width) little-end first: code j of byte b sits
-    at bits ``[j*width, (j+1)*width)`` of byte b. The tail is zero-padded."""
+    at bits ``[j*width, (j+1)*width)`` of byte b. The tail is zero-padded. Chunked (:data:`CHUNK`)."""
     per_byte = 8 // width
-    padded = torch.zeros(packed_bytes(codes.numel(), width) * per_byte, dtype=torch.int32, device=codes.device)
-    padded[: codes.numel()] = codes.to(torch.int32)
+    out = torch.empty(packed_bytes(codes.numel(), width), dtype=torch.uint8, device=codes.device)
     shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * width
-    return (padded.view(-1, per_byte) << shifts).sum(1).to(torch.uint8)
+    for start in range(0, codes.numel(), CHUNK):
+        chunk = codes[start : start + CHUNK]
+        padded = torch.zeros(packed_bytes(chunk.numel(), width) * per_byte, dtype=torch.int32, device=codes.device)
+        padded[: chunk.numel()] = chunk
+        first = start // per_byte
+        out[first : first + padded.numel() // per_byte] = (padded.view(-1, per_byte) << shifts).sum(1)
+    return out
 
 
 def unpack_codes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: the first ``numel`` codes as uint8."""
+    """Inverse of :func:`pack_codes`: the first ``numel`` codes as uint8. Chunked (:data:`CHUNK`)."""
     per_byte = 8 // width
+    out = torch.empty(numel, dtype=torch.uint8, device=packed.device)
     shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * width
-    codes = (packed.to(torch.int32).view(-1, 1) >> shifts) & ((1 << width) - 1)
-    return codes.reshape(-1)[:numel].to(torch.uint8)
+    for start in range(0, numel, CHUNK):
+        stop = min(numel, start + CHUNK)
+        chunk = packed[start // per_byte : packed_bytes(stop, width)].to(torch.int32)
+        codes = (chunk.view(-1, 1) >> shifts) & ((1 << width) - 1)
+        out[start:stop] = codes.reshape(-1)[: stop - start]
+    return out
 
 
 def pack_signs(values: torch.Tensor) -> torch.Tensor:
@@ -310,18 +322,35 @@ def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, 
     ``E[sign * level / levels * scale] = x`` and the result is reproducible. QSGD uses
     ``scale = ||x||_2``; TernGrad is ``levels = 1`` with ``scale = max |x|``. Codes are
     ``(level << 1) | negative`` at :func:`code_width` bits.
+
+    Works in chunks of :data:`CHUNK` elements: the integer temporaries then stay small, instead of
+    several gradient-sized int64 buffers that each fault their pages in again.
     """
-    x = values.to(torch.float32)
-    r = torch.clamp(x.abs() * quantize_factor(scale, levels), max=float(levels))
-    floor = torch.floor(r)
-    uniform = counter_uniform(seed, torch.arange(x.numel(), device=x.device))
-    level = (floor + (uniform < (r - floor)).to(torch.float32)).to(torch.int32)
-    codes = (level << 1) | (x < 0).to(torch.int32)
-    return pack_codes(codes.to(torch.uint8), code_width(levels))
+    width = code_width(levels)
+    factor = quantize_factor(scale, levels)
+    flat = values.reshape(-1)
+    out = torch.empty(packed_bytes(flat.numel(), width), dtype=torch.uint8, device=flat.device)
+    per_byte = 8 // width
+    for start in range(0, flat.numel(), CHUNK):  # CHUNK is a multiple of 8: chunks start on byte boundaries
+        x = flat[start : start + CHUNK].to(torch.float32)
+        r = torch.clamp(x.abs() * factor, max=float(levels))
+        floor = torch.floor(r)
+        uniform = counter_uniform(seed, torch.arange(start, start + x.numel(), device=x.device))
+        level = (floor + (uniform < (r - floor)).to(torch.float32)).to(torch.int32)
+        codes = (level << 1) | (x < 0).to(torch.int32)
+        out[start // per_byte : start // per_byte + packed_bytes(x.numel(), width)] = pack_codes(
+            codes.to(torch.uint8), width
+        )
+    return out
 
 
 def stochastic_dequantize(packed: torch.Tensor, scale: torch.Tensor, levels: int, numel: int) -> torch.Tensor:
     """Values (float32) of :func:`stochastic_quantize`'s codes: ``sign * level / levels * scale``."""
-    codes = unpack_codes(packed, code_width(levels), numel).to(torch.int32)
-    magnitude = (codes >> 1).to(torch.float32) * (scale.to(torch.float32) / levels).reshape(())
-    return torch.where((codes & 1).bool(), -magnitude, magnitude)
+    step = (scale.to(torch.float32) / levels).reshape(())
+    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    codes = unpack_codes(packed, code_width(levels), numel)
+    for start in range(0, numel, CHUNK):
+        chunk = codes[start : start + CHUNK].to(torch.int32)
+        magnitude = (chunk >> 1).to(torch.float32) * step
+        out[start : start + chunk.numel()] = torch.where((chunk & 1).bool(), -magnitude, magnitude)
+    return out
