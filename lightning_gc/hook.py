@@ -23,9 +23,15 @@ from torch.futures import Future, collect_all
 
 from lightning_gc import comm
 from lightning_gc.compressors.base import Compressor, Encoded
+from lightning_gc.compressors.simple import NoCompressor
 from lightning_gc.layout import BucketLayout
 from lightning_gc.memory import BucketMemory, CompensationMemory
 from lightning_gc.stats import CompressionStats
+
+
+def reaches_wire_ratio(compressor: Compressor, layout: BucketLayout, element_size: int, min_ratio: float) -> bool:
+    """Whether ``compressor`` sends at most ``1 / min_ratio`` of the bucket's dense bytes."""
+    return layout.numel * element_size >= min_ratio * compressor.wire_bytes(layout, element_size)
 
 
 class CompressionHookState:
@@ -36,6 +42,9 @@ class CompressionHookState:
         memory: velocity/momentum of this rank.
         names: ``id(param) -> (name, position in named_parameters())`` for the wrapped module.
         process_group: group to communicate over (``None``: the default group).
+        min_wire_ratio: buckets on which the compressor would not reach this wire ratio (dense
+            bytes / bytes sent) are sent exactly through one all-reduce instead. The decision
+            depends on the layout and the compressor's settings only, so every rank agrees.
     """
 
     def __init__(
@@ -44,8 +53,11 @@ class CompressionHookState:
         memory: CompensationMemory,
         names: dict[int, tuple[str, int]],
         process_group: dist.ProcessGroup | None = None,
+        min_wire_ratio: float = 1.0,
     ) -> None:
         self.compressor = compressor
+        self.min_wire_ratio = min_wire_ratio
+        self.uncompressed = NoCompressor()
         self.memory = memory
         self.names = names
         self.process_group = process_group
@@ -65,6 +77,12 @@ class CompressionHookState:
             self.layouts[bucket.index()] = layout
             self.layouts_built += 1
         return layout
+
+    def compressor_for(self, layout: BucketLayout, element_size: int) -> Compressor:
+        """The configured compressor, or exact all-reduce where it would not pay its way."""
+        if reaches_wire_ratio(self.compressor, layout, element_size, self.min_wire_ratio):
+            return self.compressor
+        return self.uncompressed
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's resumable state: step counter and memory."""
@@ -96,9 +114,8 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     layout = state.layout_for(bucket)
     memory = state.memory.bucket(layout, grad)
     velocity = state.memory.compensate(memory, grad, bucket.parameters(), state.world_size)
-    encoded = state.compressor.encode(
-        velocity, grad, layout, step=state.step, world_size=state.world_size, rank=state.rank
-    )
+    compressor = state.compressor_for(layout, grad.element_size())
+    encoded = compressor.encode(velocity, grad, layout, step=state.step, world_size=state.world_size, rank=state.rank)
     commit(state.memory, memory, encoded)
 
     futures = []
@@ -119,7 +136,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
 
     def decode(_: Any) -> torch.Tensor:
         decode_started = time.perf_counter()
-        state.compressor.decode(encoded, grad, world_size=state.world_size)
+        compressor.decode(encoded, grad, world_size=state.world_size)
         state.stats.add(seconds=time.perf_counter() - decode_started)
         return grad
 

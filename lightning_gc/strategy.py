@@ -42,7 +42,7 @@ _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "
 
 def _ddp_argument_names() -> set[str]:
     """Keyword arguments DDPStrategy accepts, its own and those it forwards to DistributedDataParallel."""
-    set_by_lightning = {"self", "module", "device_ids", "output_device", "kwargs"}
+    set_by_lightning = {"self", "module", "device_ids", "output_device", "kwargs", *_OWNED_DDP_ARGUMENTS}
     names = set(inspect.signature(DDPStrategy.__init__).parameters)
     names |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
     return names - set_by_lightning
@@ -66,6 +66,9 @@ class GradientCompressionStrategy(DDPStrategy):
             clipped to L2 norm ``clip_norm / sqrt(world_size)`` (DGC §3.2). ``None``: off.
         error_feedback: keep what was not sent (the residual) for later steps; ``None`` (default)
             turns it on exactly for biased compressors. Momentum correction requires it.
+        min_wire_ratio: selective compression: a bucket whose wire ratio under the compressor
+            (dense bytes / bytes sent) would be below this is sent exactly by one all-reduce.
+            The default 1.0 never sends more bytes than plain DDP.
         log_stats: log ``gc/bytes_sent``, ``gc/dense_bytes``, ``gc/wire_ratio``, ``gc/density``
             and ``gc/compress_s`` after every optimizer step. Running sums over all steps are kept
             in :attr:`totals` either way.
@@ -84,6 +87,7 @@ class GradientCompressionStrategy(DDPStrategy):
         momentum_masking: bool = True,
         clip_norm: float | None = None,
         error_feedback: bool | None = None,
+        min_wire_ratio: float = 1.0,
         log_stats: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -101,7 +105,7 @@ class GradientCompressionStrategy(DDPStrategy):
                 f"`compressor` must be one of {available_compressors()} or a lightning_gc Compressor, "
                 f"got {compressor!r}"
             )
-        unknown = sorted(set(kwargs) - _ddp_argument_names())
+        unknown = {name: kwargs[name] for name in sorted(set(kwargs) - _ddp_argument_names())}
         if unknown:
             raise ValueError(
                 f"unknown argument(s) {unknown} for {type(self).__name__}: compressor {compressor.name!r} takes "
@@ -115,6 +119,7 @@ class GradientCompressionStrategy(DDPStrategy):
                 )
         if clip_norm is not None:
             check_range("clip_norm", clip_norm, 0.0, None, low_inclusive=False)
+        self.min_wire_ratio = check_range("min_wire_ratio", min_wire_ratio, 0.0, None, low_inclusive=False)
         super().__init__(**kwargs)
         self.compressor = compressor
         self.explicit_momentum = momentum
@@ -168,7 +173,9 @@ class GradientCompressionStrategy(DDPStrategy):
         # Replaces DDPStrategy's, which registers comm hooks on CUDA only.
         assert isinstance(self.model, DistributedDataParallel)
         names = {id(p): (name, order) for order, (name, p) in enumerate(self.model.module.named_parameters())}
-        self._hook_state = CompressionHookState(self.compressor, self.memory, names, self.model.process_group)
+        self._hook_state = CompressionHookState(
+            self.compressor, self.memory, names, self.model.process_group, min_wire_ratio=self.min_wire_ratio
+        )
         if self._pending_state is not None:
             self._hook_state.load_state_dict(self._pending_state)
             self._pending_state = None

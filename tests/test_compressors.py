@@ -33,7 +33,7 @@ def test_arguments_go_to_the_compressor_or_to_ddp() -> None:
     ("kwargs", "message"),
     [
         ({"compressor": "zip"}, f"must be one of {available()}, got 'zip'"),
-        ({"compressor": "topk", "levels": 2}, "unknown argument(s) ['levels']"),
+        ({"compressor": "topk", "levels": 2}, "unknown argument(s) {'levels': 2}"),
         ({"compressor": "fp16", "compress_ratio": 0.1}, "compressor 'fp16' takes []"),
         ({"compressor": "topk", "bucket_cap": 4}, "DDP takes"),
         ({"compressor": "topk", "compress_ratio": 0}, "`compress_ratio` must be in (0, 1], got 0"),
@@ -169,3 +169,33 @@ def test_error_feedback_loses_nothing(name: str) -> None:
         commit(memory, state, encoded)
         received += decoded.double()
     torch.testing.assert_close(received + state.velocity.double(), fed, rtol=0, atol=1e-4)
+
+
+def test_every_compressor_predicts_its_wire_bytes() -> None:
+    layout, _ = _layout_and_params([(64, 50), (50,), (30, 40), (3, 3)])
+    velocity = torch.randn(layout.numel)
+    for name in available():
+        _, encoded = _round_trip(create(name), velocity, layout, step=0)
+        assert create(name).wire_bytes(layout, 4) == encoded.bytes_sent, name
+
+
+def test_selective_compression_rule() -> None:
+    from lightning_gc.hook import reaches_wire_ratio
+
+    big, _ = _layout_and_params([(1000, 100)])
+    tiny, _ = _layout_and_params([(40, 40), (40,)])  # topk 1 % of 1,600: 16 pairs + 40 dense biases
+    topk = create("topk", compress_ratio=0.01)
+    assert reaches_wire_ratio(topk, big, 4, 40) and not reaches_wire_ratio(topk, big, 4, 60)  # 50x
+    ratio = tiny.numel * 4 / topk.wire_bytes(tiny, 4)
+    assert 1 < ratio < 40 and not reaches_wire_ratio(topk, tiny, 4, 40)
+
+
+def test_buckets_below_the_threshold_go_through_exact_all_reduce(run_ranks) -> None:
+    model = {"hidden": [256], **SGD}
+    fits = [
+        {"strategy": {"kind": "gc", "compressor": "none"}, "model": model, "epochs": 1},
+        {"strategy": {"kind": "gc", "compressor": "topk", "min_wire_ratio": 1000}, "model": model, "epochs": 1},
+    ]
+    (plain, selective), _ = run_ranks({"fits": fits})
+    assert selective["epoch_metrics"][-1]["gc/wire_ratio"] == 1.0
+    assert torch.equal(selective["params"], plain["params"])  # exactly DDP: nothing compressed

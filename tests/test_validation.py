@@ -25,6 +25,8 @@ CASES: list[tuple[type, dict[str, Any], str, str]] = [
     (DGCStrategy, {"min_compress_numel": 0}, "min_compress_numel", ">= 1"),
     (DGCStrategy, {"momentum": 0.9, "momentum_correction": False}, "momentum", "momentum_correction=True"),
     (DGCStrategy, {"ddp_comm_hook": print}, "ddp_comm_hook", "own DDP comm hook"),
+    (DGCStrategy, {"min_wire_ratio": 0.0}, "min_wire_ratio", "(0, inf]"),
+    (DGCStrategy, {"bucket_cap": 4}, "bucket_cap", "DDP takes"),
     (DGCCompressor, {"compress_ratio": 2.0}, "compress_ratio", "(0, 1]"),
     (SparsityWarmup, {"densities": [0.5, 0.0]}, "densities[1]", "(0, 1]"),
     (SparsityWarmup, {"interval": "batch"}, "interval", "['epoch', 'step']"),

@@ -103,5 +103,10 @@ class Compressor(ABC):
         """Write the mean over ranks into ``out`` once the collectives of ``encoded`` completed."""
 
     @abstractmethod
+    def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        """Bytes one rank would hand to the collectives for ``layout`` at the current settings,
+        for gradients of ``element_size`` bytes (what :meth:`encode` reports as ``bytes_sent``)."""
+
+    @abstractmethod
     def config(self) -> dict[str, Any]:
         """Plain-data description (name and arguments), recorded in checkpoints."""

@@ -67,17 +67,24 @@ class _PerTensorQuantizer(Compressor):
     def decode_codes(self, codes: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
         """float32 values of packed ``codes``."""
 
-    def _plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _QuantPlan:
-        plan = self._plans.get(layout.index)
-        if plan is not None and plan.layout is layout and plan.world_size == world_size:
-            return plan
+    def _layout_bytes(self, layout: BucketLayout) -> tuple[list[int], list[int], int]:
+        """(byte offset of each tensor's codes, their sizes, the padded payload size)."""
         offset = 4 * len(layout.segments)
         offsets, sizes = [], []
         for segment in layout.segments:
             offsets.append(offset)
             sizes.append(packed_bytes(segment.numel, self.code_bits))
             offset += sizes[-1]
-        payload_bytes = -(-offset // 4) * 4
+        return offsets, sizes, -(-offset // 4) * 4
+
+    def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        return self._layout_bytes(layout)[2]
+
+    def _plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _QuantPlan:
+        plan = self._plans.get(layout.index)
+        if plan is not None and plan.layout is layout and plan.world_size == world_size:
+            return plan
+        offsets, sizes, payload_bytes = self._layout_bytes(layout)
         plan = _QuantPlan(
             layout=layout,
             world_size=world_size,

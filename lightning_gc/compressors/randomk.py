@@ -74,15 +74,26 @@ class RandomKCompressor(Compressor):
     def biased(self) -> bool:  # type: ignore[override]
         return not self.rescale
 
+    def _block(self) -> int:
+        return max(1, math.floor(1 / self.compress_ratio))
+
+    def _compresses(self, segment: Segment) -> bool:
+        return len(segment.shape) > 1 and segment.numel >= self.min_compress_numel
+
+    def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        block = self._block()
+        sent = sum(math.ceil(s.numel / block) if self._compresses(s) else s.numel for s in layout.segments)
+        return sent * element_size
+
     def _plan(self, layout: BucketLayout, like: torch.Tensor) -> _RandomKPlan:
         plan = self._plans.get(layout.index)
         if plan is not None and plan.layout is layout and plan.ratio == self.compress_ratio:
             return plan
         device = like.device
-        block = max(1, math.floor(1 / self.compress_ratio))
+        block = self._block()
         compressed, starts, sizes, dense, slots = [], [], [], [], 0
         for segment in layout.segments:
-            if len(segment.shape) > 1 and segment.numel >= self.min_compress_numel:
+            if self._compresses(segment):
                 blocks = math.ceil(segment.numel / block)
                 first = torch.arange(blocks, device=device) * block
                 starts.append(first + segment.start)

@@ -36,6 +36,9 @@ class NoCompressor(Compressor):
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         out.div_(world_size)  # ``out`` was the all-reduce buffer
 
+    def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        return layout.numel * element_size
+
     def config(self) -> dict[str, Any]:
         return {"name": self.name}
 
@@ -83,6 +86,9 @@ class _CastCompressor(Compressor):
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         assert encoded.summed is not None
         out.copy_(encoded.summed).div_(world_size)
+
+    def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        return layout.numel * torch.empty((), dtype=self.wire_dtype).element_size()
 
     def config(self) -> dict[str, Any]:
         return {"name": self.name}

@@ -98,6 +98,24 @@ class SparseCompressor(Compressor):
         """
 
     # ------------------------------------------------------------------ planning
+    def _split(self, layout: BucketLayout) -> tuple[list[tuple[Segment, int, int]], list[Segment], int]:
+        """(compressed segments with k and first payload slot, dense segments, total k)."""
+        compressed, dense, total_k = [], [], 0
+        for segment in layout.segments:
+            if self.compresses(segment):
+                k = self.k_for(segment.numel)
+                compressed.append((segment, k, total_k))
+                total_k += k
+            else:
+                dense.append(segment)
+        return compressed, dense, total_k
+
+    def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        compressed, dense, total_k = self._split(layout)
+        if not compressed:
+            return layout.numel * element_size
+        return self.wire.payload_bytes(total_k) + sum(s.numel for s in dense) * element_size
+
     def _plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _SparsePlan:
         plan = self._plans.get(layout.index)
         if (
@@ -107,14 +125,7 @@ class SparseCompressor(Compressor):
             and plan.world_size == world_size
         ):
             return plan
-        compressed, dense, total_k = [], [], 0
-        for segment in layout.segments:
-            if self.compresses(segment):
-                k = self.k_for(segment.numel)
-                compressed.append((segment, k, total_k))
-                total_k += k
-            else:
-                dense.append(segment)
+        compressed, dense, total_k = self._split(layout)
         device = like.device
         dense_all = not compressed
         dense_positions = None
