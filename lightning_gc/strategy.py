@@ -48,6 +48,30 @@ def _ddp_argument_names() -> set[str]:
     return names - set_by_lightning
 
 
+def resolve_compressor(compressor: str | Compressor, kwargs: dict[str, Any], *, owner: str) -> Compressor:
+    """The compressor named (built from the arguments it takes, popped from ``kwargs``) or given;
+    whatever remains in ``kwargs`` must be a DDP argument.
+
+    Raises:
+        ValueError: unknown compressor name, bad compressor arguments, or an argument neither the
+            compressor nor DDP takes (named with its value).
+    """
+    if isinstance(compressor, str):
+        accepted = argument_names(compressor_class(compressor))
+        compressor = create_compressor(compressor, **{k: kwargs.pop(k) for k in list(kwargs) if k in accepted})
+    elif not isinstance(compressor, Compressor):
+        raise ValueError(
+            f"`compressor` must be one of {available_compressors()} or a lightning_gc Compressor, got {compressor!r}"
+        )
+    unknown = {name: kwargs[name] for name in sorted(set(kwargs) - _ddp_argument_names())}
+    if unknown:
+        raise ValueError(
+            f"unknown argument(s) {unknown} for {owner}: compressor {compressor.name!r} takes "
+            f"{sorted(argument_names(type(compressor)))}, DDP takes {sorted(_ddp_argument_names())}"
+        )
+    return compressor
+
+
 class GradientCompressionStrategy(DDPStrategy):
     """DDP with compressed gradient exchange.
 
@@ -97,20 +121,7 @@ class GradientCompressionStrategy(DDPStrategy):
                 f"{type(self).__name__} installs its own DDP comm hook; remove {owned} "
                 "(use DDPStrategy directly for a custom hook)"
             )
-        if isinstance(compressor, str):
-            accepted = argument_names(compressor_class(compressor))
-            compressor = create_compressor(compressor, **{k: kwargs.pop(k) for k in list(kwargs) if k in accepted})
-        elif not isinstance(compressor, Compressor):
-            raise ValueError(
-                f"`compressor` must be one of {available_compressors()} or a lightning_gc Compressor, "
-                f"got {compressor!r}"
-            )
-        unknown = {name: kwargs[name] for name in sorted(set(kwargs) - _ddp_argument_names())}
-        if unknown:
-            raise ValueError(
-                f"unknown argument(s) {unknown} for {type(self).__name__}: compressor {compressor.name!r} takes "
-                f"{sorted(argument_names(type(compressor)))}, DDP takes {sorted(_ddp_argument_names())}"
-            )
+        compressor = resolve_compressor(compressor, kwargs, owner=type(self).__name__)
         if momentum is not None:
             check_range("momentum", momentum, 0.0, 1.0, high_inclusive=False)
             if not momentum_correction:

@@ -36,7 +36,7 @@ class Encoded:
             is a no-op (the Triton selection pads with such pairs).
         dense_positions: bucket positions (int64) whose velocity left whole; ``None`` when the
             whole bucket did (``dense_all``) or nothing did.
-        dense_all: the whole bucket was sent dense.
+        dense_all: every element of the bucket left this rank (exactly, or as ``dense_sent``).
         dense_sent: the dense values as receivers decode them, when the wire rounds them (e.g.
             fp16); ``None`` means they left exactly.
         bytes_sent: bytes this rank hands to the collectives.
