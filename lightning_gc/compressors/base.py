@@ -24,11 +24,13 @@ import torch
 from lightning_gc.layout import BucketLayout
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Encoded:
     """One rank's contribution for one bucket, and what it means for memory.
 
     Attributes:
+        bytes_sent: bytes this rank hands to the collectives.
+        elements_sent: number of gradient values this rank sends.
         summed: all-reduced in place (sum over ranks), or ``None``.
         gathered: all-gathered into ``gathered_out`` (``world_size`` x its size), or ``None``.
         sent_indices: bucket positions (int64) of the pairs sent sparsely, or ``None``.
@@ -39,33 +41,26 @@ class Encoded:
         dense_all: every element of the bucket left this rank (exactly, or as ``dense_sent``).
         dense_sent: the dense values as receivers decode them, when the wire rounds them (e.g.
             fp16); ``None`` means they left exactly.
-        bytes_sent: bytes this rank hands to the collectives.
-        elements_sent: number of gradient values this rank sends.
         context: compressor-private data needed by :meth:`Compressor.decode`.
     """
 
-    summed: torch.Tensor | None
-    gathered: torch.Tensor | None
-    gathered_out: torch.Tensor | None
-    sent_indices: torch.Tensor | None
-    sent_values: torch.Tensor | None
-    dense_positions: torch.Tensor | None
-    dense_all: bool
     bytes_sent: int
     elements_sent: int
-    context: Any = None
+    summed: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
+    gathered_out: torch.Tensor | None = None
+    sent_indices: torch.Tensor | None = None
+    sent_values: torch.Tensor | None = None
+    dense_positions: torch.Tensor | None = None
+    dense_all: bool = False
     dense_sent: torch.Tensor | None = None
+    context: Any = None
 
 
 def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor, context: Any = None) -> Encoded:
     """The bucket's velocity, sent whole and exactly through one all-reduce in ``out``."""
     return Encoded(
         summed=out.copy_(velocity),
-        gathered=None,
-        gathered_out=None,
-        sent_indices=None,
-        sent_values=None,
-        dense_positions=None,
         dense_all=True,
         bytes_sent=velocity.numel() * velocity.element_size(),
         elements_sent=velocity.numel(),

@@ -118,12 +118,8 @@ class _PerTensorQuantizer(Compressor):
             plan.payload[start : start + plan.code_sizes[position]].copy_(codes)
             segment.of(plan.decoded).copy_(self.decode_codes(codes, scales[position], segment.numel))
         return Encoded(
-            summed=None,
             gathered=plan.payload,
             gathered_out=plan.gathered,
-            sent_indices=None,
-            sent_values=None,
-            dense_positions=None,
             dense_all=True,
             bytes_sent=plan.payload.numel(),
             elements_sent=velocity.numel(),

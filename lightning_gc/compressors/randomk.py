@@ -140,12 +140,9 @@ class RandomKCompressor(Compressor):
         torch.mul(plan.summed[dense_count:], plan.block_sizes if self.rescale else 1.0, out=plan.sent)
         return Encoded(
             summed=plan.summed,
-            gathered=None,
-            gathered_out=None,
             sent_indices=plan.indices,
             sent_values=plan.sent,
             dense_positions=plan.dense_positions if dense_count else None,
-            dense_all=False,
             bytes_sent=plan.summed.numel() * plan.summed.element_size(),
             elements_sent=plan.summed.numel(),
             context=plan,

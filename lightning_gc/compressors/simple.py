@@ -72,11 +72,6 @@ class _CastCompressor(Compressor):
         wire.copy_(velocity)
         return Encoded(
             summed=wire,
-            gathered=None,
-            gathered_out=None,
-            sent_indices=None,
-            sent_values=None,
-            dense_positions=None,
             dense_all=True,
             bytes_sent=wire.numel() * wire.element_size(),
             elements_sent=wire.numel(),

@@ -187,7 +187,6 @@ class SparseCompressor(Compressor):
             sent_indices=plan.sent_indices,
             sent_values=sent,
             dense_positions=plan.dense_positions,
-            dense_all=False,
             bytes_sent=plan.payload.numel() + dense_bytes,
             elements_sent=plan.total_k + dense_count,
             context=plan,
