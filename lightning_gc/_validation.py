@@ -39,10 +39,11 @@ def check_range(
     return float(value)
 
 
-def check_int(name: str, value: Any, low: int) -> int:
-    """Return ``value`` if it is an integer ``>= low``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` must be an integer >= {low}, got {value!r}")
+def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    """Return ``value`` if it is an integer in ``[low, high]`` (``high=None``: no upper bound)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"`{name}` must be an integer {allowed}, got {value!r}")
     return value
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from lightning_gc import DGCCompressor, DGCStrategy, SparsityWarmup
+from lightning_gc.compressors import QSGDCompressor, RandomKCompressor
 
 CASES: list[tuple[type, dict[str, Any], str, str]] = [
     # (constructor, kwargs, argument named in the message, allowed range/choices named in the message)
@@ -28,6 +29,9 @@ CASES: list[tuple[type, dict[str, Any], str, str]] = [
     (DGCStrategy, {"min_wire_ratio": 0.0}, "min_wire_ratio", "(0, inf]"),
     (DGCStrategy, {"bucket_cap": 4}, "bucket_cap", "DDP takes"),
     (DGCCompressor, {"compress_ratio": 2.0}, "compress_ratio", "(0, 1]"),
+    (QSGDCompressor, {"levels": 1}, "levels", "in [2, 127]"),
+    (QSGDCompressor, {"levels": 128}, "levels", "in [2, 127]"),
+    (RandomKCompressor, {"compress_ratio": 1.0}, "compress_ratio", "(0, 1)"),
     (SparsityWarmup, {"densities": [0.5, 0.0]}, "densities[1]", "(0, 1]"),
     (SparsityWarmup, {"interval": "batch"}, "interval", "['epoch', 'step']"),
     (SparsityWarmup, {"interval": "step"}, "steps_per_stage", "required"),

@@ -156,8 +156,8 @@ class QSGDCompressor(_StochasticLevels):
     """QSGD: ``levels`` stochastic levels of ``|x| / ||x||_2`` per tensor, unbiased.
 
     Args:
-        levels: quantisation levels ``s`` in [1, 127]; codes take 4 bits up to 7 levels, 8 bits
-            up to 127 (the sign is one of the bits).
+        levels: quantisation levels ``s`` in [2, 127] (one level is TernGrad); codes take 4 bits
+            up to 7 levels, 8 bits up to 127 (the sign is one of the bits).
     """
 
     name = "qsgd"
@@ -165,7 +165,7 @@ class QSGDCompressor(_StochasticLevels):
 
     def __init__(self, levels: int = 7) -> None:
         super().__init__()
-        self.levels = check_int("levels", levels, 1)
+        self.levels = check_int("levels", levels, 2, 127)
         self.code_bits = kernels.code_width(levels)
 
     def scale_of(self, values: torch.Tensor) -> torch.Tensor:
