@@ -307,7 +307,8 @@ def _unpack_codes_kernel(
 def _pack_signs_kernel(values_ptr, out_ptr, numel, n_bytes, BLOCK: tl.constexpr):
     byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     element = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
-    x = tl.load(values_ptr + element, mask=element < numel, other=0.0)
+    # Compared in float32: the sign is exact, and Triton's interpreter mis-compares bfloat16.
+    x = tl.load(values_ptr + element, mask=element < numel, other=0.0).to(tl.float32)
     tl.store(out_ptr + byte, _pack_tile((x < 0).to(tl.int32), 1, 8), mask=byte < n_bytes)
 
 
