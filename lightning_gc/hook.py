@@ -8,6 +8,11 @@ Modelled on torch's ``powerSGD_hook``: a state object plus a hook function. For 
     launch all-reduce(enc.summed), all-gather(enc.gathered)     both from the hook, in bucket order
     on completion: compressor.decode(enc) -> the bucket's averaged gradient
 
+Multi-round compressors (PowerSGD) return their first round with ``next_round`` set: the hook
+waits for that round's collectives and asks for the next, so the only collectives in flight
+across buckets are last rounds, launched in bucket order on every rank. Compressors whose
+residual depends on the aggregate set ``commit_after_decode``; memory is then told after decode.
+
 The step counter advances on DDP's last bucket of each synchronising backward pass; it salts the
 threshold sample so that a step's selection depends only on (step, parameter), not on how DDP
 happened to bucket the parameters. That makes results identical across DDP's bucket rebuild and
@@ -85,12 +90,13 @@ class CompressionHookState:
         return self.uncompressed
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's resumable state: step counter and memory."""
-        return {"step": self.step, "memory": self.memory.state_dict()}
+        """This rank's resumable state: step counter, memory and the compressor's own state."""
+        return {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.memory.load_state_dict(state["memory"])
+        self.compressor.load_state_dict(state.get("compressor", {}))
 
 
 def commit(memory: CompensationMemory, bucket_memory: BucketMemory, encoded: Encoded) -> None:
@@ -102,6 +108,19 @@ def commit(memory: CompensationMemory, bucket_memory: BucketMemory, encoded: Enc
         positions = None if encoded.dense_all else encoded.dense_positions
         memory.commit_dense(bucket_memory, positions, encoded.dense_sent)
     memory.end_step(bucket_memory)
+
+
+def launch(encoded: Encoded, group: dist.ProcessGroup | None) -> Future[Any]:
+    """Start the collectives of one round of ``encoded``; the future completes when all have."""
+    futures = []
+    if encoded.summed is not None:
+        futures.append(comm.allreduce_sum(encoded.summed, group))
+    if encoded.gathered is not None:
+        assert encoded.gathered_out is not None
+        futures.append(comm.allgather_fixed(encoded.gathered, encoded.gathered_out, group))
+    if not futures:
+        raise RuntimeError("a compressor round sends nothing: Encoded needs `summed` or `gathered`")
+    return futures[0] if len(futures) == 1 else collect_all(futures)
 
 
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
@@ -116,29 +135,32 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     velocity = state.memory.compensate(memory, grad, bucket.parameters(), state.world_size)
     compressor = state.compressor_for(layout, grad.element_size())
     encoded = compressor.encode(velocity, grad, layout, step=state.step, world_size=state.world_size, rank=state.rank)
-    commit(state.memory, memory, encoded)
-
-    futures = []
-    if encoded.summed is not None:
-        futures.append(comm.allreduce_sum(encoded.summed, state.process_group))
-    if encoded.gathered is not None:
-        assert encoded.gathered_out is not None
-        futures.append(comm.allgather_fixed(encoded.gathered, encoded.gathered_out, state.process_group))
+    bytes_sent, elements_sent, waited = 0, 0, 0.0
+    while encoded.next_round is not None:  # earlier rounds complete here, so launch order is bucket order
+        bytes_sent, elements_sent = bytes_sent + encoded.bytes_sent, elements_sent + encoded.elements_sent
+        wait_started = time.perf_counter()
+        launch(encoded, state.process_group).wait()
+        waited += time.perf_counter() - wait_started
+        encoded = encoded.next_round()
+    if not encoded.commit_after_decode:
+        commit(state.memory, memory, encoded)
+    joined = launch(encoded, state.process_group)
     if bucket.is_last():
         state.step += 1
     state.stats.add(
-        bytes_sent=encoded.bytes_sent,
+        bytes_sent=bytes_sent + encoded.bytes_sent,
         dense_bytes=grad.numel() * grad.element_size(),
-        elements_sent=encoded.elements_sent,
+        elements_sent=elements_sent + encoded.elements_sent,
         elements_total=grad.numel(),
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started - waited,
     )
 
     def decode(_: Any) -> torch.Tensor:
         decode_started = time.perf_counter()
         compressor.decode(encoded, grad, world_size=state.world_size)
+        if encoded.commit_after_decode:
+            commit(state.memory, memory, encoded)
         state.stats.add(seconds=time.perf_counter() - decode_started)
         return grad
 
-    joined = futures[0] if len(futures) == 1 else collect_all(futures)
     return joined.then(decode)

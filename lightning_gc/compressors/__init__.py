@@ -2,6 +2,7 @@
 
 from lightning_gc.compressors.base import Compressor, Encoded
 from lightning_gc.compressors.dgc import DGCCompressor
+from lightning_gc.compressors.powersgd import PowerSGDCompressor
 from lightning_gc.compressors.quantize import OneBitCompressor, QSGDCompressor, TernGradCompressor
 from lightning_gc.compressors.randomk import RandomKCompressor
 from lightning_gc.compressors.registry import available, create
@@ -16,6 +17,7 @@ __all__ = [
     "FP16Compressor",
     "NoCompressor",
     "OneBitCompressor",
+    "PowerSGDCompressor",
     "QSGDCompressor",
     "RandomKCompressor",
     "SparseCompressor",

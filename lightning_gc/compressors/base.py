@@ -11,12 +11,19 @@ Payloads come in two kinds, and one bucket may use both:
   values): all-reduced;
 * ``gathered`` -- a byte buffer of the same size on every rank (e.g. sparse values + indices):
   all-gathered into ``gathered_out`` without a size exchange.
+
+A compressor may need several rounds of communication per bucket (PowerSGD all-reduces P, then
+Q computed from the reduced P). Its :meth:`Compressor.encode` then returns the first round with
+``next_round`` set; the hook completes each round's collectives *from the hook itself* before
+asking for the next, so every rank issues every collective in the same order (see
+:mod:`lightning_gc.comm`). Only the last round is left in flight for DDP to overlap.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -42,6 +49,11 @@ class Encoded:
         dense_sent: the dense values as receivers decode them, when the wire rounds them (e.g.
             fp16); ``None`` means they left exactly.
         context: compressor-private data needed by :meth:`Compressor.decode`.
+        next_round: for multi-round compressors, called once this round's collectives have
+            completed; returns the next round. ``None`` on the last round.
+        commit_after_decode: memory learns what was sent only after :meth:`Compressor.decode`
+            (``dense_sent`` is filled there), for compressors whose residual depends on the
+            aggregate (PowerSGD's ``e = M - P Q_avg^T``).
     """
 
     bytes_sent: int
@@ -55,6 +67,8 @@ class Encoded:
     dense_all: bool = False
     dense_sent: torch.Tensor | None = None
     context: Any = None
+    next_round: Callable[[], Encoded] | None = None
+    commit_after_decode: bool = False
 
 
 def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor, context: Any = None) -> Encoded:
@@ -105,3 +119,15 @@ class Compressor(ABC):
     @abstractmethod
     def config(self) -> dict[str, Any]:
         """Plain-data description (name and arguments), recorded in checkpoints."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State that must survive a resume (e.g. PowerSGD's warm-start factors), as CPU tensors.
+
+        Stateless compressors (the default) have none: their buffers are scratch space.
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        if state:
+            raise ValueError(f"compressor {self.name!r} keeps no state, got entries {sorted(state)}")
