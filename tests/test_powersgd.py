@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_hook_reference import make_model
 
 from lightning_gc.compressors import PowerSGDCompressor
 from lightning_gc.compressors.powersgd import orthonormalise_
 from lightning_gc.layout import BucketLayout
-
-from test_hook_reference import make_model
 
 
 def _layout(*shapes: tuple[int, ...]) -> BucketLayout:
