@@ -1,7 +1,8 @@
 """Every compressor on one ResNet-50-sized gradient: encode and decode time, bytes on the wire, ratio.
 
-One 25.6 M-element fp32 weight gradient (a single 2-D tensor), a world of one rank (the
-collectives are identities, so this times the compressor alone). Medians of interleaved repeats;
+One 25.6 M-element fp32 weight gradient (a single 2-D tensor, 25,600 x 1,000), a world of one
+rank (the collectives are identities, so this times the compressor alone; a multi-round
+compressor's encode time covers all its rounds). Medians of interleaved repeats;
 ``--record`` appends the table to benchmarks/RESULTS.md.
 
     python benchmarks/compressors.py [--numel 25600000] [--repeats 3] [--device cpu|cuda] [--record]
@@ -49,6 +50,10 @@ def main() -> None:
             _sync(device)
             started = time.perf_counter()
             encoded = compressor.encode(velocity, out, layout, step=repeat, world_size=1)
+            bytes_sent = encoded.bytes_sent
+            while encoded.next_round is not None:  # multi-round (powersgd): the reduce of one rank is itself
+                encoded = encoded.next_round()
+                bytes_sent += encoded.bytes_sent
             _sync(device)
             encoded_at = time.perf_counter()
             if encoded.gathered is not None:  # the all-gather of a world of one
@@ -60,7 +65,7 @@ def main() -> None:
             if repeat:
                 times[name]["encode"].append(encoded_at - started)
                 times[name]["decode"].append(time.perf_counter() - decode_started)
-            wire[name] = encoded.bytes_sent
+            wire[name] = bytes_sent
 
     dense = gradient.numel() * gradient.element_size()
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"

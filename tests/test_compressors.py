@@ -15,7 +15,21 @@ HIDDEN = [1024, 1024]
 
 
 def test_every_compressor_has_a_preset() -> None:
-    assert {"none", "fp16", "bf16", "topk", "randomk", "dgc", "qsgd", "terngrad", "onebit"} <= set(available())
+    expected = {
+        "none",
+        "fp16",
+        "bf16",
+        "topk",
+        "randomk",
+        "dgc",
+        "qsgd",
+        "terngrad",
+        "onebit",
+        "signsgd",
+        "powersgd",
+        "fft",
+    }
+    assert expected == set(available())
     for name in available():
         strategy = StrategyRegistry.get(f"{name}_ddp")
         assert isinstance(strategy, GradientCompressionStrategy) and strategy.compressor.name == name
@@ -48,7 +62,7 @@ def test_bad_compressor_arguments_fail_at_construction(kwargs: dict, message: st
 
 def test_training_with_each_compressor(run_ranks) -> None:
     """2 ranks: identical parameters, falling loss, and gc/wire_ratio == dense bytes / bytes sent."""
-    names = ["none", "fp16", "bf16", "topk", "randomk", "onebit", "terngrad", "qsgd"]
+    names = ["none", "fp16", "bf16", "topk", "randomk", "onebit", "signsgd", "terngrad", "qsgd", "powersgd", "fft"]
     model = {"hidden": HIDDEN, **SGD}
     fits = [{"strategy": {"kind": "ddp"}, "model": model, "epochs": 3}]
     fits += [{"strategy": {"kind": "gc", "compressor": n}, "model": model, "epochs": 3} for n in names]
@@ -75,6 +89,9 @@ def test_training_with_each_compressor(run_ranks) -> None:
     sampled = sum(-(-(a * b) // 100) for a, b in zip(widths[:-1], widths[1:]))  # one per block of 100
     assert results["randomk"]["epoch_metrics"][-1]["gc/bytes_sent"] == 4 * (sampled + sum(widths[1:]))
     assert results["onebit"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 25
+    assert results["signsgd"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 25
+    assert results["powersgd"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 100  # rank 1: (n + m) of n m per matrix
+    assert results["fft"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 40  # 1 %: int32 index + two 8-bit parts
     assert results["terngrad"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 14
     assert results["qsgd"]["epoch_metrics"][-1]["gc/wire_ratio"] >= 7  # 7 levels: 4-bit codes
 
@@ -88,14 +105,19 @@ def _layout_and_params(shapes: list[tuple[int, ...]]):
     return BucketLayout.build(0, params, names, sum(p.numel() for p in params)), params
 
 
-def _round_trip(compressor, velocity: torch.Tensor, layout, step: int) -> tuple[torch.Tensor, object]:
-    """What a world of one rank decodes from ``velocity`` (the collectives are identities)."""
+def _round_trip(compressor, velocity: torch.Tensor, layout, step: int) -> tuple[torch.Tensor, object, int]:
+    """What a world of one rank decodes from ``velocity`` (the collectives are identities), the
+    last round's ``Encoded``, and the bytes sent over all rounds."""
     out = torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, layout, step=step, world_size=1, rank=0)
+    bytes_sent = encoded.bytes_sent
+    while encoded.next_round is not None:
+        encoded = encoded.next_round()
+        bytes_sent += encoded.bytes_sent
     if encoded.gathered is not None:
         encoded.gathered_out.copy_(encoded.gathered)
     compressor.decode(encoded, out, world_size=1)
-    return out, encoded
+    return out, encoded, bytes_sent
 
 
 @pytest.mark.parametrize("name", ["qsgd", "terngrad"])
@@ -116,13 +138,32 @@ def test_unbiased_compressors_average_to_their_input(name: str) -> None:
         assert error < 5 * step_size / (2 * samples**0.5), (segment.name, error, step_size)
 
 
-def test_onebit_sends_scaled_signs() -> None:
+def test_signsgd_sends_scaled_signs_per_tensor_or_chunk() -> None:
     layout, _ = _layout_and_params([(33, 3)])
     x = torch.randn(layout.numel)
     x[0] = 0.0
-    decoded, _ = _round_trip(create("onebit"), x, layout, step=0)
-    expected = torch.where(x < 0, -x.abs().mean(), x.abs().mean())
-    torch.testing.assert_close(decoded, expected)
+    decoded, _, _ = _round_trip(create("signsgd"), x, layout, step=0)
+    torch.testing.assert_close(decoded, torch.where(x < 0, -x.abs().mean(), x.abs().mean()))
+    decoded, _, sent = _round_trip(create("signsgd", chunk_size=16), x, layout, step=0)
+    for start in range(0, 99, 16):  # 6 full chunks and a tail of 3
+        part = x[start : start + 16]
+        torch.testing.assert_close(
+            decoded[start : start + 16], torch.where(part < 0, -part.abs().mean(), part.abs().mean())
+        )
+    assert sent == 4 * 7 + 13 + 3  # 7 scales, 99 bits in 13 bytes, padded to 4
+
+
+def test_onebit_rebuilds_each_sign_from_the_mean_of_its_side() -> None:
+    layout, _ = _layout_and_params([(10, 10)])
+    x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(3))
+    x[5] = 0.0  # zero counts as non-negative
+    for chunk in (None, 32):
+        decoded, _, _ = _round_trip(create("onebit", chunk_size=chunk), x, layout, step=0)
+        size = chunk or layout.numel
+        for start in range(0, layout.numel, size):
+            part = x[start : start + size]
+            expected = torch.where(part < 0, part[part < 0].mean(), part[part >= 0].mean())
+            torch.testing.assert_close(decoded[start : start + size], expected)
 
 
 def test_randomk_with_rescaling_is_unbiased_and_ranks_agree_on_indices() -> None:
@@ -144,17 +185,17 @@ def test_randomk_with_rescaling_is_unbiased_and_ranks_agree_on_indices() -> None
 
 def test_randomk_wire_ratio_on_a_large_tensor() -> None:
     layout, _ = _layout_and_params([(1000, 1000)])
-    _, encoded = _round_trip(create("randomk", compress_ratio=0.01), torch.randn(layout.numel), layout, 0)
+    _, encoded, _ = _round_trip(create("randomk", compress_ratio=0.01), torch.randn(layout.numel), layout, 0)
     assert 4 * layout.numel / encoded.bytes_sent == 100.0  # values only: no indices on the wire
 
 
-@pytest.mark.parametrize("name", ["onebit", "topk", "randomk", "fp16", "bf16", "dgc"])
+@pytest.mark.parametrize("name", ["onebit", "signsgd", "topk", "randomk", "fp16", "bf16", "dgc", "powersgd", "fft"])
 def test_error_feedback_loses_nothing(name: str) -> None:
     """Over many steps: everything decoded + what memory still holds == every gradient fed in."""
     from lightning_gc.hook import commit
     from lightning_gc.memory import CompensationMemory
 
-    compressor = create(name, **({"compress_ratio": 0.05} if name in ("topk", "dgc", "randomk") else {}))
+    compressor = create(name, **({"compress_ratio": 0.05} if name in ("topk", "dgc", "randomk", "fft") else {}))
     assert compressor.biased
     layout, params = _layout_and_params([(64, 50), (50,), (30, 40)])
     memory = CompensationMemory(momentum_correction=False, momentum_masking=True, clip_norm=None)
@@ -165,7 +206,7 @@ def test_error_feedback_loses_nothing(name: str) -> None:
         fed += g.double()
         state = memory.bucket(layout, g)
         velocity = memory.compensate(state, g.clone(), params, world_size=1)
-        decoded, encoded = _round_trip(compressor, velocity, layout, step)
+        decoded, encoded, _ = _round_trip(compressor, velocity, layout, step)
         commit(memory, state, encoded)
         received += decoded.double()
     torch.testing.assert_close(received + state.velocity.double(), fed, rtol=0, atol=1e-4)
@@ -175,8 +216,8 @@ def test_every_compressor_predicts_its_wire_bytes() -> None:
     layout, _ = _layout_and_params([(64, 50), (50,), (30, 40), (3, 3)])
     velocity = torch.randn(layout.numel)
     for name in available():
-        _, encoded = _round_trip(create(name), velocity, layout, step=0)
-        assert create(name).wire_bytes(layout, 4) == encoded.bytes_sent, name
+        _, _, bytes_sent = _round_trip(create(name), velocity, layout, step=0)
+        assert create(name).wire_bytes(layout, 4) == bytes_sent, name
 
 
 def test_selective_compression_rule() -> None:

@@ -1,9 +1,15 @@
 """Gradient compressors behind one interface (:class:`Compressor`), registered by name."""
 
-from lightning_gc.compressors.base import Compressor, Encoded
+from lightning_gc.compressors.base import Compressor, DensePart, Encoded
 from lightning_gc.compressors.dgc import DGCCompressor
+from lightning_gc.compressors.fft import FFTCompressor
 from lightning_gc.compressors.powersgd import PowerSGDCompressor
-from lightning_gc.compressors.quantize import OneBitCompressor, QSGDCompressor, TernGradCompressor
+from lightning_gc.compressors.quantize import (
+    OneBitCompressor,
+    QSGDCompressor,
+    SignSGDCompressor,
+    TernGradCompressor,
+)
 from lightning_gc.compressors.randomk import RandomKCompressor
 from lightning_gc.compressors.registry import available, create
 from lightning_gc.compressors.simple import BF16Compressor, FP16Compressor, NoCompressor, TopKCompressor
@@ -13,13 +19,16 @@ __all__ = [
     "BF16Compressor",
     "Compressor",
     "DGCCompressor",
+    "DensePart",
     "Encoded",
+    "FFTCompressor",
     "FP16Compressor",
     "NoCompressor",
     "OneBitCompressor",
     "PowerSGDCompressor",
     "QSGDCompressor",
     "RandomKCompressor",
+    "SignSGDCompressor",
     "SparseCompressor",
     "TernGradCompressor",
     "TopKCompressor",

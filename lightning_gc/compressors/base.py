@@ -22,13 +22,13 @@ asking for the next, so every rank issues every collective in the same order (se
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from lightning_gc.layout import BucketLayout
+from lightning_gc.layout import BucketLayout, Segment
 
 
 @dataclass(kw_only=True)
@@ -69,6 +69,39 @@ class Encoded:
     context: Any = None
     next_round: Callable[[], Encoded] | None = None
     commit_after_decode: bool = False
+
+
+@dataclass
+class DensePart:
+    """The tensors of a bucket sent whole (exactly, through an all-reduce) while the rest is compressed.
+
+    ``values`` is the send buffer: :meth:`gather` fills it from the velocity, the collective sums
+    it over ranks in place, :meth:`write_mean` writes the mean back into the bucket.
+    """
+
+    positions: torch.Tensor  # int64 bucket positions, in segment order
+    values: torch.Tensor
+
+    @staticmethod
+    def of(segments: Sequence[Segment], like: torch.Tensor, values: torch.Tensor | None = None) -> DensePart | None:
+        """The dense part made of ``segments`` (``None`` if there are none); ``values`` may be a
+        caller-owned buffer of their total size (e.g. the tail of a larger send buffer)."""
+        if not segments:
+            return None
+        positions = torch.cat([torch.arange(s.start, s.stop, device=like.device) for s in segments])
+        if values is None:
+            values = like.new_empty(positions.numel())
+        elif values.numel() != positions.numel():
+            raise ValueError(f"dense buffer holds {values.numel()} elements, the segments {positions.numel()}")
+        return DensePart(positions=positions, values=values)
+
+    def gather(self, velocity: torch.Tensor) -> torch.Tensor:
+        """Copy the dense positions of ``velocity`` into the send buffer and return it."""
+        return torch.index_select(velocity, 0, self.positions, out=self.values)
+
+    def write_mean(self, out: torch.Tensor, world_size: int) -> None:
+        """After the all-reduce: ``out[positions] = summed values / world_size``."""
+        out.index_copy_(0, self.positions, self.values.div_(world_size))
 
 
 def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor, context: Any = None) -> Encoded:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from lightning_gc._validation import check_int, check_range
-from lightning_gc.compressors.base import Compressor, Encoded, encode_whole_bucket
+from lightning_gc.compressors.base import Compressor, DensePart, Encoded, encode_whole_bucket
 from lightning_gc.compressors.registry import register
 from lightning_gc.layout import BucketLayout, Segment
 
@@ -72,7 +72,7 @@ class _PowerPlan:
 
     layout: BucketLayout
     factors: tuple[_Factor, ...]
-    dense_positions: torch.Tensor | None
+    dense: DensePart | None  # its values are the tail of round1
     p_numel: int
     round1: torch.Tensor  # [P of every factor | dense values]
     round2: torch.Tensor  # [Q of every factor]
@@ -151,16 +151,13 @@ class PowerSGDCompressor(Compressor):
             factors.append(_Factor(segment, rows, cols, rank, p_start=p_numel, q_start=q_numel))
             p_numel += rows * rank
             q_numel += cols * rank
-        dense_positions = None
-        if dense:
-            dense_positions = torch.cat([torch.arange(s.start, s.stop, device=like.device) for s in dense])
-        dense_numel = 0 if dense_positions is None else dense_positions.numel()
+        round1 = like.new_empty(p_numel + sum(s.numel for s in dense))
         plan = _PowerPlan(
             layout=layout,
             factors=tuple(factors),
-            dense_positions=dense_positions,
+            dense=DensePart.of(dense, like, values=round1[p_numel:]),
             p_numel=p_numel,
-            round1=like.new_empty(p_numel + dense_numel),
+            round1=round1,
             round2=like.new_empty(q_numel),
             sent=like.new_empty(layout.numel),
         )
@@ -202,8 +199,8 @@ class PowerSGDCompressor(Compressor):
         for factor in plan.factors:
             q = orthonormalise_(self._q_for(factor, velocity, step))
             torch.matmul(factor.matrix(velocity), q, out=factor.p(plan.round1))
-        if plan.dense_positions is not None:
-            torch.index_select(velocity, 0, plan.dense_positions, out=plan.round1[plan.p_numel :])
+        if plan.dense is not None:
+            plan.dense.gather(velocity)
         return Encoded(
             summed=plan.round1,
             bytes_sent=plan.round1.numel() * plan.round1.element_size(),
@@ -237,10 +234,9 @@ class PowerSGDCompressor(Compressor):
             self._q[factor.segment.name].copy_(q)
             torch.matmul(factor.p(plan.round1), q.t(), out=factor.matrix(out))
         plan.sent.copy_(out)  # e = M - M_hat on compressed tensors ...
-        if plan.dense_positions is not None:
-            dense_sum = plan.round1[plan.p_numel :]
-            out.index_copy_(0, plan.dense_positions, dense_sum.div_(world_size))
-            plan.sent.index_copy_(0, plan.dense_positions, velocity.index_select(0, plan.dense_positions))
+        if plan.dense is not None:
+            plan.dense.write_mean(out, world_size)
+            plan.sent.index_copy_(0, plan.dense.positions, velocity.index_select(0, plan.dense.positions))
             # ... and 0 on dense ones: they left exactly.
 
     # ------------------------------------------------------------------ state

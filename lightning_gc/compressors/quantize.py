@@ -1,18 +1,22 @@
-"""Quantising compressors: every element as a few-bit code, one float32 scale per tensor.
+"""Quantising compressors: every element as a few-bit code, with float32 scales per tensor or chunk.
 
 Payload per rank and bucket (all-gathered, the same size on every rank)::
 
-    [ scale of tensor 0 .. S-1 : float32 ][ codes of tensor 0 ][ codes of tensor 1 ] ... (4-byte padded)
+    [ scales of tensor 0 .. S-1 : float32 ][ codes of tensor 0 ][ codes of tensor 1 ] ... (4-byte padded)
 
-Each tensor's codes start on a byte boundary. Decoding sums every rank's dequantised values and
-divides by the world size.
+A tensor has one block of scales, or one per ``chunk_size`` elements where the compressor takes
+``chunk_size``. Each tensor's codes start on a byte boundary. Decoding sums every rank's
+dequantised values and divides by the world size.
 
 * ``qsgd`` (Alistarh et al. 2017): ``x -> ||x||_2 * sign(x) * l / s`` with the level ``l`` rounded
   stochastically so that the result is unbiased; ``s`` = ``levels``.
 * ``terngrad`` (Wen et al. 2017): ternary ``max|x| * sign(x) * b`` with ``b ~ Bernoulli(|x| / max|x|)``,
   i.e. the same stochastic rounding with one level and scale ``max|x|``; unbiased, 2-bit codes.
-* ``onebit`` (EF-signSGD, Karimireddy et al. 2019): ``mean|x| * sign(x)``, 1 bit per element;
-  biased, so error feedback keeps what the signs lose.
+* ``signsgd`` (EF-signSGD, Karimireddy et al. 2019): ``mean|x| * sign(x)`` per tensor or chunk,
+  1 bit per element; biased, so error feedback keeps what the signs lose.
+* ``onebit`` (1-bit SGD, Seide et al. 2014): 1 bit per element choosing between two values per
+  chunk, the mean of its non-negative and the mean of its negative elements (the reconstruction
+  that minimises the squared error for a given sign pattern); error feedback.
 
 Rounding randomness is a pure function of (step, rank, tensor), so runs are reproducible and ranks
 draw independently.
@@ -40,6 +44,7 @@ _SEED_STEP, _SEED_RANK = 1_000_003, 7_919
 class _QuantPlan:
     layout: BucketLayout
     world_size: int
+    scale_starts: tuple[int, ...]  # first float32 scale slot of each tensor; last entry: the total
     code_offsets: tuple[int, ...]  # byte offset of each tensor's codes in the payload
     code_sizes: tuple[int, ...]
     payload: torch.Tensor
@@ -47,47 +52,63 @@ class _QuantPlan:
     decoded: torch.Tensor  # this rank's values as receivers decode them (for error feedback)
 
 
-class _PerTensorQuantizer(Compressor):
-    """Shared payload layout, encode and decode; subclasses define scale and codes."""
+class _BlockQuantizer(Compressor):
+    """Shared payload layout, encode and decode; subclasses define scales and codes.
+
+    A tensor's scales are ``scales_per_block`` float32 numbers for each block: the whole tensor,
+    or each run of ``chunk_size`` elements when ``chunk_size`` is set.
+    """
 
     code_bits: int
+    scales_per_block: int = 1
+    chunk_size: int | None = None
 
     def __init__(self) -> None:
         self._plans: dict[int, _QuantPlan] = {}
 
-    @abstractmethod
-    def scale_of(self, values: torch.Tensor) -> torch.Tensor:
-        """The tensor's float32 scale, a 0-d tensor on its device."""
+    def scale_count(self, numel: int) -> int:
+        """Scales stored for a tensor of ``numel`` elements."""
+        blocks = 1 if self.chunk_size is None else -(-numel // self.chunk_size)
+        return blocks * self.scales_per_block
 
     @abstractmethod
-    def encode_codes(self, values: torch.Tensor, scale: torch.Tensor, seed: int) -> torch.Tensor:
+    def scales_of(self, values: torch.Tensor) -> torch.Tensor:
+        """The tensor's float32 scales, ``scale_count(numel)`` of them, on its device."""
+
+    @abstractmethod
+    def encode_codes(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
         """Packed codes (uint8) of ``values``."""
 
     @abstractmethod
-    def decode_codes(self, codes: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
+    def decode_codes(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         """float32 values of packed ``codes``."""
 
-    def _layout_bytes(self, layout: BucketLayout) -> tuple[list[int], list[int], int]:
-        """(byte offset of each tensor's codes, their sizes, the padded payload size)."""
-        offset = 4 * len(layout.segments)
+    def _layout_bytes(self, layout: BucketLayout) -> tuple[list[int], list[int], list[int], int]:
+        """(first scale slot of each tensor, byte offset of its codes, their sizes, the padded payload size)."""
+        scale_starts, slots = [], 0
+        for segment in layout.segments:
+            scale_starts.append(slots)
+            slots += self.scale_count(segment.numel)
+        offset = 4 * slots
         offsets, sizes = [], []
         for segment in layout.segments:
             offsets.append(offset)
             sizes.append(packed_bytes(segment.numel, self.code_bits))
             offset += sizes[-1]
-        return offsets, sizes, -(-offset // 4) * 4
+        return scale_starts + [slots], offsets, sizes, -(-offset // 4) * 4
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
-        return self._layout_bytes(layout)[2]
+        return self._layout_bytes(layout)[3]
 
     def _plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _QuantPlan:
         plan = self._plans.get(layout.index)
         if plan is not None and plan.layout is layout and plan.world_size == world_size:
             return plan
-        offsets, sizes, payload_bytes = self._layout_bytes(layout)
+        scale_starts, offsets, sizes, payload_bytes = self._layout_bytes(layout)
         plan = _QuantPlan(
             layout=layout,
             world_size=world_size,
+            scale_starts=tuple(scale_starts),
             code_offsets=tuple(offsets),
             code_sizes=tuple(sizes),
             payload=torch.zeros(payload_bytes, dtype=torch.uint8, device=like.device),
@@ -108,15 +129,16 @@ class _PerTensorQuantizer(Compressor):
         rank: int = 0,
     ) -> Encoded:
         plan = self._plan(layout, velocity, world_size)
-        scales = plan.payload[: 4 * len(layout.segments)].view(torch.float32)
+        all_scales = plan.payload[: 4 * plan.scale_starts[-1]].view(torch.float32)
         for position, segment in enumerate(layout.segments):
             values = segment.of(velocity)
-            scales[position] = self.scale_of(values)
+            scales = all_scales[plan.scale_starts[position] : plan.scale_starts[position + 1]]
+            scales.copy_(self.scales_of(values))
             seed = step * _SEED_STEP + rank * _SEED_RANK + segment.order
             start = plan.code_offsets[position]
-            codes = self.encode_codes(values, scales[position], seed)
+            codes = self.encode_codes(values, scales, seed)
             plan.payload[start : start + plan.code_sizes[position]].copy_(codes)
-            segment.of(plan.decoded).copy_(self.decode_codes(codes, scales[position], segment.numel))
+            segment.of(plan.decoded).copy_(self.decode_codes(codes, scales, segment.numel))
         return Encoded(
             gathered=plan.payload,
             gathered_out=plan.gathered,
@@ -130,25 +152,34 @@ class _PerTensorQuantizer(Compressor):
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         plan: _QuantPlan = encoded.context
         rows = plan.gathered.view(world_size, -1)
-        count = len(plan.layout.segments)
         out.zero_()
         for row in rows:
-            scales = row[: 4 * count].view(torch.float32)
+            all_scales = row[: 4 * plan.scale_starts[-1]].view(torch.float32)
             for position, segment in enumerate(plan.layout.segments):
                 start = plan.code_offsets[position]
                 codes = row[start : start + plan.code_sizes[position]]
-                segment.of(out).add_(self.decode_codes(codes, scales[position], segment.numel))
+                scales = all_scales[plan.scale_starts[position] : plan.scale_starts[position + 1]]
+                segment.of(out).add_(self.decode_codes(codes, scales, segment.numel))
         out.div_(world_size)
 
 
-class _StochasticLevels(_PerTensorQuantizer):
+class _StochasticLevels(_BlockQuantizer):
+    """One scale per tensor; unbiased stochastic rounding to ``levels`` levels of ``|x| / scale``."""
+
     levels: int
 
-    def encode_codes(self, values: torch.Tensor, scale: torch.Tensor, seed: int) -> torch.Tensor:
-        return kernels.stochastic_quantize(values, scale, self.levels, seed)
+    @abstractmethod
+    def scale_of(self, values: torch.Tensor) -> torch.Tensor:
+        """The tensor's float32 scale, a 0-d tensor on its device."""
 
-    def decode_codes(self, codes: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
-        return kernels.stochastic_dequantize(codes, scale, self.levels, numel)
+    def scales_of(self, values: torch.Tensor) -> torch.Tensor:
+        return self.scale_of(values).reshape(1)
+
+    def encode_codes(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
+        return kernels.stochastic_quantize(values, scales[0], self.levels, seed)
+
+    def decode_codes(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
+        return kernels.stochastic_dequantize(codes, scales[0], self.levels, numel)
 
 
 @register
@@ -191,23 +222,90 @@ class TernGradCompressor(_StochasticLevels):
         return {"name": self.name}
 
 
-@register
-class OneBitCompressor(_PerTensorQuantizer):
-    """EF-signSGD: ``mean|x| * sign(x)`` per tensor, 1 bit per element, with error feedback."""
+def _chunked(values: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
+    """``values`` as rows of ``chunk_size`` (one row without chunks), the last row zero-padded."""
+    flat = values.reshape(-1).float()
+    if chunk_size is None:
+        return flat.view(1, -1)
+    padding = -flat.numel() % chunk_size
+    return torch.nn.functional.pad(flat, (0, padding)).view(-1, chunk_size)
 
-    name = "onebit"
+
+def _check_chunk_size(chunk_size: int | None) -> int | None:
+    return None if chunk_size is None else check_int("chunk_size", chunk_size, 8)
+
+
+class _SignQuantizer(_BlockQuantizer):
+    """1 bit per element (the sign; 0 counts as positive), values rebuilt from per-block scales."""
+
     code_bits = 1
 
-    def scale_of(self, values: torch.Tensor) -> torch.Tensor:
-        return values.float().abs().mean()
+    def __init__(self, chunk_size: int | None = None) -> None:
+        super().__init__()
+        self.chunk_size = _check_chunk_size(chunk_size)
 
-    def encode_codes(self, values: torch.Tensor, scale: torch.Tensor, seed: int) -> torch.Tensor:
+    def encode_codes(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
         return kernels.pack_signs(values)
 
-    def decode_codes(self, codes: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name, "chunk_size": self.chunk_size}
+
+    def _expand(self, per_block: torch.Tensor, numel: int) -> torch.Tensor:
+        """One value per block, repeated over the block's elements."""
+        if self.chunk_size is None:
+            return per_block.expand(numel)
+        return per_block.repeat_interleave(self.chunk_size)[:numel]
+
+
+@register
+class SignSGDCompressor(_SignQuantizer):
+    """EF-signSGD: ``mean|x| * sign(x)`` per tensor (or per ``chunk_size`` elements), with error feedback.
+
+    Args:
+        chunk_size: elements sharing one scale (>= 8); ``None``: one scale per tensor. Smaller
+            chunks follow the gradient's magnitude more closely at 32 bits per chunk.
+    """
+
+    name = "signsgd"
+
+    def scales_of(self, values: torch.Tensor) -> torch.Tensor:
+        rows = _chunked(values, self.chunk_size)
+        if self.chunk_size is None:
+            return rows.abs().mean(1)
+        counts = torch.full((rows.shape[0],), float(self.chunk_size), device=rows.device)
+        counts[-1] = values.numel() - self.chunk_size * (rows.shape[0] - 1)  # the padded tail
+        return rows.abs().sum(1) / counts
+
+    def decode_codes(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         negative = kernels.unpack_codes(codes, 1, numel).bool()
-        magnitude = scale.float().expand(numel)
+        magnitude = self._expand(scales, numel)
         return torch.where(negative, -magnitude, magnitude)
 
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name}
+
+@register
+class OneBitCompressor(_SignQuantizer):
+    """1-bit SGD: per tensor (or chunk), negative elements become the mean of the negative ones and
+    the others the mean of the non-negative ones; with error feedback.
+
+    Args:
+        chunk_size: elements sharing one pair of values (>= 8); ``None``: one pair per tensor.
+    """
+
+    name = "onebit"
+    scales_per_block = 2
+
+    def scales_of(self, values: torch.Tensor) -> torch.Tensor:
+        rows = _chunked(values, self.chunk_size)
+        valid = torch.ones_like(rows, dtype=torch.bool).view(-1)
+        valid[values.numel() :] = False  # the padded tail takes no part
+        valid = valid.view_as(rows)
+        negative = (rows < 0) & valid
+        positive = (~negative) & valid
+        mean_positive = (rows * positive).sum(1) / positive.sum(1).clamp(min=1)
+        mean_negative = (rows * negative).sum(1) / negative.sum(1).clamp(min=1)
+        return torch.stack([mean_positive, mean_negative], dim=1).reshape(-1)
+
+    def decode_codes(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
+        negative = kernels.unpack_codes(codes, 1, numel).bool()
+        pairs = scales.view(-1, 2)
+        return torch.where(negative, self._expand(pairs[:, 1], numel), self._expand(pairs[:, 0], numel))
