@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gc.compressors import FFTCompressor
-from lightning_gc.compressors import rangefloat
+from lightning_gc.compressors import FFTCompressor, rangefloat
 from lightning_gc.layout import BucketLayout
 
 

@@ -161,3 +161,22 @@ def test_spawn_preset_trains_through_lightnings_own_launcher() -> None:
     after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert not torch.allclose(before, after)
     assert float(trainer.callback_metrics["val/acc"]) > 0.8
+
+
+def test_powersgd_resumes_exactly_with_its_warm_start_factors(run_ranks, tmp_path: Path) -> None:
+    """PowerSGD's Q is state: without it in the checkpoint a resumed run would restart the power iteration."""
+    ckpt_dir = tmp_path / "ckpts"
+    common = {
+        "strategy": {"kind": "gc", "compressor": "powersgd", "rank": 2, "bucket_cap_mb": 0.05},
+        "model": {"hidden": [128, 128], **SGD},
+        "epochs": 2,
+    }
+    straight = run_ranks({"fits": [{**common, "checkpoint_dir": str(ckpt_dir)}]}, name="straight")
+    mid_run = ckpt_dir / "epoch=0.ckpt"
+    resumed = run_ranks({"fits": [{**common, "resume_from": str(mid_run)}]}, name="resumed")
+    for rank in range(2):
+        assert torch.equal(resumed[rank][0]["params"], straight[0][0]["params"])
+    entry = torch.load(mid_run, weights_only=True)[CHECKPOINT_KEY]
+    factors = entry["ranks"][0]["compressor"]["q"]
+    assert factors["net.0.weight"].shape == (64, 2) and factors["net.2.weight"].shape == (128, 2)
+    assert torch.equal(factors["net.0.weight"], entry["ranks"][1]["compressor"]["q"]["net.0.weight"])  # shared
