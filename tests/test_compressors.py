@@ -52,6 +52,10 @@ def test_arguments_go_to_the_compressor_or_to_ddp() -> None:
         ({"compressor": "topk", "bucket_cap": 4}, "DDP takes"),
         ({"compressor": "topk", "compress_ratio": 0}, "`compress_ratio` must be in (0, 1], got 0"),
         ({"compressor": 3}, "or a lightning_gc Compressor, got 3"),
+        ({"compressor": "qsgd", "levels": 1}, "`levels` must be an integer in [2, 127], got 1"),
+        ({"compressor": "powersgd", "rank": 0}, "`rank` must be an integer >= 1, got 0"),
+        ({"compressor": "signsgd", "chunk_size": 4}, "`chunk_size` must be an integer >= 8, got 4"),
+        ({"compressor": "fft", "bits": 3}, "`bits` must be one of [4, 8, 16], got 3"),
     ],
 )
 def test_bad_compressor_arguments_fail_at_construction(kwargs: dict, message: str) -> None:
@@ -136,6 +140,17 @@ def test_unbiased_compressors_average_to_their_input(name: str) -> None:
         step_size = float(scale) / compressor.levels
         error = (segment.of(mean) - part).abs().max().item()
         assert error < 5 * step_size / (2 * samples**0.5), (segment.name, error, step_size)
+
+
+@pytest.mark.parametrize(("name", "mantissa_bits"), [("fp16", 10), ("bf16", 7)])
+def test_half_precision_casts_round_within_their_precision(name: str, mantissa_bits: int) -> None:
+    layout, _ = _layout_and_params([(50, 40), (40,)])
+    x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    decoded, encoded, sent = _round_trip(create(name), x, layout, step=0)
+    relative = ((decoded - x).abs() / x.abs()).max().item()
+    assert 0 < relative <= 2.0 ** -(mantissa_bits + 1)  # round to nearest: half an ulp
+    assert sent == 2 * layout.numel
+    torch.testing.assert_close(encoded.dense_sent.float(), decoded)  # memory keeps exactly the rounding
 
 
 def test_signsgd_sends_scaled_signs_per_tensor_or_chunk() -> None:
