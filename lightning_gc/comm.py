@@ -12,6 +12,9 @@ tensor, so the output buffer is captured and returned explicitly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.futures import Future
@@ -19,13 +22,32 @@ from torch.futures import Future
 ProcessGroup = dist.ProcessGroup | None
 
 
+def _resolving_to(tensor: torch.Tensor) -> Callable[[Future[Any]], torch.Tensor]:
+    """A ``.then`` callback returning ``tensor``; it reads the collective's result first, so a
+    failed collective (a dead peer, a timeout) fails the chained future instead of passing on
+    whatever the buffer holds."""
+
+    def done(future: Future[Any]) -> torch.Tensor:
+        future.value()
+        return tensor
+
+    return done
+
+
 def allreduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> Future[torch.Tensor]:
     """Sum ``tensor`` over ranks, in place; the future resolves to ``tensor``."""
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return work.get_future().then(lambda _: tensor)
+    return work.get_future().then(_resolving_to(tensor))
 
 
 def allgather_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGroup) -> Future[torch.Tensor]:
     """Concatenate every rank's equally sized ``payload`` into ``out`` (rank order); resolves to ``out``."""
     work = dist.all_gather_into_tensor(out, payload, group=group, async_op=True)
-    return work.get_future().then(lambda _: out)
+    return work.get_future().then(_resolving_to(out))
+
+
+def any_rank(flag: torch.Tensor, group: ProcessGroup) -> bool:
+    """Whether ``flag`` (a boolean 0-d tensor) is true on any rank; blocking, called on every rank."""
+    value = flag.to(torch.int32).reshape(1)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())

@@ -27,11 +27,14 @@ import torch.distributed as dist
 from torch.futures import Future, collect_all
 
 from lightning_gc import comm
+from lightning_gc._validation import check_choice
 from lightning_gc.compressors.base import Compressor, Encoded
 from lightning_gc.compressors.simple import NoCompressor
 from lightning_gc.layout import BucketLayout
 from lightning_gc.memory import BucketMemory, CompensationMemory
 from lightning_gc.stats import CompressionStats
+
+NONFINITE_POLICIES = ("raise", "skip")
 
 
 def reaches_wire_ratio(compressor: Compressor, layout: BucketLayout, element_size: int, min_ratio: float) -> bool:
@@ -50,6 +53,17 @@ class CompressionHookState:
         min_wire_ratio: buckets on which the compressor would not reach this wire ratio (dense
             bytes / bytes sent) are sent exactly through one all-reduce instead. The decision
             depends on the layout and the compressor's settings only, so every rank agrees.
+        nonfinite: what a NaN/Inf in a local gradient does. ``"raise"``: ``FloatingPointError``
+            naming the parameters, before anything enters memory (one host sync per bucket).
+            ``"skip"``: every rank skips the step, and memory, compressor state and step counter
+            are rolled back to before it (each bucket's state is copied aside once per step; one
+            4-byte all-reduce per step in :meth:`settle_step` makes every rank agree).
+
+    Attributes:
+        grad_scale: the loss scale of a mixed-precision grad scaler, set by the strategy before
+            each step (``None``: none). Memory then works on unscaled gradients (``g / s``) and
+            the decoded result is scaled back, so the scaler's unscaling and overflow checks see
+            what they expect; non-finite steps are always skipped then, as the scaler expects.
     """
 
     def __init__(
@@ -59,9 +73,15 @@ class CompressionHookState:
         names: dict[int, tuple[str, int]],
         process_group: dist.ProcessGroup | None = None,
         min_wire_ratio: float = 1.0,
+        nonfinite: str = "raise",
     ) -> None:
         self.compressor = compressor
         self.min_wire_ratio = min_wire_ratio
+        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        self.grad_scale: float | None = None
+        self._nonfinite_seen: torch.Tensor | None = None
+        self._step_open = False
+        self._rollback: dict[str, Any] = {}
         self.uncompressed = NoCompressor()
         self.memory = memory
         self.names = names
@@ -89,6 +109,44 @@ class CompressionHookState:
             return self.compressor
         return self.uncompressed
 
+    # ------------------------------------------------------------------ non-finite gradients
+    @property
+    def guards_steps(self) -> bool:
+        """Whether steps are backed up so that a non-finite one can be skipped on every rank."""
+        return self.nonfinite == "skip" or self.grad_scale is not None
+
+    def screen(self, grad: torch.Tensor, layout: BucketLayout, memory: BucketMemory) -> None:
+        """Check the bucket's local gradient before it enters memory (see ``nonfinite``)."""
+        finite = torch.isfinite(grad).all()
+        if self.guards_steps:
+            if not self._step_open:
+                self._rollback = {"step": self.step, "compressor": self.compressor.state_dict()}
+                self._step_open = True
+            self.memory.back_up(memory)
+            bad = finite.logical_not()
+            self._nonfinite_seen = bad if self._nonfinite_seen is None else self._nonfinite_seen | bad
+        elif not bool(finite):
+            names = [s.name for s in layout.segments if not bool(torch.isfinite(s.of(grad)).all())]
+            raise FloatingPointError(
+                f"lightning_gc: non-finite gradient on rank {self.rank} in {names} (step {self.step}); "
+                "nothing of it entered the compression memory. Pass nonfinite='skip' to skip such steps instead"
+            )
+
+    def settle_step(self) -> bool:
+        """After a synchronising backward pass, on every rank: whether any rank saw a non-finite
+        gradient, in which case memory, compressor state and step counter are rolled back."""
+        if not self._step_open:
+            return False
+        assert self._nonfinite_seen is not None
+        skip = comm.any_rank(self._nonfinite_seen, self.process_group)
+        if skip:
+            self.memory.roll_back()
+            self.compressor.load_state_dict(self._rollback["compressor"])
+            self.step = self._rollback["step"]
+        self.memory.end_of_step()
+        self._nonfinite_seen, self._step_open, self._rollback = None, False, {}
+        return skip
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's resumable state: step counter, memory and the compressor's own state."""
         return {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
@@ -108,6 +166,15 @@ def commit(memory: CompensationMemory, bucket_memory: BucketMemory, encoded: Enc
         positions = None if encoded.dense_all else encoded.dense_positions
         memory.commit_dense(bucket_memory, positions, encoded.dense_sent)
     memory.end_step(bucket_memory)
+
+
+def exchange_failed(state: CompressionHookState, layout: BucketLayout, error: Exception) -> RuntimeError:
+    """The error a failed collective becomes: which bucket and rank, and the likely cause."""
+    return RuntimeError(
+        f"lightning_gc: the gradient exchange of bucket {layout.index} ({len(layout.segments)} parameters) failed "
+        f"on rank {state.rank} of {state.world_size} at step {state.step}: a peer process died, timed out or the "
+        f"network failed. The last checkpoint is untouched; resume from it with the same world size. Cause: {error}"
+    )
 
 
 def launch(encoded: Encoded, group: dist.ProcessGroup | None) -> Future[Any]:
@@ -132,19 +199,32 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     grad = bucket.buffer()
     layout = state.layout_for(bucket)
     memory = state.memory.bucket(layout, grad)
-    velocity = state.memory.compensate(memory, grad, bucket.parameters(), state.world_size)
+    state.screen(grad, layout, memory)
+    if state.grad_scale is not None:
+        grad.div_(state.grad_scale)  # memory keeps unscaled gradients; the scale is a power of 2: exact
+    params = bucket.parameters()
+    absent = [segment for segment, param in zip(layout.segments, params) if param.grad is None]
+    aside = state.memory.set_aside(memory, absent) if absent else []
+    velocity = state.memory.compensate(memory, grad, params, state.world_size)
+    for segment in absent:
+        segment.of(velocity).zero_()  # nothing of a parameter without a gradient is sent
     compressor = state.compressor_for(layout, grad.element_size())
     encoded = compressor.encode(velocity, grad, layout, step=state.step, world_size=state.world_size, rank=state.rank)
     bytes_sent, elements_sent, waited = 0, 0, 0.0
     while encoded.next_round is not None:  # earlier rounds complete here, so launch order is bucket order
         bytes_sent, elements_sent = bytes_sent + encoded.bytes_sent, elements_sent + encoded.elements_sent
         wait_started = time.perf_counter()
-        launch(encoded, state.process_group).wait()
+        try:
+            launch(encoded, state.process_group).wait()
+        except Exception as error:
+            raise exchange_failed(state, layout, error) from error
         waited += time.perf_counter() - wait_started
         encoded = encoded.next_round()
     if not encoded.commit_after_decode:
         commit(state.memory, memory, encoded)
+        state.memory.put_back(memory, aside)
     joined = launch(encoded, state.process_group)
+    scale = state.grad_scale
     if bucket.is_last():
         state.step += 1
     state.stats.add(
@@ -155,11 +235,18 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
         seconds=time.perf_counter() - started - waited,
     )
 
-    def decode(_: Any) -> torch.Tensor:
+    def decode(done: Future[Any]) -> torch.Tensor:
+        try:
+            done.value()
+        except Exception as error:
+            raise exchange_failed(state, layout, error) from error
         decode_started = time.perf_counter()
         compressor.decode(encoded, grad, world_size=state.world_size)
         if encoded.commit_after_decode:
             commit(state.memory, memory, encoded)
+            state.memory.put_back(memory, aside)
+        if scale is not None:
+            grad.mul_(scale)
         state.stats.add(seconds=time.perf_counter() - decode_started)
         return grad
 

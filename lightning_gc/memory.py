@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_gc import kernels
-from lightning_gc.layout import BucketLayout
+from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.momentum import NO_MOMENTUM, MomentumSpec
 
 _STATE_NAMES = ("velocity", "momentum")
@@ -63,6 +63,8 @@ class BucketMemory:
     momentum: torch.Tensor | None
     spec_version: int = -1
     pieces: list[CompensationPiece] = field(default_factory=list)
+    backup: list[torch.Tensor] = field(default_factory=list)  # copies of (velocity, momentum), reused
+    backed_up: bool = False  # the backup holds the state before the current step
 
 
 class CompensationMemory:
@@ -101,6 +103,15 @@ class CompensationMemory:
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ configuration
+    def config(self) -> dict[str, object]:
+        """The settings every rank must share (plain data)."""
+        return {
+            "momentum_correction": self.momentum_correction,
+            "momentum_masking": self.momentum_masking,
+            "clip_norm": self.clip_norm,
+            "error_feedback": self.error_feedback,
+        }
+
     def set_specs(self, specs: dict[str, MomentumSpec]) -> None:
         """Set each parameter's momentum recurrence (by name); ignored without momentum correction."""
         specs = specs if self.momentum_correction else {}
@@ -232,6 +243,48 @@ class CompensationMemory:
         """After the bucket's commits: without error feedback, forget the residual."""
         if not self.error_feedback:
             memory.velocity.zero_()
+
+    # ------------------------------------------------------------------ parameters without a gradient
+    def set_aside(self, memory: BucketMemory, segments: list[Segment]) -> list[tuple[Segment, list[torch.Tensor]]]:
+        """Copies of the state of ``segments``: parameters that got no gradient this step (unused
+        in the forward pass). The hook zeroes their velocity before encoding, so nothing of them
+        is sent (DDP would drop it for a globally unused parameter), and :meth:`put_back` restores
+        them after the commit: like ``torch.optim.SGD`` skipping a parameter whose ``grad`` is
+        ``None``, their residual and momentum are kept as they were, and no weight decay applies."""
+        return [(s, [s.of(t).clone() for t in (memory.velocity, memory.momentum) if t is not None]) for s in segments]
+
+    def put_back(self, memory: BucketMemory, aside: list[tuple[Segment, list[torch.Tensor]]]) -> None:
+        """Restore what :meth:`set_aside` copied."""
+        state = [t for t in (memory.velocity, memory.momentum) if t is not None]
+        for segment, copies in aside:
+            for tensor, copy in zip(state, copies):
+                segment.of(tensor).copy_(copy)
+
+    # ------------------------------------------------------------------ rolling a step back
+    def back_up(self, memory: BucketMemory) -> None:
+        """Copy the bucket's state aside, once per step, so that :meth:`roll_back` can undo the step
+        (used when a step must be skipped, e.g. for non-finite gradients). Buffers are reused."""
+        if memory.backed_up:
+            return
+        state = [t for t in (memory.velocity, memory.momentum) if t is not None]
+        if [b.shape for b in memory.backup] != [t.shape for t in state]:
+            memory.backup = [torch.empty_like(t) for t in state]
+        for copy, tensor in zip(memory.backup, state):
+            copy.copy_(tensor)
+        memory.backed_up = True
+
+    def roll_back(self) -> None:
+        """Restore every bucket backed up in this step to its state before the step."""
+        for memory in self._buckets.values():
+            if memory.backed_up:
+                state = [t for t in (memory.velocity, memory.momentum) if t is not None]
+                for tensor, copy in zip(state, memory.backup):
+                    tensor.copy_(copy)
+
+    def end_of_step(self) -> None:
+        """The step is settled: the next :meth:`back_up` copies afresh."""
+        for memory in self._buckets.values():
+            memory.backed_up = False
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:

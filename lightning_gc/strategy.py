@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,16 +21,17 @@ import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gc._validation import check_range
+from lightning_gc._validation import check_choice, check_int, check_range
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
 from lightning_gc.compressors.registry import available as available_compressors
 from lightning_gc.compressors.registry import create as create_compressor
-from lightning_gc.hook import CompressionHookState, compression_hook
+from lightning_gc.consistency import verify_same_parameters, verify_same_setup
+from lightning_gc.hook import NONFINITE_POLICIES, CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec, absorb_sgd_momentum
 
@@ -72,6 +74,10 @@ def resolve_compressor(compressor: str | Compressor, kwargs: dict[str, Any], *, 
     return compressor
 
 
+class _SkippedStep(Exception):
+    """Raised inside the optimizer closure to skip ``optimizer.step`` on every rank."""
+
+
 class GradientCompressionStrategy(DDPStrategy):
     """DDP with compressed gradient exchange.
 
@@ -96,10 +102,19 @@ class GradientCompressionStrategy(DDPStrategy):
         log_stats: log ``gc/bytes_sent``, ``gc/dense_bytes``, ``gc/wire_ratio``, ``gc/density``
             and ``gc/compress_s`` after every optimizer step. Running sums over all steps are kept
             in :attr:`totals` either way.
+        nonfinite: a NaN/Inf in a local gradient: ``"raise"`` (default) stops with
+            ``FloatingPointError`` naming the parameters before anything enters memory;
+            ``"skip"`` skips the step on every rank and rolls memory back. Under a mixed-precision
+            grad scaler ("16-mixed") such steps are always skipped and the scaler backs off.
+        verify_every_n_steps: every so many optimizer steps, compare a checksum of every
+            parameter across ranks and raise naming the first that differs (``None``: only the
+            setup check of configuration and model layout, which always runs).
         **kwargs: the named compressor's arguments (e.g. ``compress_ratio``), and anything
             :class:`~lightning.pytorch.strategies.DDPStrategy` or ``DistributedDataParallel``
             take (e.g. ``bucket_cap_mb``, ``find_unused_parameters``, ``start_method``,
-            ``timeout``). Unknown names raise ``ValueError`` here, not at setup.
+            ``timeout``). Unknown names raise ``ValueError`` here, not at setup. ``timeout`` (a
+            ``timedelta`` or seconds; torch's default is 30 minutes) bounds every collective: a
+            rank whose peer died stops with an error within it (on gloo, usually at once).
     """
 
     def __init__(
@@ -113,6 +128,8 @@ class GradientCompressionStrategy(DDPStrategy):
         error_feedback: bool | None = None,
         min_wire_ratio: float = 1.0,
         log_stats: bool = True,
+        nonfinite: str = "raise",
+        verify_every_n_steps: int | None = None,
         **kwargs: Any,
     ) -> None:
         owned = sorted(set(kwargs) & set(_OWNED_DDP_ARGUMENTS))
@@ -122,6 +139,9 @@ class GradientCompressionStrategy(DDPStrategy):
                 "(use DDPStrategy directly for a custom hook)"
             )
         compressor = resolve_compressor(compressor, kwargs, owner=type(self).__name__)
+        if "timeout" in kwargs and not isinstance(kwargs["timeout"], timedelta):
+            seconds = check_range("timeout", kwargs["timeout"], 0.0, None, low_inclusive=False)
+            kwargs["timeout"] = timedelta(seconds=seconds)  # seconds, as configs write it
         if momentum is not None:
             check_range("momentum", momentum, 0.0, 1.0, high_inclusive=False)
             if not momentum_correction:
@@ -131,6 +151,10 @@ class GradientCompressionStrategy(DDPStrategy):
         if clip_norm is not None:
             check_range("clip_norm", clip_norm, 0.0, None, low_inclusive=False)
         self.min_wire_ratio = check_range("min_wire_ratio", min_wire_ratio, 0.0, None, low_inclusive=False)
+        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        if verify_every_n_steps is not None:
+            check_int("verify_every_n_steps", verify_every_n_steps, 1)
+        self.verify_every_n_steps = verify_every_n_steps
         super().__init__(**kwargs)
         self.compressor = compressor
         self.explicit_momentum = momentum
@@ -148,7 +172,7 @@ class GradientCompressionStrategy(DDPStrategy):
             error_feedback=error_feedback,
         )
         self.log_stats = log_stats
-        self.totals = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0}
+        self.totals = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "skipped_steps": 0}
         self._hook_state: CompressionHookState | None = None
         self._pending_state: dict[str, Any] | None = None
 
@@ -185,8 +209,14 @@ class GradientCompressionStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         names = {id(p): (name, order) for order, (name, p) in enumerate(self.model.module.named_parameters())}
         self._hook_state = CompressionHookState(
-            self.compressor, self.memory, names, self.model.process_group, min_wire_ratio=self.min_wire_ratio
+            self.compressor,
+            self.memory,
+            names,
+            self.model.process_group,
+            min_wire_ratio=self.min_wire_ratio,
+            nonfinite=self.nonfinite,
         )
+        verify_same_setup(self._setup_description(), self.model.process_group)
         if self._pending_state is not None:
             self._hook_state.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -195,11 +225,33 @@ class GradientCompressionStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            if self.memory.momentum_correction and len(self.optimizers) > 1:
+                raise ValueError(
+                    f"momentum_correction=True moves one optimizer's momentum into the compression memory, but "
+                    f"the model configures {len(self.optimizers)} optimizers; use one optimizer (param groups "
+                    "for different settings) or momentum_correction=False"
+                )
             self._hand_over_momentum(announce=True)
+
+    def _setup_description(self) -> dict[str, Any]:
+        """What every rank must agree on: compressor, memory settings and the model's parameters."""
+        assert isinstance(self.model, DistributedDataParallel)
+        return {
+            "compressor": self.compressor.config(),
+            "memory": self.memory.config(),
+            "strategy": {"min_wire_ratio": self.min_wire_ratio, "nonfinite": self.nonfinite},
+            "parameters": [
+                (name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                for name, p in self.model.module.named_parameters()
+            ],
+        }
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._hand_over_momentum(announce=False)  # picks up momentum rewritten by a scheduler
+        if self._hook_state is not None:
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            self._hook_state.grad_scale = None if scaler is None else float(scaler.get_scale())
 
     def _hand_over_momentum(self, *, announce: bool) -> None:
         if not self.memory.momentum_correction or self._hook_state is None:
@@ -227,9 +279,35 @@ class GradientCompressionStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ stats
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        try:
+            output = super().optimizer_step(optimizer, self._settling(closure, optimizer), model, **kwargs)
+        except _SkippedStep:
+            output = None
+            rank_zero_warn(f"lightning_gc: non-finite gradient; step {self.lightning_module.global_step} skipped")
         self._log_stats()
+        if self.verify_every_n_steps and self._hook_state is not None:
+            if self._hook_state.step % self.verify_every_n_steps == 0:
+                verify_same_parameters(self.model.module, self._hook_state.process_group)
         return output
+
+    def _settling(self, closure: Callable[[], Any], optimizer: Any) -> Callable[[], Any]:
+        """``closure`` (forward + backward) followed by settling the step's non-finite check on
+        every rank: a skipped step never reaches the optimizer (with a grad scaler, its gradients
+        are made infinite so the scaler skips the step and backs off its scale)."""
+
+        def settled() -> Any:
+            result = closure()
+            if self._hook_state is not None and self._hook_state.settle_step():
+                self.totals["skipped_steps"] += 1
+                if self._hook_state.grad_scale is None:
+                    raise _SkippedStep
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        if param.grad is not None:
+                            param.grad.fill_(float("inf"))
+            return result
+
+        return settled
 
     def _log_stats(self) -> None:
         if self._hook_state is None:

@@ -12,6 +12,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,16 +30,55 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch_ranks(worker: str, plan: dict[str, Any], out: Path, world_size: int = 2, timeout: float = 600) -> list[Any]:
+def launch_ranks(
+    worker: str,
+    plan: dict[str, Any],
+    out: Path,
+    world_size: int = 2,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """Run ``worker`` as ``world_size`` ranks on loopback (gloo) and return each rank's saved results."""
+    codes, logs = start_ranks(worker, plan, out, world_size, timeout, env)
+    if any(code != 0 for code in codes):
+        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + logs[r][-4000:] for r, c in enumerate(codes))
+        raise AssertionError(f"distributed worker failed:\n{tails}")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def start_ranks(
+    worker: str,
+    plan: dict[str, Any],
+    out: Path,
+    world_size: int = 2,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> tuple[list[int | None], list[str]]:
+    """Run ``worker`` as ``world_size`` ranks on loopback (gloo), with ``env`` added to the
+    environment; each rank's exit code and output. A rank still running after ``timeout``
+    seconds is killed and reported with code ``None``."""
     out.mkdir(parents=True, exist_ok=True)
     plan = {**plan, "out": str(out)}
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
+    for _ in range(3):  # a free port can be taken by another process before rank 0 listens on it
+        codes, logs = _run_once(worker, plan_path, out, world_size, timeout, env or {})
+        if not any("EADDRINUSE" in log for log in logs):
+            break
+    return codes, logs
+
+
+FAILURE_GRACE_S = 60.0
+"""Once a rank has failed, how long the others may take to notice and exit before being killed."""
+
+
+def _run_once(
+    worker: str, plan_path: Path, out: Path, world_size: int, timeout: float, env: dict[str, str]
+) -> tuple[list[int | None], list[str]]:
     port = _free_port()
     procs, logs = [], []
     for rank in range(world_size):
-        env = {
+        rank_env = {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -47,28 +87,35 @@ def launch_ranks(worker: str, plan: dict[str, Any], out: Path, world_size: int =
             "LOCAL_RANK": str(rank),
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1",
+            **env,
         }
         log = open(out / f"rank{rank}.log", "w")
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKERS / worker), str(plan_path)], env=env, stdout=log, stderr=subprocess.STDOUT
+                [sys.executable, str(WORKERS / worker), str(plan_path)],
+                env=rank_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         )
+    deadline = time.monotonic() + timeout
+    hung: set[int] = set()
     try:
-        codes = [p.wait(timeout=timeout) for p in procs]
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+            time.sleep(0.2)
     finally:
-        for p in procs:
+        for rank, p in enumerate(procs):
             if p.poll() is None:
+                hung.add(rank)
                 p.kill()
+                p.wait()
         for log in logs:
             log.close()
-    if any(codes):
-        tails = "\n".join(
-            f"--- rank {r} (exit {c}) ---\n" + (out / f"rank{r}.log").read_text()[-4000:] for r, c in enumerate(codes)
-        )
-        raise AssertionError(f"distributed worker failed:\n{tails}")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    codes = [None if rank in hung else p.returncode for rank, p in enumerate(procs)]
+    return codes, [(out / f"rank{r}.log").read_text() for r in range(world_size)]
 
 
 @pytest.fixture

@@ -6,8 +6,16 @@ from typing import Any
 
 import pytest
 
-from lightning_gc import DGCCompressor, DGCStrategy, SparsityWarmup
-from lightning_gc.compressors import QSGDCompressor, RandomKCompressor
+from lightning_gc import DGCCompressor, DGCStrategy, GradientCompressionStrategy, SparsityWarmup
+from lightning_gc.compressors import (
+    FFTCompressor,
+    OneBitCompressor,
+    PowerSGDCompressor,
+    QSGDCompressor,
+    RandomKCompressor,
+    SignSGDCompressor,
+    TopKCompressor,
+)
 
 CASES: list[tuple[type, dict[str, Any], str, str]] = [
     # (constructor, kwargs, argument named in the message, allowed range/choices named in the message)
@@ -28,7 +36,26 @@ CASES: list[tuple[type, dict[str, Any], str, str]] = [
     (DGCStrategy, {"ddp_comm_hook": print}, "ddp_comm_hook", "own DDP comm hook"),
     (DGCStrategy, {"min_wire_ratio": 0.0}, "min_wire_ratio", "(0, inf]"),
     (DGCStrategy, {"bucket_cap": 4}, "bucket_cap", "DDP takes"),
+    (DGCStrategy, {"nonfinite": "ignore"}, "nonfinite", "['raise', 'skip']"),
+    (DGCStrategy, {"verify_every_n_steps": 0}, "verify_every_n_steps", ">= 1"),
+    (DGCStrategy, {"timeout": -5}, "timeout", "(0, inf]"),
+    (GradientCompressionStrategy, {"compressor": "zstd"}, "compressor", "'powersgd'"),
+    (
+        GradientCompressionStrategy,
+        {"compressor": "qsgd", "error_feedback": False, "momentum_correction": True},
+        "error_feedback",
+        "momentum correction",
+    ),
     (DGCCompressor, {"compress_ratio": 2.0}, "compress_ratio", "(0, 1]"),
+    (PowerSGDCompressor, {"rank": 0}, "rank", ">= 1"),
+    (PowerSGDCompressor, {"min_compression_rate": -1.0}, "min_compression_rate", "(0, inf]"),
+    (PowerSGDCompressor, {"start_iter": -1}, "start_iter", ">= 0"),
+    (PowerSGDCompressor, {"seed": -1}, "seed", ">= 0"),
+    (FFTCompressor, {"bits": 5}, "bits", "[4, 8, 16]"),
+    (FFTCompressor, {"compress_ratio": 0.0}, "compress_ratio", "(0, 1]"),
+    (SignSGDCompressor, {"chunk_size": 2}, "chunk_size", ">= 8"),
+    (OneBitCompressor, {"chunk_size": 0}, "chunk_size", ">= 8"),
+    (TopKCompressor, {"value_dtype": "float64"}, "value_dtype", "['float32', 'float16', 'bfloat16']"),
     (QSGDCompressor, {"levels": 1}, "levels", "in [2, 127]"),
     (QSGDCompressor, {"levels": 128}, "levels", "in [2, 127]"),
     (RandomKCompressor, {"compress_ratio": 1.0}, "compress_ratio", "(0, 1)"),

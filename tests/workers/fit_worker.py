@@ -5,9 +5,19 @@ the way torchrun or a cluster scheduler launches Lightning, so Lightning uses th
 as they are (no re-launch). Each fit of the plan is a dict::
 
     {"strategy": {"kind": "ddp" | "dgc" | "gc", ...strategy kwargs},
-     "model": {...DigitsClassifier kwargs}, "data": {...DigitsDataModule kwargs},
+     "rank_strategy": {"<rank>": {...strategy kwargs overriding "strategy" on that rank}},
+     "model": {...DigitsClassifier kwargs}, "variant": "groups" | "unused" | "evaluable" | None,
+     "data": {...DigitsDataModule kwargs},
      "epochs": int, "seed": int, "warmup": {...SparsityWarmup kwargs} | None,
-     "checkpoint_dir": str | None, "resume_from": str | None, "csv_dir": str | None}
+     "checkpoint_dir": str | None, "resume_from": str | None, "csv_dir": str | None,
+     "trainer": {...extra Trainer kwargs: precision, accumulate_grad_batches, gradient_clip_val;
+                 "fp16_with_scaler": true for fp16 autocast with a GradScaler on the CPU},
+     "faults": [{"rank": r, "step": s, "kind": "kill" | "nan" | "perturb"}],
+     "after_fit": bool (run validate, test and predict after fit)}
+
+Faults happen at the start of global step ``s`` on rank ``r``: ``kill`` SIGKILLs the process,
+``nan`` makes the first layer's gradient NaN for that step, ``perturb`` nudges a weight on that
+rank only (a silent divergence).
 
 and yields, per rank: final parameters, parameters and metrics after every epoch, and the
 comm hook's bucket bookkeeping. Results go to ``<out>/rank<r>.pt``.
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -24,6 +35,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy, SparsityWarmup
@@ -46,6 +58,69 @@ class EpochRecorder(Callback):
         self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
+class FaultInjector(Callback):
+    """Injects the plan's faults on this rank (see the module docstring)."""
+
+    def __init__(self, faults: list[dict[str, Any]], rank: int) -> None:
+        self.faults = {f["step"]: f["kind"] for f in faults if f["rank"] == rank}
+        self.handle: Any = None
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        kind = self.faults.get(trainer.global_step)
+        first = next(pl_module.parameters())
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "nan":
+            self.handle = first.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+        elif kind == "perturb":
+            with torch.no_grad():
+                first.add_(1e-3)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+class GroupsAndScheduler(DigitsClassifier):
+    """Two param groups (different LR and weight decay) and a step LR schedule."""
+
+    def configure_optimizers(self) -> Any:
+        h = self.hparams
+        first, rest = list(self.net[0].parameters()), [p for layer in self.net[1:] for p in layer.parameters()]
+        optimizer = torch.optim.SGD(
+            [{"params": first, "lr": h.lr * 0.5, "weight_decay": 0.0}, {"params": rest}],
+            lr=h.lr,
+            momentum=h.momentum,
+            weight_decay=h.weight_decay,
+        )
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 10, gamma=0.5)}
+
+
+class WithUnusedLayer(DigitsClassifier):
+    """Has a layer that forward never uses (needs ``find_unused_parameters=True``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.unused = torch.nn.Linear(64, 64)
+
+
+class Evaluable(DigitsClassifier):
+    """Adds test and predict steps, for ``Trainer.test``/``predict`` after a compressed fit."""
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("test/loss", torch.nn.functional.cross_entropy(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(dim=1)
+
+
+VARIANTS = {None: DigitsClassifier, "groups": GroupsAndScheduler, "unused": WithUnusedLayer, "evaluable": Evaluable}
+
+
 def make_strategy(spec: dict[str, Any]) -> DDPStrategy:
     spec = dict(spec)
     kind = spec.pop("kind")
@@ -60,16 +135,20 @@ def make_strategy(spec: dict[str, Any]) -> DDPStrategy:
 
 def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
     L.seed_everything(fit.get("seed", 0), workers=True, verbose=False)
-    model = DigitsClassifier(**fit.get("model", {}))
+    rank = int(os.environ["LOCAL_RANK"])
+    model = VARIANTS[fit.get("variant")](**fit.get("model", {}))
     data = DigitsDataModule(**fit.get("data", {}))
-    strategy = make_strategy(fit["strategy"])
+    strategy = make_strategy({**fit["strategy"], **fit.get("rank_strategy", {}).get(str(rank), {})})
     recorder = EpochRecorder()
-    callbacks: list[Callback] = [recorder]
+    callbacks: list[Callback] = [recorder, FaultInjector(fit.get("faults", []), rank)]
     if fit.get("warmup") is not None:
         callbacks.append(SparsityWarmup(**fit["warmup"]))
     if fit.get("checkpoint_dir"):
         callbacks.append(ModelCheckpoint(dirpath=fit["checkpoint_dir"], filename="{epoch}", save_top_k=-1))
     logger = CSVLogger(fit["csv_dir"], name="", version=0) if fit.get("csv_dir") else False
+    trainer_kwargs = dict(fit.get("trainer", {}))
+    if trainer_kwargs.pop("fp16_with_scaler", False):  # Lightning turns "16-mixed" into bf16 on CPU
+        trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -84,9 +163,15 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
         deterministic=True,
         num_sanity_val_steps=0,
         limit_val_batches=fit.get("limit_val_batches", 0),
+        **trainer_kwargs,
     )
     trainer.fit(model, data, ckpt_path=fit.get("resume_from"))
-    result: dict[str, Any] = {
+    result: dict[str, Any] = {}
+    if fit.get("after_fit"):
+        result["validate"] = trainer.validate(model, data.val_dataloader(), verbose=False)
+        result["test"] = trainer.test(model, data.val_dataloader(), verbose=False)
+        result["predict"] = trainer.predict(model, data.val_dataloader())
+    result |= {
         "params": flat_parameters(model),
         "epoch_params": recorder.params,
         "epoch_metrics": recorder.metrics,
@@ -98,6 +183,9 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
         result["layouts_built"] = hook.layouts_built
         result["hook_step"] = hook.step
         result["memory_entries"] = sorted({key for entry in hook.memory.state_dict().values() for key in entry})
+        result["memory"] = hook.memory.state_dict()
+        result["totals"] = dict(strategy.totals)
+        result["grad_scale"] = hook.grad_scale
     return result
 
 

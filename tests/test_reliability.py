@@ -1,0 +1,255 @@
+"""Faults, bad setups and the Lightning features users combine with compression (2 real gloo ranks)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import launch_ranks, start_ranks
+
+from lightning_gc import available
+from lightning_gc.compressors import DGCCompressor
+from lightning_gc.memory import CompensationMemory
+from lightning_gc.momentum import MomentumSpec
+from lightning_gc.strategy import CHECKPOINT_KEY
+
+SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
+SMALL = {"hidden": [64], **SGD}
+STEPS_PER_EPOCH = 22  # 1,438 training digits, batch 32, 2 ranks
+COMPRESSOR_ARGUMENTS = {
+    "dgc": {"compress_ratio": 0.01},
+    "topk": {"compress_ratio": 0.05},
+    "fft": {"compress_ratio": 0.05},
+}
+
+
+def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# DDP lays a bucket out afresh on the first iteration after a resume; MKL's matrix products
+# (PowerSGD) round differently at different memory alignments unless asked not to.
+REPRODUCIBLE_BLAS = {"MKL_CBWR": "COMPATIBLE"}
+
+
+def test_every_compressor_resumes_exactly(tmp_path: Path) -> None:
+    """Stop after epoch 0, resume from its checkpoint: parameters bitwise equal to the straight run."""
+    names = available()
+    fits = {
+        name: {
+            "strategy": {"kind": "gc", "compressor": name, **COMPRESSOR_ARGUMENTS.get(name, {})},
+            "model": SMALL,
+            "epochs": 2,
+        }
+        for name in names
+    }
+    straight = launch_ranks(
+        "fit_worker.py",
+        {"fits": [{**fit, "checkpoint_dir": str(tmp_path / name)} for name, fit in fits.items()]},
+        tmp_path / "straight",
+        env=REPRODUCIBLE_BLAS,
+    )
+    resumed = launch_ranks(
+        "fit_worker.py",
+        {"fits": [{**fit, "resume_from": str(tmp_path / name / "epoch=0.ckpt")} for name, fit in fits.items()]},
+        tmp_path / "resumed",
+        env=REPRODUCIBLE_BLAS,
+    )
+    for index, name in enumerate(names):
+        for rank in range(2):
+            assert torch.equal(resumed[rank][index]["params"], straight[rank][index]["params"]), name
+        assert resumed[0][index]["hook_step"] == straight[0][index]["hook_step"] == 2 * STEPS_PER_EPOCH
+
+
+def test_a_killed_rank_stops_the_survivor_quickly_and_the_checkpoint_resumes_exactly(tmp_path: Path) -> None:
+    fit = {"strategy": {"kind": "dgc", "compress_ratio": 0.01, "timeout": 60}, "model": SMALL, "epochs": 2}
+    ckpts = tmp_path / "ckpts"
+    started = time.monotonic()
+    faults = [{"rank": 1, "step": STEPS_PER_EPOCH + 5, "kind": "kill"}]
+    codes, logs = start_ranks(
+        "fit_worker.py",
+        {"fits": [{**fit, "checkpoint_dir": str(ckpts), "faults": faults}]},
+        tmp_path / "killed",
+        timeout=240,
+    )
+    assert codes[1] == -9  # SIGKILL
+    assert codes[0] not in (0, None), "the survivor must exit with an error, not hang"
+    assert time.monotonic() - started < 120
+    assert "lightning_gc: the gradient exchange of bucket" in logs[0] and "a peer process died" in logs[0]
+
+    entry = torch.load(ckpts / "epoch=0.ckpt", weights_only=True)[CHECKPOINT_KEY]  # intact, both ranks' memory
+    assert len(entry["ranks"]) == 2
+    straight = launch_ranks("fit_worker.py", {"fits": [fit]}, tmp_path / "straight")
+    resumed = launch_ranks(
+        "fit_worker.py", {"fits": [{**fit, "resume_from": str(ckpts / "epoch=0.ckpt")}]}, tmp_path / "resumed"
+    )
+    for rank in range(2):
+        assert torch.equal(resumed[rank][0]["params"], straight[rank][0]["params"])
+
+
+def test_non_finite_gradient_raises_naming_the_parameter(tmp_path: Path) -> None:
+    fit = {"strategy": {"kind": "dgc", "compress_ratio": 0.01, "timeout": 60}, "model": SMALL, "epochs": 1}
+    fit["faults"] = [{"rank": 1, "step": 3, "kind": "nan"}]
+    codes, logs = start_ranks("fit_worker.py", {"fits": [fit]}, tmp_path / "nan", timeout=180)
+    assert codes[1] not in (0, None) and codes[0] not in (0, None)
+    assert "FloatingPointError: lightning_gc: non-finite gradient on rank 1 in ['net.0.weight'] (step 3)" in logs[1]
+
+
+def test_non_finite_steps_are_skipped_on_every_rank_and_rolled_back(run_ranks) -> None:
+    common = {"model": SMALL, "epochs": 2}
+    faults = [{"rank": 1, "step": 4, "kind": "nan"}, {"rank": 0, "step": 30, "kind": "nan"}]
+    fits = [
+        {**common, "strategy": {"kind": "dgc", "compress_ratio": 0.01, "nonfinite": "skip"}, "faults": faults},
+        {**common, "strategy": {"kind": "gc", "compressor": "powersgd", "nonfinite": "skip"}, "faults": faults},
+    ]
+    rank0, rank1 = run_ranks({"fits": fits})
+    for ours, theirs in zip(rank0, rank1):
+        assert ours["totals"]["skipped_steps"] == theirs["totals"]["skipped_steps"] == 2
+        assert torch.equal(ours["params"], theirs["params"]) and torch.isfinite(ours["params"]).all()
+        assert all(torch.isfinite(t).all() for entry in ours["memory"].values() for t in entry.values())
+        assert ours["hook_step"] == 2 * STEPS_PER_EPOCH - 2  # the skipped steps were rolled back
+        losses = [m["train/loss_epoch"] for m in ours["epoch_metrics"]]
+        assert losses[-1] < losses[0]
+
+
+def test_roll_back_restores_memory_exactly() -> None:
+    params = [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(30))]
+    names = {id(p): (f"p{i}", i) for i, p in enumerate(params)}
+    from lightning_gc.layout import BucketLayout
+
+    layout = BucketLayout.build(0, params, names, 1230)
+    memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
+    memory.set_specs({"p0": MomentumSpec(0.9), "p1": MomentumSpec(0.9)})
+    state = memory.bucket(layout, torch.zeros(1230))
+    memory.compensate(state, torch.randn(1230), params, world_size=2)
+    before = memory.state_dict()
+    memory.back_up(state)
+    memory.compensate(state, torch.full((1230,), float("nan")), params, world_size=2)
+    memory.back_up(state)  # a second back-up in the same step keeps the first copy
+    memory.roll_back()
+    memory.end_of_step()
+    after = memory.state_dict()
+    assert all(torch.equal(after[name][key], before[name][key]) for name in before for key in before[name])
+
+
+def test_ranks_set_up_differently_fail_at_setup_naming_the_difference(tmp_path: Path) -> None:
+    fit = {
+        "strategy": {"kind": "dgc", "compress_ratio": 0.001},
+        "rank_strategy": {"1": {"compress_ratio": 0.01}},
+        "model": SMALL,
+        "epochs": 1,
+    }
+    codes, logs = start_ranks("fit_worker.py", {"fits": [fit]}, tmp_path / "mismatch", timeout=180)
+    assert codes == [1, 1]
+    message = "rank 0 and rank 1 are set up differently at compressor.compress_ratio: 0.001 vs 0.01"
+    assert message in logs[0] and message in logs[1]
+
+
+def test_periodic_check_catches_ranks_that_diverged(tmp_path: Path) -> None:
+    fit = {"strategy": {"kind": "dgc", "verify_every_n_steps": 1}, "model": SMALL, "epochs": 1}
+    fit["faults"] = [{"rank": 1, "step": 5, "kind": "perturb"}]
+    codes, logs = start_ranks("fit_worker.py", {"fits": [fit]}, tmp_path / "diverged", timeout=180)
+    assert codes == [1, 1]
+    assert "parameters differ between ranks, first at 'net.0.weight'" in logs[0]
+
+
+def test_lightning_features_combined_with_compression(run_ranks) -> None:
+    """DDP's results with AMP (bf16; fp16 with its grad scaler) and gradient accumulation: exactly
+    through our path with compression off, within AMP's rounding with DGC at compress_ratio=1;
+    clipping, unused parameters, param groups with a scheduler and validate/test/predict after fit
+    work with compression on."""
+    dense, dgc, none = {"kind": "ddp"}, {"kind": "dgc", "compress_ratio": 1.0}, {"kind": "gc", "compressor": "none"}
+    twins = [{"precision": "bf16-mixed"}, {"fp16_with_scaler": True}, {"accumulate_grad_batches": 3}]
+    # AMP rounds activations to a few bits, so float-order differences between momentum in memory
+    # and in SGD (1e-7 in fp32) can flip roundings and grow; the exact path must match exactly.
+    tolerances = [1e-3, 1e-3, 1e-5]
+    fits = []
+    for trainer in twins:
+        fits += [{"strategy": s, "model": SMALL, "epochs": 1, "trainer": trainer} for s in (dense, dgc, none)]
+    compressed = {"kind": "dgc", "compress_ratio": 0.01}
+    fits += [
+        {"strategy": compressed, "model": SMALL, "epochs": 2, "trainer": {"gradient_clip_val": 0.5}},
+        {
+            "strategy": {**compressed, "clip_norm": 1.0},
+            "model": SMALL,
+            "epochs": 2,
+            "trainer": {"gradient_clip_val": 0.5},
+        },
+        {"strategy": {**compressed, "find_unused_parameters": True}, "variant": "unused", "model": SMALL, "epochs": 2},
+        {"strategy": compressed, "variant": "groups", "model": SMALL, "epochs": 2},
+        {
+            "strategy": compressed,
+            "variant": "evaluable",
+            "model": SMALL,
+            "epochs": 1,
+            "after_fit": True,
+            "limit_val_batches": 1.0,
+        },
+        {
+            "strategy": {**compressed, "compress_ratio": 0.05},
+            "model": SMALL,
+            "epochs": 2,
+            "trainer": {"fp16_with_scaler": True},
+        },
+    ]
+    rank0, rank1 = run_ranks({"fits": fits})
+    for index, trainer in enumerate(twins):
+        ddp, ours, exact = rank0[3 * index : 3 * index + 3]
+        assert ddp["global_step"] == ours["global_step"] > 0, trainer
+        assert _relative_difference(ours["params"], ddp["params"]) < tolerances[index], trainer
+        assert torch.equal(exact["params"], ddp["params"]), trainer
+    assert rank0[4]["grad_scale"] is not None and rank0[4]["grad_scale"] >= 1  # fp16: memory saw unscaled gradients
+    accumulated = rank0[7]
+    assert accumulated["hook_step"] == accumulated["global_step"]  # one exchange per optimizer step
+
+    for ours, theirs in zip(rank0, rank1):
+        assert torch.equal(ours["params"], theirs["params"])
+        assert torch.isfinite(ours["params"]).all()
+    for result in rank0[9:13] + rank0[14:]:
+        losses = [m["train/loss_epoch"] for m in result["epoch_metrics"]]
+        assert losses[-1] < losses[0], losses
+    unused = rank0[11]["memory"]["unused.weight"]
+    assert set(unused) == {"velocity", "momentum"}  # it keeps its state, untouched: no gradient, no decay
+    assert torch.count_nonzero(unused["velocity"]) == 0 and torch.count_nonzero(unused["momentum"]) == 0
+    after_fit = rank0[13]
+    assert 0.5 < after_fit["validate"][0]["val/acc"] <= 1.0 and after_fit["test"][0]["test/loss"] < 2.0
+    assert sum(len(batch) for batch in after_fit["predict"]) > 0
+    assert rank0[14]["grad_scale"] is not None
+
+
+def test_several_optimizers_with_momentum_correction_are_refused() -> None:
+    import lightning as L
+
+    from lightning_gc import DGCStrategy
+    from recipes.quickstart import DigitsClassifier, DigitsDataModule
+
+    class TwoOptimizers(DigitsClassifier):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.automatic_optimization = False  # Lightning's rule for several optimizers
+
+        def training_step(self, batch, batch_idx):  # type: ignore[override]
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            for optimizer in self.optimizers():
+                optimizer.step()
+                optimizer.zero_grad()
+
+        def configure_optimizers(self):  # type: ignore[override]
+            first, second = self.net[0].parameters(), self.net[2].parameters()
+            return [torch.optim.SGD(first, lr=0.1, momentum=0.9), torch.optim.SGD(second, lr=0.1)]
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=DGCStrategy(), max_steps=1, logger=False, enable_checkpointing=False
+    )
+    with pytest.raises(ValueError, match="configures 2 optimizers"):
+        trainer.fit(TwoOptimizers(hidden=[16]), DigitsDataModule())
+
+
+def test_dgc_compressor_checkpoint_holds_no_state() -> None:
+    compressor = DGCCompressor()
+    assert compressor.state_dict() == {}
+    with pytest.raises(ValueError, match="keeps no state"):
+        compressor.load_state_dict({"q": {}})
