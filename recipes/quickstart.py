@@ -66,6 +66,9 @@ class DigitsClassifier(L.LightningModule):
         optimizer: ``"sgd"`` or ``"adam"``.
     """
 
+    metric_name = "val/acc"
+    metric_mode = "max"
+
     def __init__(
         self,
         hidden: Sequence[int] = (1024, 1024),
@@ -107,50 +110,3 @@ class DigitsClassifier(L.LightningModule):
         return torch.optim.SGD(
             self.parameters(), lr=h.lr, momentum=h.momentum, nesterov=h.nesterov, weight_decay=h.weight_decay
         )
-
-
-def run_quickstart(epochs: int = 12, devices: int = 2, compress_ratio: float = 0.001) -> dict[str, dict[str, float]]:
-    """Train the digits MLP with DGC (paper warm-up) and with dense DDP; print and return the comparison.
-
-    Runs on ``devices`` CPU processes (Lightning launches the extra ones), fully offline.
-    """
-    from lightning.pytorch.strategies import DDPStrategy
-
-    from lightning_gc import DGCStrategy, SparsityWarmup
-
-    results: dict[str, dict[str, float]] = {}
-    runs = [
-        ("dgc", DGCStrategy(compress_ratio=compress_ratio), [SparsityWarmup()]),
-        ("dense ddp", DDPStrategy(), []),
-    ]
-    for label, strategy, callbacks in runs:
-        L.seed_everything(0, verbose=False)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=devices,
-            strategy=strategy,
-            max_epochs=epochs,
-            callbacks=callbacks,
-            logger=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(DigitsClassifier(), DigitsDataModule())
-        totals = getattr(strategy, "totals", None)
-        results[label] = {
-            "val_acc": float(trainer.callback_metrics["val/acc"]),
-            "bytes_sent": totals["bytes_sent"] if totals else float("nan"),
-            "dense_bytes": totals["dense_bytes"] if totals else float("nan"),
-            "last_step_wire_ratio": float(trainer.callback_metrics.get("gc/wire_ratio", float("nan"))),
-        }
-    if trainer.is_global_zero:
-        dgc, dense = results["dgc"], results["dense ddp"]
-        print(
-            f"\nquickstart: digits MLP ({sum(p.numel() for p in DigitsClassifier().parameters()):,} params), "
-            f"{devices} processes, {epochs} epochs\n"
-            f"  dense DDP  val acc {dense['val_acc']:.3f}   sent {dgc['dense_bytes'] / 1e6:8.2f} MB per rank\n"
-            f"  DGC        val acc {dgc['val_acc']:.3f}   sent {dgc['bytes_sent'] / 1e6:8.2f} MB per rank "
-            f"(wire compression {dgc['dense_bytes'] / dgc['bytes_sent']:.0f}x over the run with warm-up, "
-            f"{dgc['last_step_wire_ratio']:.0f}x per step after it)"
-        )
-    return results
