@@ -170,6 +170,14 @@ class LSTMLanguageModel(SGDTask):
         nn.init.uniform_(self.embed.weight, -0.1, 0.1)
         self.val_ppl = Perplexity()
 
+    def setup(self, stage: str) -> None:
+        data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
+        if data_vocab is not None and data_vocab != self.hparams.vocab_size:
+            raise ValueError(
+                f"`model.vocab_size={self.hparams.vocab_size}` but the corpus has {data_vocab} words; "
+                f"set model.vocab_size={data_vocab} (or data.vocab_size for synthetic data)"
+            )
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         out, _ = self.lstm(self.drop(self.embed(tokens)))
         return self.decoder(self.drop(out))
