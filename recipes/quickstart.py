@@ -20,6 +20,7 @@ from lightning_gc._validation import check_choice
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
+NUM_SAMPLES = 1797
 
 
 class DigitsDataModule(L.LightningDataModule):
@@ -29,21 +30,30 @@ class DigitsDataModule(L.LightningDataModule):
         batch_size: per-process batch size.
         val_fraction: share of the 1,797 images held out for validation.
         split_seed: seed of the train/validation split (identical on every rank).
+        synthetic: made-up features and labels of the same shapes instead of the digits.
     """
 
-    def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 0) -> None:
+    def __init__(
+        self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 0, synthetic: bool = False
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.split_seed = split_seed
+        self.synthetic = synthetic
 
     def setup(self, stage: str | None = None) -> None:
-        from sklearn.datasets import load_digits
+        if self.synthetic:  # same on every rank: seeded by split_seed
+            g = torch.Generator().manual_seed(self.split_seed)
+            x = torch.rand(NUM_SAMPLES, NUM_FEATURES, generator=g) * 16
+            y = torch.randint(NUM_CLASSES, (NUM_SAMPLES,), generator=g)
+        else:
+            from sklearn.datasets import load_digits
 
-        features, labels = load_digits(return_X_y=True)
-        x = torch.tensor(features, dtype=torch.float32)
+            features, labels = load_digits(return_X_y=True)
+            x = torch.tensor(features, dtype=torch.float32)
+            y = torch.tensor(labels, dtype=torch.long)
         x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-        y = torch.tensor(labels, dtype=torch.long)
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.split_seed))
         n_val = int(len(x) * self.val_fraction)
         val, train = order[:n_val], order[n_val:]

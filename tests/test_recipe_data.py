@@ -14,6 +14,7 @@ from recipes.common import WarmupMultiStep
 from recipes.images import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, ImageNetDataModule
 from recipes.language import PTBDataModule
 from recipes.speech import ALPHABET, SpeechDataModule, encode_text, greedy_decode, mel_filterbank
+from recipes.vision import ImageClassifier
 
 needs_ptb = pytest.mark.skipif(not (SHARED_DATA / "ptb").is_dir(), reason=f"no PTB files in {SHARED_DATA}")
 needs_librispeech = pytest.mark.skipif(
@@ -170,3 +171,27 @@ def test_ctc_text_helpers() -> None:
         encode_text("naïve")
     bank = mel_filterbank(n_fft=512, n_mels=40, sample_rate=16_000)
     assert bank.shape == (257, 40) and (bank.sum(0) > 0).all() and bank.max() <= 1.0
+
+
+def test_digits_synthetic_is_identical_on_every_rank() -> None:
+    from recipes.quickstart import DigitsDataModule
+
+    a, b = DigitsDataModule(synthetic=True), DigitsDataModule(synthetic=True)
+    a.setup()
+    b.setup()
+    assert a.train_set.tensors[0].shape == (1438, 64)
+    assert all(torch.equal(s, t) for s, t in zip(a.train_set.tensors, b.train_set.tensors))
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: ImageClassifier(arch="resnet21"), "`model.arch` must be one of"),
+        (lambda: SpeechDataModule(corpus="timit"), "`data.corpus` must be one of \\['librispeech', 'yesno'\\]"),
+        (lambda: PTBDataModule(batch_size=0), "`data.batch_size` must be an integer >= 1, got 0"),
+        (lambda: WarmupMultiStep(10, gamma=1.5), "`gamma` must be in \\(0, 1\\], got 1.5"),
+    ],
+)
+def test_bad_task_options_name_the_option_and_the_choices(build, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()
