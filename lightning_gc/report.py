@@ -72,7 +72,8 @@ def plot(rows: list[Row], out: Path) -> Path:
         ax.set_xlabel("compression ratio (fraction of elements sent)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.suptitle(str(rows[0][1].get("name", "")))
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from rich.console import Console
 
+from lightning_gc.report import main as report_main
 from lightning_gc.report import report
 from recipes.app import build_strategy
 
@@ -49,9 +50,12 @@ def test_multirun_over_the_ratio_writes_one_sweep_and_the_report(tmp_path: Path)
     assert png == sweep / "report.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_report_without_results_says_what_it_needs(tmp_path: Path) -> None:
+def test_report_without_results_says_what_it_needs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(FileNotFoundError, match="no result.json under"):
         report(tmp_path, Console(file=io.StringIO()))
+    with pytest.raises(SystemExit) as exit_info:
+        report_main([str(tmp_path)])  # python -m lightning_gc.report <dir>
+    assert exit_info.value.code == 2 and "no result.json under" in capsys.readouterr().err
 
 
 def test_unknown_recipe_lists_the_recipes() -> None:
