@@ -104,6 +104,7 @@ class RunRecorder(Callback):
             "metric_name": self.metric_name,
             "metric_mode": self.metric_mode,
             "metric": None if metric is None else _number(metric),
+            "params": sum(p.numel() for p in pl_module.parameters()),
             "epochs": trainer.current_epoch,
             "steps": steps,
             "world_size": trainer.world_size,

@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_gc import GradientCompressionStrategy
 from lightning_gc.results import RESULT_FILE, RunRecorder
 
 
@@ -30,6 +31,11 @@ def build_strategy(cfg: DictConfig, *, multirun: bool) -> Strategy:
 
     Bad arguments (unknown compressor, ``compress_ratio=0``, ...) raise here, before any process starts.
     """
+    if multirun and cfg.get("start_method") == "popen":
+        raise ValueError(
+            "`strategy.start_method=popen` cannot run inside a multirun: it re-runs the command line, `-m` "
+            "included, in every extra process; use spawn (the default in sweeps), fork or forkserver"
+        )
     extra = {"start_method": "spawn"} if multirun and "start_method" not in cfg else {}
     try:
         return instantiate(cfg, **extra)
@@ -58,17 +64,21 @@ def fit_once(cfg: DictConfig, strategy: Strategy, out_dir: Path, info: dict[str,
     return json.loads((out_dir / RESULT_FILE).read_text())
 
 
-def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any], params: int) -> str:
+def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any]) -> str:
     """The quickstart's closing lines: both metrics, megabytes sent per rank, wire compression."""
     label = "DGC" if compressed["strategy"] == "DGCStrategy" else str(compressed["compressor"])
     metric = compressed["metric_name"].replace("/", " ")
     per_step = compressed.get("last_step_wire_compression")
     after = f", {per_step:.0f}x per step after it" if per_step else ""
+
+    def value(result: dict[str, Any]) -> str:
+        return "n/a" if result["metric"] is None else f"{result['metric']:.3f}"
+
     return (
-        f"\n{cfg.name}: {cfg.description} ({params:,} params), {compressed['world_size']} processes, "
+        f"\n{cfg.name}: {cfg.description} ({compressed['params']:,} params), {compressed['world_size']} processes, "
         f"{compressed['epochs']} epochs\n"
-        f"  dense DDP  {metric} {dense['metric']:.3f}   sent {dense['bytes_sent'] / 1e6:8.2f} MB per rank\n"
-        f"  {label:<9}  {metric} {compressed['metric']:.3f}   sent {compressed['bytes_sent'] / 1e6:8.2f} MB per rank "
+        f"  dense DDP  {metric} {value(dense)}   sent {dense['bytes_sent'] / 1e6:8.2f} MB per rank\n"
+        f"  {label:<9}  {metric} {value(compressed)}   sent {compressed['bytes_sent'] / 1e6:8.2f} MB per rank "
         f"(wire compression {compressed['wire_compression']:.0f}x over the run with warm-up{after})"
     )
 
@@ -76,8 +86,11 @@ def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any
 def run(cfg: DictConfig, run_dir: Path, *, multirun: bool, overrides: list[str]) -> list[dict[str, Any]]:
     """Fit the configured run (and its dense twin with ``compare_dense``); return rank 0's results."""
     strategy = build_strategy(cfg.strategy, multirun=multirun)
-    if cfg.compare_dense and not hasattr(strategy, "compress_ratio") and not hasattr(strategy, "compressor"):
-        raise ValueError(f"`compare_dense=true` compares a compressed strategy with DDP, got {type(strategy).__name__}")
+    if cfg.compare_dense and not isinstance(strategy, GradientCompressionStrategy):
+        raise ValueError(
+            f"`compare_dense=true` compares a compressed strategy with dense DDP, but the strategy is "
+            f"{type(strategy).__name__}; add compare_dense=false"
+        )
     info = {
         "name": cfg.name,
         "overrides": overrides,
@@ -92,6 +105,5 @@ def run(cfg: DictConfig, run_dir: Path, *, multirun: bool, overrides: list[str])
         dense = fit_once(cfg, dense_strategy, run_dir / "dense", {**info, "name": f"{cfg.name}_dense"})
         if first is not None and dense is not None:
             results.append(dense)
-            params = sum(p.numel() for p in instantiate(cfg.model, _convert_="all").parameters())
-            print(comparison(cfg, first, dense, params), flush=True)
+            print(comparison(cfg, first, dense), flush=True)
     return results

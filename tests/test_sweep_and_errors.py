@@ -95,3 +95,5 @@ def test_strategy_arguments_are_checked_at_build_time() -> None:
         build_strategy(cfg.strategy, multirun=False)
     assert build_strategy(_compose().strategy, multirun=True)._start_method == "spawn"
     assert build_strategy(_compose().strategy, multirun=False)._start_method == "popen"
+    with pytest.raises(ValueError, match="`strategy.start_method=popen` cannot run inside a multirun"):
+        build_strategy(_compose("+strategy.start_method=popen").strategy, multirun=True)
