@@ -36,7 +36,7 @@ class WarmupMultiStep:
         self.warmup_epochs = check_range("warmup_epochs", warmup_epochs, 0.0)
         self.milestones = sorted(check_range("milestones[]", m, 0.0) for m in milestones)
         self.gamma = check_range("gamma", gamma, 0.0, 1.0, low_inclusive=False)
-        self.start = check_range("lr_warmup_start", start, 0.0, 1.0)
+        self.start = check_range("start", start, 0.0, 1.0)
 
     def __call__(self, step: int) -> float:
         epoch = step / self.steps_per_epoch
@@ -77,9 +77,15 @@ class SGDTask(L.LightningModule):
         lr_gamma: float = 0.1,
     ) -> None:
         super().__init__()
-        check_range("lr", lr, 0.0, low_inclusive=False)
-        check_range("momentum", momentum, 0.0, 1.0, high_inclusive=False)
-        check_range("weight_decay", weight_decay, 0.0)
+        # checked here, with the config's names, so a bad value fails before any process starts
+        check_range("model.lr", lr, 0.0, low_inclusive=False)
+        check_range("model.momentum", momentum, 0.0, 1.0, high_inclusive=False)
+        check_range("model.weight_decay", weight_decay, 0.0)
+        check_range("model.lr_warmup_epochs", lr_warmup_epochs, 0.0)
+        check_range("model.lr_warmup_start", lr_warmup_start, 0.0, 1.0)
+        for i, milestone in enumerate(lr_milestones):
+            check_range(f"model.lr_milestones[{i}]", milestone, 0.0)
+        check_range("model.lr_gamma", lr_gamma, 0.0, 1.0, low_inclusive=False)
         self.lr, self.momentum, self.nesterov, self.weight_decay = lr, momentum, nesterov, weight_decay
         self.lr_warmup_epochs, self.lr_warmup_start = lr_warmup_epochs, lr_warmup_start
         self.lr_milestones, self.lr_gamma = list(lr_milestones), lr_gamma

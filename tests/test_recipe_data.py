@@ -190,6 +190,8 @@ def test_digits_synthetic_is_identical_on_every_rank() -> None:
         (lambda: SpeechDataModule(corpus="timit"), "`data.corpus` must be one of \\['librispeech', 'yesno'\\]"),
         (lambda: PTBDataModule(batch_size=0), "`data.batch_size` must be an integer >= 1, got 0"),
         (lambda: WarmupMultiStep(10, gamma=1.5), "`gamma` must be in \\(0, 1\\], got 1.5"),
+        (lambda: ImageClassifier(lr_gamma=0.0), "`model.lr_gamma` must be in \\(0, 1\\], got 0.0"),
+        (lambda: ImageClassifier(lr_milestones=[30, -1]), "`model.lr_milestones\\[1\\]` must be in \\[0, inf\\]"),
     ],
 )
 def test_bad_task_options_name_the_option_and_the_choices(build, message: str) -> None:
