@@ -49,6 +49,9 @@ def fit_once(cfg: DictConfig, strategy: Strategy, out_dir: Path, info: dict[str,
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     model = instantiate(cfg.model, _convert_="all")
     data = instantiate(cfg.data, _convert_="all")
+    check_data = getattr(data, "check_data", None)
+    if check_data is not None:
+        check_data()  # a missing dataset fails here, before Lightning starts the other processes
     callbacks: list[L.Callback] = [RunRecorder(out_dir, info)]
     if cfg.warmup is not None and hasattr(strategy, "compress_ratio"):
         callbacks.append(instantiate(cfg.warmup, _convert_="all"))

@@ -48,6 +48,7 @@ class ImageDataModule(L.LightningDataModule):
 
     num_classes: int
     image_size: int
+    download: bool = False
 
     def __init__(
         self,
@@ -77,7 +78,18 @@ class ImageDataModule(L.LightningDataModule):
             self.train_set = self._synthetic(self.synthetic_size, seed=0)
             self.val_set = self._synthetic(max(1, self.synthetic_size // 4), seed=1)
         else:
+            self.require_files()
             self.train_set, self.val_set = self.real_datasets()
+
+    def check_data(self) -> None:
+        """Raise the missing-dataset error now (before any process starts) unless the data is
+        synthetic, will be downloaded, or is there."""
+        if not (self.synthetic or self.download):
+            self.require_files()
+
+    def require_files(self) -> None:
+        """Raise the missing-dataset error (where to put the files, how to get them) if absent."""
+        raise NotImplementedError
 
     def real_datasets(self) -> tuple[Dataset, Dataset]:
         raise NotImplementedError
@@ -116,22 +128,26 @@ class CIFAR10DataModule(ImageDataModule):
         if self.download and not self.synthetic:
             _CIFAR10Files(str(self.root), train=True, download=True)
 
+    def require_files(self) -> None:
+        folder = self.root / _CIFAR10Files.base_folder
+        names = [name for name, _ in _CIFAR10Files.train_list + _CIFAR10Files.test_list]
+        if all((folder / name).is_file() for name in names):
+            return
+        raise dataset_missing(
+            "CIFAR-10",
+            self.root,
+            "cifar-10-batches-py/{data_batch_1..5,test_batch}",
+            "Set data.download=true to fetch it (170 MB, https://www.cs.toronto.edu/~kriz/cifar.html).",
+        )
+
     def real_datasets(self) -> tuple[Dataset, Dataset]:
         normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
         train_tf = transforms.Compose(
             [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(), normalize]
         )
         val_tf = transforms.Compose([transforms.ToTensor(), normalize])
-        try:
-            train = _CIFAR10Files(str(self.root), train=True, transform=train_tf)
-            val = _CIFAR10Files(str(self.root), train=False, transform=val_tf)
-        except RuntimeError as err:  # torchvision: "Dataset not found or corrupted"
-            raise dataset_missing(
-                "CIFAR-10",
-                self.root,
-                "cifar-10-batches-py/{data_batch_1..5,test_batch}",
-                "Set data.download=true to fetch it (170 MB, https://www.cs.toronto.edu/~kriz/cifar.html).",
-            ) from err
+        train = _CIFAR10Files(str(self.root), train=True, transform=train_tf)
+        val = _CIFAR10Files(str(self.root), train=False, transform=val_tf)
         return train, val
 
 
@@ -150,9 +166,8 @@ class ImageNetDataModule(ImageDataModule):
         self.image_size = check_int("data.image_size", image_size, 8)
         self.num_classes = check_int("data.num_classes", num_classes, 2)
 
-    def real_datasets(self) -> tuple[Dataset, Dataset]:
-        train_dir, val_dir = self.root / "train", self.root / "val"
-        if not (train_dir.is_dir() and val_dir.is_dir()):
+    def require_files(self) -> None:
+        if not ((self.root / "train").is_dir() and (self.root / "val").is_dir()):
             raise dataset_missing(
                 "ImageNet",
                 self.root,
@@ -161,6 +176,9 @@ class ImageNetDataModule(ImageDataModule):
                 "download ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar, and sort the validation "
                 "images into one folder per class.",
             )
+
+    def real_datasets(self) -> tuple[Dataset, Dataset]:
+        train_dir, val_dir = self.root / "train", self.root / "val"
         normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
         size = self.image_size
         train_tf = transforms.Compose(

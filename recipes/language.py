@@ -104,6 +104,13 @@ class PTBDataModule(L.LightningDataModule):
             )
         return path
 
+    def check_data(self) -> None:
+        """Raise the missing-dataset error now (before any process starts) unless the data is
+        synthetic, will be downloaded, or is there."""
+        if not (self.synthetic or self.download):
+            self._path("train")
+            self._path("valid")
+
     def setup(self, stage: str | None = None) -> None:
         if self.synthetic:
             vocab, bptt = self.vocab_size, self.bptt

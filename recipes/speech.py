@@ -176,6 +176,25 @@ class SpeechDataModule(L.LightningDataModule):
             )
         return items
 
+    def _yesno_items(self) -> list[tuple[Path, str]]:
+        items = yesno_items(self.root)
+        if not items:
+            raise dataset_missing(
+                "yesno", self.root, "waves_yesno/*.wav", "Get it from https://www.openslr.org/1 (4.5 MB)."
+            )
+        return items
+
+    def check_data(self) -> None:
+        """Raise the missing-dataset error now (before any process starts) unless the data is
+        synthetic, will be downloaded, or is there."""
+        if self.synthetic:
+            return
+        if self.corpus == "yesno":
+            self._yesno_items()
+        elif not self.download:
+            self._items(self.train_subsets)
+            self._items(self.val_subsets)
+
     def setup(self, stage: str | None = None) -> None:
         if self.synthetic:
             frames, n_mels = self.synthetic_frames, self.n_mels
@@ -188,11 +207,7 @@ class SpeechDataModule(L.LightningDataModule):
             self.train_set: Dataset = SyntheticDataset(self.synthetic_size, make, seed=0)
             self.val_set: Dataset = SyntheticDataset(max(1, self.synthetic_size // 4), make, seed=1)
         elif self.corpus == "yesno":
-            items = yesno_items(self.root)
-            if not items:
-                raise dataset_missing(
-                    "yesno", self.root, "waves_yesno/*.wav", "Get it from https://www.openslr.org/1 (4.5 MB)."
-                )
+            items = self._yesno_items()
             cut = len(items) * 3 // 4
             self.train_set = AudioTranscripts(items[:cut], self.n_mels)
             self.val_set = AudioTranscripts(items[cut:], self.n_mels)

@@ -132,10 +132,13 @@ def test_imagenet_reads_an_image_folder(tmp_path: Path) -> None:
     ],
 )
 def test_missing_dataset_says_where_and_how(module, expected: str, tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError) as err:
-        module(str(tmp_path / "nothing")).setup()
-    message = str(err.value)
-    assert expected in message and str(tmp_path / "nothing") in message and "data.synthetic=true" in message
+    dm = module(str(tmp_path / "nothing"))
+    for step in (dm.check_data, dm.setup):  # check_data: what train.py asks before launching
+        with pytest.raises(FileNotFoundError) as err:
+            step()
+        message = str(err.value)
+        assert expected in message and str(tmp_path / "nothing") in message and "data.synthetic=true" in message
+    assert type(dm)(synthetic=True).check_data() is None  # made-up data needs no files
 
 
 def test_synthetic_data_has_the_real_shapes() -> None:

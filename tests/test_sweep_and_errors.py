@@ -73,6 +73,13 @@ def test_zero_ratio_fails_before_training_naming_the_option() -> None:
     assert "Initializing distributed" not in done.stdout + done.stderr
 
 
+def test_missing_dataset_fails_before_training_saying_where_to_put_it(tmp_path: Path) -> None:
+    done = train("+recipe=lstm_ptb_dgc", "data.download=false", f"data.root={tmp_path}", f"hydra.run.dir={tmp_path}")
+    assert done.returncode != 0
+    assert f"Penn Treebank not found under data.root='{tmp_path}'" in done.stderr, output(done)
+    assert "Initializing distributed" not in done.stdout + done.stderr
+
+
 def _compose(*overrides: str):
     with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
         return compose("config", overrides=list(overrides))
