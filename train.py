@@ -1,6 +1,36 @@
-"""Entry point. Today: the quickstart (DGC vs dense DDP on scikit-learn's digits, 2 CPU processes, offline)."""
+"""Hydra entry point.
 
-from recipes.quickstart import run_quickstart
+    python train.py                                  # quickstart: DGC vs dense DDP on digits, 2 CPU processes
+    python train.py +recipe=resnet50_dgc             # a paper recipe (configs/recipe/)
+    python train.py -m +recipe=resnet20_cifar10_dgc strategy.compress_ratio=0.001,0.01,0.1
+    python -m lightning_gc.report multirun/<date>/<time>
+
+Each run writes result.json / result.csv into its Hydra output directory (see recipes/app.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+import lightning_gc  # noqa: F401  (registers the strategy names)
+from recipes.app import run
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    run(
+        cfg,
+        Path(hydra_cfg.runtime.output_dir),
+        multirun=hydra_cfg.mode == RunMode.MULTIRUN,
+        overrides=list(hydra_cfg.overrides.task),
+    )
+
 
 if __name__ == "__main__":
-    run_quickstart()
+    main()

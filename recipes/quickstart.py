@@ -20,6 +20,7 @@ from lightning_gc._validation import check_choice
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
+NUM_SAMPLES = 1797
 
 
 class DigitsDataModule(L.LightningDataModule):
@@ -29,21 +30,30 @@ class DigitsDataModule(L.LightningDataModule):
         batch_size: per-process batch size.
         val_fraction: share of the 1,797 images held out for validation.
         split_seed: seed of the train/validation split (identical on every rank).
+        synthetic: made-up features and labels of the same shapes instead of the digits.
     """
 
-    def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 0) -> None:
+    def __init__(
+        self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 0, synthetic: bool = False
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.split_seed = split_seed
+        self.synthetic = synthetic
 
     def setup(self, stage: str | None = None) -> None:
-        from sklearn.datasets import load_digits
+        if self.synthetic:  # same on every rank: seeded by split_seed
+            g = torch.Generator().manual_seed(self.split_seed)
+            x = torch.rand(NUM_SAMPLES, NUM_FEATURES, generator=g) * 16
+            y = torch.randint(NUM_CLASSES, (NUM_SAMPLES,), generator=g)
+        else:
+            from sklearn.datasets import load_digits
 
-        features, labels = load_digits(return_X_y=True)
-        x = torch.tensor(features, dtype=torch.float32)
+            features, labels = load_digits(return_X_y=True)
+            x = torch.tensor(features, dtype=torch.float32)
+            y = torch.tensor(labels, dtype=torch.long)
         x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-        y = torch.tensor(labels, dtype=torch.long)
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.split_seed))
         n_val = int(len(x) * self.val_fraction)
         val, train = order[:n_val], order[n_val:]
@@ -65,6 +75,9 @@ class DigitsClassifier(L.LightningModule):
         lr, momentum, nesterov, weight_decay: the optimizer settings (Adam ignores momentum/nesterov).
         optimizer: ``"sgd"`` or ``"adam"``.
     """
+
+    metric_name = "val/acc"
+    metric_mode = "max"
 
     def __init__(
         self,
@@ -107,50 +120,3 @@ class DigitsClassifier(L.LightningModule):
         return torch.optim.SGD(
             self.parameters(), lr=h.lr, momentum=h.momentum, nesterov=h.nesterov, weight_decay=h.weight_decay
         )
-
-
-def run_quickstart(epochs: int = 12, devices: int = 2, compress_ratio: float = 0.001) -> dict[str, dict[str, float]]:
-    """Train the digits MLP with DGC (paper warm-up) and with dense DDP; print and return the comparison.
-
-    Runs on ``devices`` CPU processes (Lightning launches the extra ones), fully offline.
-    """
-    from lightning.pytorch.strategies import DDPStrategy
-
-    from lightning_gc import DGCStrategy, SparsityWarmup
-
-    results: dict[str, dict[str, float]] = {}
-    runs = [
-        ("dgc", DGCStrategy(compress_ratio=compress_ratio), [SparsityWarmup()]),
-        ("dense ddp", DDPStrategy(), []),
-    ]
-    for label, strategy, callbacks in runs:
-        L.seed_everything(0, verbose=False)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=devices,
-            strategy=strategy,
-            max_epochs=epochs,
-            callbacks=callbacks,
-            logger=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(DigitsClassifier(), DigitsDataModule())
-        totals = getattr(strategy, "totals", None)
-        results[label] = {
-            "val_acc": float(trainer.callback_metrics["val/acc"]),
-            "bytes_sent": totals["bytes_sent"] if totals else float("nan"),
-            "dense_bytes": totals["dense_bytes"] if totals else float("nan"),
-            "last_step_wire_ratio": float(trainer.callback_metrics.get("gc/wire_ratio", float("nan"))),
-        }
-    if trainer.is_global_zero:
-        dgc, dense = results["dgc"], results["dense ddp"]
-        print(
-            f"\nquickstart: digits MLP ({sum(p.numel() for p in DigitsClassifier().parameters()):,} params), "
-            f"{devices} processes, {epochs} epochs\n"
-            f"  dense DDP  val acc {dense['val_acc']:.3f}   sent {dgc['dense_bytes'] / 1e6:8.2f} MB per rank\n"
-            f"  DGC        val acc {dgc['val_acc']:.3f}   sent {dgc['bytes_sent'] / 1e6:8.2f} MB per rank "
-            f"(wire compression {dgc['dense_bytes'] / dgc['bytes_sent']:.0f}x over the run with warm-up, "
-            f"{dgc['last_step_wire_ratio']:.0f}x per step after it)"
-        )
-    return results

@@ -1,0 +1,148 @@
+"""One result file per run: what a run measured, written by rank 0 when fitting ends.
+
+``result.json`` (and a one-row ``result.csv``) in the run's directory hold:
+
+- ``metric`` / ``metric_name`` / ``metric_mode``: the task's final validation metric and whether
+  higher (``"max"``) or lower (``"min"``) is better; ``null`` when validation never ran;
+- ``compress_ratio``: the strategy's configured ratio (the target after any warm-up), ``null`` for
+  strategies without one (dense DDP);
+- ``bytes_sent`` / ``dense_bytes``: per-rank sums over the fit of the bytes handed to collectives
+  and of the bytes plain DDP would have all-reduced; ``wire_compression = dense_bytes / bytes_sent``
+  (1 for dense DDP, whose ``bytes_sent`` is the dense gradient bytes times the steps), and
+  ``last_step_wire_compression`` the last step's (after any sparsity warm-up);
+- ``step_time_s``: median wall time between the ends of consecutive training batches within an
+  epoch (data loading included; each epoch's first batch excluded), and
+  ``samples_per_s = batch_size * world_size / step_time_s`` across all processes.
+
+Rank 0 also prints one summary line per run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+RESULT_FILE = "result.json"
+
+
+def _number(value: Any) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+class RunRecorder(Callback):
+    """Measure a fit and write its ``result.json`` / ``result.csv`` into ``out_dir`` (rank 0).
+
+    Args:
+        out_dir: the run's directory.
+        info: fields copied into the result as they are (e.g. ``name``, ``overrides``).
+        metric_name, metric_mode: the metric to report; default: the module's ``metric_name`` /
+            ``metric_mode`` attributes.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        info: dict[str, Any] | None = None,
+        metric_name: str | None = None,
+        metric_mode: str | None = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.info = dict(info or {})
+        self.metric_name, self.metric_mode = metric_name, metric_mode
+        self.intervals: list[float] = []
+        self._last_end: float | None = None
+        self._start = 0.0
+        self.target_ratio: float | None = None
+        self.result: dict[str, Any] | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        ratio = getattr(trainer.strategy, "compress_ratio", None)
+        self.target_ratio = None if ratio is None else float(ratio)
+        self.metric_name = self.metric_name or getattr(pl_module, "metric_name", "val/loss")
+        self.metric_mode = self.metric_mode or getattr(pl_module, "metric_mode", "min")
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_end = None
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self.intervals.append(now - self._last_end)
+        self._last_end = now
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_end = None  # validation inside an epoch is not a training step
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        steps = trainer.global_step
+        totals = getattr(trainer.strategy, "totals", None)
+        if totals is not None and totals["bytes_sent"] > 0:
+            sent, dense = float(totals["bytes_sent"]), float(totals["dense_bytes"])
+        else:  # plain DDP all-reduces every gradient element every step
+            dense = float(sum(p.numel() * p.element_size() for p in pl_module.parameters() if p.requires_grad) * steps)
+            sent = dense
+        step_time = statistics.median(self.intervals) if self.intervals else None
+        batch_size = getattr(trainer.datamodule, "batch_size", None) if trainer.datamodule is not None else None
+        metric = trainer.callback_metrics.get(self.metric_name)
+        last_ratio = trainer.callback_metrics.get("gc/wire_ratio")
+        self.result = {
+            **self.info,
+            "strategy": type(trainer.strategy).__name__,
+            "compressor": getattr(getattr(trainer.strategy, "compressor", None), "name", None),
+            "compress_ratio": self.target_ratio,
+            "metric_name": self.metric_name,
+            "metric_mode": self.metric_mode,
+            "metric": None if metric is None else _number(metric),
+            "params": sum(p.numel() for p in pl_module.parameters()),
+            "epochs": trainer.current_epoch,
+            "steps": steps,
+            "world_size": trainer.world_size,
+            "bytes_sent": sent,
+            "dense_bytes": dense,
+            "wire_compression": dense / sent if sent > 0 else None,
+            "last_step_wire_compression": None if last_ratio is None else _number(last_ratio),
+            "step_time_s": step_time,
+            "samples_per_s": batch_size * trainer.world_size / step_time if batch_size and step_time else None,
+            "wall_s": time.perf_counter() - self._start,
+        }
+        if trainer.is_global_zero:
+            write_result(self.out_dir, self.result)
+            print(summary_line(self.result, self.out_dir), flush=True)
+
+
+def write_result(out_dir: Path, result: dict[str, Any]) -> None:
+    """``result.json`` and a one-row ``result.csv`` (lists and dicts JSON-encoded) in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    with open(out_dir / "result.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(result))
+        writer.writeheader()
+        writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in result.items()})
+
+
+def summary_line(result: dict[str, Any], out_dir: Path) -> str:
+    """``[name] val/acc 0.9120 | ratio 0.001 | wire 270x | 0.123 s/step, 1040 samples/s | <dir>``."""
+    metric = "n/a" if result["metric"] is None else f"{result['metric']:.4f}"
+    ratio = "dense" if result["compress_ratio"] is None else f"{result['compress_ratio']:g}"
+    step = "n/a" if result["step_time_s"] is None else f"{result['step_time_s']:.3f} s/step"
+    rate = "" if result["samples_per_s"] is None else f", {result['samples_per_s']:.0f} samples/s"
+    return (
+        f"[{result.get('name', 'run')}] {result['metric_name']} {metric} | ratio {ratio} | "
+        f"wire {result['wire_compression'] or float('nan'):.0f}x | {step}{rate} | {out_dir}"
+    )
+
+
+def load_results(root: str | Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Every ``result.json`` below ``root`` (a run or a sweep directory), sorted by path."""
+    return [(path.parent, json.loads(path.read_text())) for path in sorted(Path(root).rglob(RESULT_FILE))]

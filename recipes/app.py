@@ -1,0 +1,112 @@
+"""What ``train.py`` does with a composed Hydra config: build, fit, record, compare.
+
+One run = one strategy fitted on the configured task, recorded by
+:class:`lightning_gc.results.RunRecorder` in the run's directory. With ``compare_dense=true``
+(the quickstart) the same task is fitted again with dense DDP (in ``<run dir>/dense``) and the
+two are printed side by side.
+
+Launching: a single run uses Lightning's default launcher (it re-runs ``train.py`` with the same
+overrides and Hydra's run directory for the other ranks). Inside a Hydra multirun that launcher
+would re-run ``-m`` and start a second sweep, so jobs there use the ``spawn`` start method: the
+workers are forked from the job in fresh interpreters and never see ``sys.argv``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from hydra.utils import instantiate
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_gc import GradientCompressionStrategy
+from lightning_gc.results import RESULT_FILE, RunRecorder
+
+
+def build_strategy(cfg: DictConfig, *, multirun: bool) -> Strategy:
+    """The configured strategy; ``start_method="spawn"`` inside a multirun unless set explicitly.
+
+    Bad arguments (unknown compressor, ``compress_ratio=0``, ...) raise here, before any process starts.
+    """
+    if multirun and cfg.get("start_method") == "popen":
+        raise ValueError(
+            "`strategy.start_method=popen` cannot run inside a multirun: it re-runs the command line, `-m` "
+            "included, in every extra process; use spawn (the default in sweeps), fork or forkserver"
+        )
+    extra = {"start_method": "spawn"} if multirun and "start_method" not in cfg else {}
+    try:
+        return instantiate(cfg, **extra)
+    except Exception as err:  # Hydra wraps the constructor's ValueError; show the message first
+        cause = err.__cause__ or err
+        raise ValueError(f"bad `strategy` config ({cfg.get('_target_')}): {cause}") from err
+
+
+def fit_once(cfg: DictConfig, strategy: Strategy, out_dir: Path, info: dict[str, Any]) -> dict[str, Any] | None:
+    """Fit ``cfg.model`` on ``cfg.data`` with ``strategy``; rank 0 returns the run's result."""
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    model = instantiate(cfg.model, _convert_="all")
+    data = instantiate(cfg.data, _convert_="all")
+    check_data = getattr(data, "check_data", None)
+    if check_data is not None:
+        check_data()  # a missing dataset fails here, before Lightning starts the other processes
+    callbacks: list[L.Callback] = [RunRecorder(out_dir, info)]
+    if cfg.warmup is not None and hasattr(strategy, "compress_ratio"):
+        callbacks.append(instantiate(cfg.warmup, _convert_="all"))
+    trainer = L.Trainer(
+        **OmegaConf.to_container(cfg.trainer, resolve=True),  # type: ignore[arg-type]
+        strategy=strategy,
+        callbacks=callbacks,
+        default_root_dir=str(out_dir),
+    )
+    trainer.fit(model, datamodule=data)
+    if not trainer.is_global_zero or not (out_dir / RESULT_FILE).is_file():
+        return None
+    return json.loads((out_dir / RESULT_FILE).read_text())
+
+
+def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any]) -> str:
+    """The quickstart's closing lines: both metrics, megabytes sent per rank, wire compression."""
+    label = "DGC" if compressed["strategy"] == "DGCStrategy" else str(compressed["compressor"])
+    metric = compressed["metric_name"].replace("/", " ")
+    per_step = compressed.get("last_step_wire_compression")
+    after = f", {per_step:.0f}x per step after it" if per_step else ""
+
+    def value(result: dict[str, Any]) -> str:
+        return "n/a" if result["metric"] is None else f"{result['metric']:.3f}"
+
+    return (
+        f"\n{cfg.name}: {cfg.description} ({compressed['params']:,} params), {compressed['world_size']} processes, "
+        f"{compressed['epochs']} epochs\n"
+        f"  dense DDP  {metric} {value(dense)}   sent {dense['bytes_sent'] / 1e6:8.2f} MB per rank\n"
+        f"  {label:<9}  {metric} {value(compressed)}   sent {compressed['bytes_sent'] / 1e6:8.2f} MB per rank "
+        f"(wire compression {compressed['wire_compression']:.0f}x over the run with warm-up{after})"
+    )
+
+
+def run(cfg: DictConfig, run_dir: Path, *, multirun: bool, overrides: list[str]) -> list[dict[str, Any]]:
+    """Fit the configured run (and its dense twin with ``compare_dense``); return rank 0's results."""
+    strategy = build_strategy(cfg.strategy, multirun=multirun)
+    if cfg.compare_dense and not isinstance(strategy, GradientCompressionStrategy):
+        raise ValueError(
+            f"`compare_dense=true` compares a compressed strategy with dense DDP, but the strategy is "
+            f"{type(strategy).__name__}; add compare_dense=false"
+        )
+    info = {
+        "name": cfg.name,
+        "overrides": overrides,
+        "paper": OmegaConf.to_container(cfg.paper) if cfg.paper is not None else None,
+    }
+    results = []
+    first = fit_once(cfg, strategy, run_dir, info)
+    if first is not None:
+        results.append(first)
+    if cfg.compare_dense:
+        dense_strategy = DDPStrategy(start_method="spawn") if multirun else DDPStrategy()
+        dense = fit_once(cfg, dense_strategy, run_dir / "dense", {**info, "name": f"{cfg.name}_dense"})
+        if first is not None and dense is not None:
+            results.append(dense)
+            print(comparison(cfg, first, dense), flush=True)
+    return results

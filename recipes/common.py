@@ -1,0 +1,135 @@
+"""What every recipe shares: the SGD + warm-up schedule, synthetic data, and missing-data errors."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import Dataset
+
+from lightning_gc._validation import check_int, check_range
+
+
+class WarmupMultiStep:
+    """Learning-rate factor per optimizer step: linear warm-up, then step decay.
+
+    With ``e = step / steps_per_epoch`` (fractional epochs):
+    ``factor(e) = start + (1 - start) * e / warmup_epochs`` while ``e < warmup_epochs`` (Goyal et al.
+    2017's gradual warm-up), afterwards ``gamma ** (number of milestones <= e)``. ``factor`` is
+    1 at the end of the warm-up and never exceeds 1.
+    """
+
+    def __init__(
+        self,
+        steps_per_epoch: int,
+        warmup_epochs: float = 0.0,
+        milestones: Sequence[float] = (),
+        gamma: float = 0.1,
+        start: float = 0.1,
+    ) -> None:
+        self.steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, 1)
+        self.warmup_epochs = check_range("warmup_epochs", warmup_epochs, 0.0)
+        self.milestones = sorted(check_range("milestones[]", m, 0.0) for m in milestones)
+        self.gamma = check_range("gamma", gamma, 0.0, 1.0, low_inclusive=False)
+        self.start = check_range("start", start, 0.0, 1.0)
+
+    def __call__(self, step: int) -> float:
+        epoch = step / self.steps_per_epoch
+        if epoch < self.warmup_epochs:
+            return self.start + (1.0 - self.start) * epoch / self.warmup_epochs
+        return self.gamma ** bisect.bisect_right(self.milestones, epoch)
+
+
+class SGDTask(L.LightningModule):
+    """Base of the recipes' modules: a plain ``torch.optim.SGD`` with :class:`WarmupMultiStep`.
+
+    The optimizer keeps its momentum and weight decay; a DGC strategy takes them over itself
+    (momentum correction), a dense strategy leaves them where they are.
+
+    Args:
+        lr: peak learning rate (reached at the end of the warm-up).
+        momentum, nesterov, weight_decay: ``torch.optim.SGD``'s.
+        lr_warmup_epochs: length of the linear warm-up in epochs (0: none).
+        lr_warmup_start: factor of ``lr`` the warm-up starts from.
+        lr_milestones: epochs at which the learning rate is multiplied by ``lr_gamma``.
+        lr_gamma: the decay factor.
+    """
+
+    metric_name: str = "val/loss"
+    """The metric the run reports (``result.json``'s ``metric``)."""
+    metric_mode: str = "min"
+    """``"min"`` or ``"max"``: which way the metric improves."""
+
+    def __init__(
+        self,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        weight_decay: float = 1e-4,
+        lr_warmup_epochs: float = 0.0,
+        lr_warmup_start: float = 0.1,
+        lr_milestones: Sequence[float] = (),
+        lr_gamma: float = 0.1,
+    ) -> None:
+        super().__init__()
+        # checked here, with the config's names, so a bad value fails before any process starts
+        check_range("model.lr", lr, 0.0, low_inclusive=False)
+        check_range("model.momentum", momentum, 0.0, 1.0, high_inclusive=False)
+        check_range("model.weight_decay", weight_decay, 0.0)
+        check_range("model.lr_warmup_epochs", lr_warmup_epochs, 0.0)
+        check_range("model.lr_warmup_start", lr_warmup_start, 0.0, 1.0)
+        for i, milestone in enumerate(lr_milestones):
+            check_range(f"model.lr_milestones[{i}]", milestone, 0.0)
+        check_range("model.lr_gamma", lr_gamma, 0.0, 1.0, low_inclusive=False)
+        self.lr, self.momentum, self.nesterov, self.weight_decay = lr, momentum, nesterov, weight_decay
+        self.lr_warmup_epochs, self.lr_warmup_start = lr_warmup_epochs, lr_warmup_start
+        self.lr_milestones, self.lr_gamma = list(lr_milestones), lr_gamma
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.SGD(
+            self.parameters(),
+            lr=self.lr,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+        )
+        trainer = self.trainer
+        trainer.estimated_stepping_batches  # noqa: B018 - loads the train loader, sets num_training_batches
+        batches = trainer.num_training_batches
+        steps_per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches)) if math.isfinite(batches) else 1
+        schedule = WarmupMultiStep(
+            steps_per_epoch, self.lr_warmup_epochs, self.lr_milestones, self.lr_gamma, self.lr_warmup_start
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class SyntheticDataset(Dataset):
+    """``size`` made-up samples, each ``make(generator)`` with a generator seeded by (seed, index).
+
+    Deterministic: the same index gives the same sample in every process and epoch.
+    """
+
+    def __init__(self, size: int, make: Callable[[torch.Generator], Any], seed: int = 0) -> None:
+        self.size = check_int("synthetic_size", size, 1)
+        self.make = make
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Any:
+        return self.make(torch.Generator().manual_seed(self.seed * 1_000_003 + index))
+
+
+def dataset_missing(name: str, root: Path, expected: str, how: str) -> FileNotFoundError:
+    """The error every datamodule raises when its files are not where ``data.root`` points."""
+    return FileNotFoundError(
+        f"{name} not found under data.root={str(root)!r}: expected {expected}. {how} "
+        f"Or run a smoke test on made-up data with data.synthetic=true."
+    )

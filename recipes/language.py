@@ -1,0 +1,201 @@
+"""Word-level language modelling on Penn Treebank (Mikolov's preprocessed text files).
+
+The corpus is ``ptb.{train,valid,test}.txt`` (one sentence per line, 10k-word vocabulary with
+``<unk>`` already in place). Each line ends with an ``<eos>`` token; the token stream is cut into
+consecutive windows of ``bptt + 1`` tokens, and a sample is (window[:-1], window[1:]). Windows are
+independent (the hidden state is not carried between batches, so DDP may shard them freely).
+Perplexity = exp(mean token cross-entropy).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torchmetrics.text import Perplexity
+
+from lightning_gc._validation import check_int, check_range
+from recipes.common import SGDTask, SyntheticDataset, dataset_missing
+
+PTB_SPLITS = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}
+PTB_URL = "http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz"
+EOS = "<eos>"
+
+
+def read_tokens(path: Path) -> list[str]:
+    """The whitespace-separated words of ``path``, each line followed by ``<eos>``."""
+    with open(path, encoding="utf-8") as f:
+        return [word for line in f for word in [*line.split(), EOS]]
+
+
+def build_vocab(tokens: list[str]) -> dict[str, int]:
+    """Word -> id in order of first appearance (deterministic, identical on every rank)."""
+    return {word: i for i, word in enumerate(dict.fromkeys(tokens))}
+
+
+def windows(ids: torch.Tensor, bptt: int) -> TensorDataset:
+    """Consecutive (input, target) windows of ``bptt`` tokens; targets are inputs shifted by one."""
+    n = (len(ids) - 1) // bptt
+    x = ids[: n * bptt].view(n, bptt)
+    y = ids[1 : n * bptt + 1].view(n, bptt)
+    return TensorDataset(x, y)
+
+
+class PTBDataModule(L.LightningDataModule):
+    """Penn Treebank from ``<root>/ptb.{train,valid}.txt``; downloaded (Mikolov's
+    simple-examples.tgz) when ``download=true``.
+
+    Args:
+        root: directory holding the text files (``data.root``).
+        batch_size: per-process number of windows per batch.
+        bptt: window length in tokens.
+        vocab_size: vocabulary of the synthetic data (the real one is read from the train file).
+        synthetic, synthetic_size: made-up token windows instead of files, and how many.
+    """
+
+    def __init__(
+        self,
+        root: str = "data/ptb",
+        batch_size: int = 20,
+        bptt: int = 35,
+        download: bool = False,
+        vocab_size: int = 10_000,
+        synthetic: bool = False,
+        synthetic_size: int = 512,
+    ) -> None:
+        super().__init__()
+        self.root = Path(root).expanduser().resolve()
+        self.batch_size = check_int("data.batch_size", batch_size, 1)
+        self.bptt = check_int("data.bptt", bptt, 1)
+        self.download = bool(download)
+        self.vocab_size = check_int("data.vocab_size", vocab_size, 2)
+        self.synthetic = bool(synthetic)
+        self.synthetic_size = check_int("data.synthetic_size", synthetic_size, 1)
+        self.vocab: dict[str, int] | None = None
+
+    def prepare_data(self) -> None:
+        if self.synthetic or not self.download or (self.root / PTB_SPLITS["train"]).is_file():
+            return
+        import shutil
+        import tarfile
+        import tempfile
+
+        from torchvision.datasets.utils import download_url
+
+        with tempfile.TemporaryDirectory() as tmp:
+            download_url(PTB_URL, tmp)
+            with tarfile.open(Path(tmp) / Path(PTB_URL).name) as archive:
+                archive.extractall(tmp, filter="data")
+            self.root.mkdir(parents=True, exist_ok=True)
+            for name in PTB_SPLITS.values():
+                shutil.copy(Path(tmp) / "simple-examples" / "data" / name, self.root / name)
+
+    def _path(self, split: str) -> Path:
+        path = self.root / PTB_SPLITS[split]
+        if not path.is_file():
+            raise dataset_missing(
+                "Penn Treebank",
+                self.root,
+                " and ".join(PTB_SPLITS.values()),
+                f"Set data.download=true, or take them from data/ of {PTB_URL}.",
+            )
+        return path
+
+    def check_data(self) -> None:
+        """Raise the missing-dataset error now (before any process starts) unless the data is
+        synthetic, will be downloaded, or is there."""
+        if not (self.synthetic or self.download):
+            self._path("train")
+            self._path("valid")
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.synthetic:
+            vocab, bptt = self.vocab_size, self.bptt
+
+            def make(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                ids = torch.randint(vocab, (bptt + 1,), generator=g)
+                return ids[:-1], ids[1:]
+
+            self.train_set: Dataset = SyntheticDataset(self.synthetic_size, make, seed=0)
+            self.val_set: Dataset = SyntheticDataset(max(1, self.synthetic_size // 4), make, seed=1)
+            return
+        train_tokens = read_tokens(self._path("train"))
+        self.vocab = build_vocab(train_tokens)
+        self.vocab_size = len(self.vocab)
+        unknown = sorted({w for w in read_tokens(self._path("valid")) if w not in self.vocab})
+        if unknown:
+            raise ValueError(f"ptb.valid.txt has words missing from ptb.train.txt: {unknown[:5]}")
+        self.train_set = windows(torch.tensor([self.vocab[w] for w in train_tokens]), self.bptt)
+        self.val_set = windows(torch.tensor([self.vocab[w] for w in read_tokens(self._path("valid"))]), self.bptt)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+class LSTMLanguageModel(SGDTask):
+    """Embedding -> ``num_layers`` LSTM -> linear decoder (weights tied to the embedding when
+    ``tie_weights`` and sizes match), dropout between layers (Zaremba et al. 2014; Press & Wolf 2017).
+
+    Reports validation perplexity ``val/ppl`` (lower is better).
+    """
+
+    metric_name = "val/ppl"
+    metric_mode = "min"
+
+    def __init__(
+        self,
+        vocab_size: int = 10_000,
+        embedding_size: int = 1500,
+        hidden_size: int = 1500,
+        num_layers: int = 2,
+        dropout: float = 0.65,
+        tie_weights: bool = True,
+        **sgd: float,
+    ) -> None:
+        super().__init__(**sgd)
+        check_int("model.vocab_size", vocab_size, 2)
+        check_int("model.num_layers", num_layers, 1)
+        check_range("model.dropout", dropout, 0.0, 1.0, high_inclusive=False)
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab_size, embedding_size)
+        self.drop = nn.Dropout(dropout)
+        self.lstm = nn.LSTM(embedding_size, hidden_size, num_layers, dropout=dropout, batch_first=True)
+        self.decoder = nn.Linear(hidden_size, vocab_size)
+        if tie_weights:
+            if embedding_size != hidden_size:
+                raise ValueError(
+                    "`model.tie_weights=true` needs embedding_size == hidden_size, "
+                    f"got {embedding_size} and {hidden_size}"
+                )
+            self.decoder.weight = self.embed.weight
+        nn.init.uniform_(self.embed.weight, -0.1, 0.1)
+        self.val_ppl = Perplexity()
+
+    def setup(self, stage: str) -> None:
+        data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
+        if data_vocab is not None and data_vocab != self.hparams.vocab_size:
+            raise ValueError(
+                f"`model.vocab_size={self.hparams.vocab_size}` but the corpus has {data_vocab} words; "
+                f"set model.vocab_size={data_vocab} (or data.vocab_size for synthetic data)"
+            )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.drop(self.embed(tokens)))
+        return self.decoder(self.drop(out))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.val_ppl(self(x), y)
+        self.log("val/ppl", self.val_ppl, prog_bar=True, sync_dist=True)

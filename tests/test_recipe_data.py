@@ -1,0 +1,202 @@
+"""The recipes' loaders read the real on-disk formats; missing data says where to put it."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from apprun import SHARED_DATA
+
+from recipes.common import WarmupMultiStep
+from recipes.images import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, ImageNetDataModule
+from recipes.language import PTBDataModule
+from recipes.speech import ALPHABET, SpeechDataModule, encode_text, greedy_decode, mel_filterbank
+from recipes.vision import ImageClassifier
+
+needs_ptb = pytest.mark.skipif(not (SHARED_DATA / "ptb").is_dir(), reason=f"no PTB files in {SHARED_DATA}")
+needs_librispeech = pytest.mark.skipif(
+    not (SHARED_DATA / "librispeech").is_dir(), reason=f"no LibriSpeech files in {SHARED_DATA}"
+)
+needs_yesno = pytest.mark.skipif(not (SHARED_DATA / "yesno").is_dir(), reason=f"no yesno corpus in {SHARED_DATA}")
+
+
+@needs_ptb
+def test_ptb_reads_mikolovs_files() -> None:
+    dm = PTBDataModule(root=str(SHARED_DATA / "ptb"), bptt=35)
+    dm.setup()
+    assert dm.vocab is not None and dm.vocab_size == 10_000  # 9,999 words + <eos>
+    assert len(dm.train_set) == (929_589 - 1) // 35  # every token, <eos> included
+    first_line = (SHARED_DATA / "ptb" / "ptb.train.txt").read_text().splitlines()[0].split()
+    words = {i: w for w, i in dm.vocab.items()}
+    x, y = dm.train_set[0]
+    assert [words[int(i)] for i in x[: len(first_line)]] == first_line
+    assert words[int(x[len(first_line)])] == "<eos>"
+    assert torch.equal(x[1:], y[:-1])  # targets are the next tokens
+    assert torch.equal(dm.train_set[1][0][0:1], y[-1:])  # windows are consecutive
+
+
+@needs_librispeech
+def test_librispeech_reads_flac_and_transcripts() -> None:
+    dm = SpeechDataModule(
+        root=str(SHARED_DATA / "librispeech"), train_subsets=("test-clean",), val_subsets=("test-clean",), num_workers=0
+    )
+    dm.setup()
+    items = dm.train_set.items
+    assert len(items) == 4 and all(path.suffix == ".flac" and path.is_file() for path, _ in items)
+    trans = (SHARED_DATA / "librispeech/LibriSpeech/test-clean/1089/134686/1089-134686.trans.txt").read_text()
+    utt, text = trans.splitlines()[0].split(" ", 1)
+    assert items[0] == (items[0][0].with_name(f"{utt}.flac"), text)
+    import soundfile
+
+    seconds = soundfile.info(str(items[0][0])).duration
+    feats, target = dm.train_set[0]
+    assert feats.shape[1] == 80 and abs(feats.shape[0] - seconds * 100) <= 2  # 10 ms hop
+    assert torch.isfinite(feats).all()
+    assert "".join(ALPHABET[i] for i in target) == text
+
+
+@needs_yesno
+def test_yesno_transcripts_come_from_file_names() -> None:
+    dm = SpeechDataModule(root=str(SHARED_DATA / "yesno"), corpus="yesno", n_mels=40, batch_size=4, num_workers=0)
+    dm.setup()
+    assert len(dm.train_set) == 45 and len(dm.val_set) == 15
+    path, text = dm.train_set.items[0]
+    assert path.name == "0_0_0_0_1_1_1_1.wav" and text == "NO NO NO NO YES YES YES YES"
+    feats, lengths, targets, target_lengths = next(iter(dm.val_dataloader()))
+    assert feats.shape[0] == 4 and feats.shape[2] == 40 and lengths.max() == feats.shape[1]
+    assert feats.shape[1] > 500  # ~6 s of 8 kHz audio at a 10 ms hop
+    texts = [text for _, text in dm.val_set.items[:4]]
+    assert target_lengths.tolist() == [len(t) for t in texts]
+    assert "".join(ALPHABET[i] for i in targets[0, : target_lengths[0]]) == texts[0]
+
+
+def _write_cifar(root: Path, per_batch: int) -> tuple[np.ndarray, list[int]]:
+    """CIFAR-10's python format: pickled dicts with 'data' (N x 3072 uint8, CHW rows) and 'labels'."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
+        labels = rng.integers(0, 10, per_batch).tolist()
+        with open(folder / name, "wb") as f:
+            pickle.dump({"data": data, "labels": labels, "batch_label": name}, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
+    return data, labels  # the test batch
+
+
+def test_cifar10_reads_python_batches(tmp_path: Path) -> None:
+    test_data, test_labels = _write_cifar(tmp_path, per_batch=6)
+    dm = CIFAR10DataModule(root=str(tmp_path), download=False, batch_size=4, num_workers=0)
+    dm.prepare_data()
+    dm.setup()
+    assert len(dm.train_set) == 30 and len(dm.val_set) == 6
+    image, label = dm.val_set[2]  # validation: no augmentation, just normalisation
+    expected = torch.tensor(test_data[2].reshape(3, 32, 32), dtype=torch.float32) / 255
+    expected = (expected - torch.tensor(CIFAR10_MEAN)[:, None, None]) / torch.tensor(CIFAR10_STD)[:, None, None]
+    assert label == test_labels[2] and torch.allclose(image, expected, atol=1e-5)
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 3, 32, 32) and y.shape == (4,)
+
+
+def test_imagenet_reads_an_image_folder(tmp_path: Path) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 3), ("val", 2)):
+        for wnid in ("n01440764", "n01443537"):
+            (tmp_path / split / wnid).mkdir(parents=True)
+            for i in range(n):
+                pixels = rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / wnid / f"{wnid}_{i}.png")
+    dm = ImageNetDataModule(root=str(tmp_path), image_size=16, batch_size=2, num_workers=0)
+    dm.setup()
+    assert dm.train_set.classes == ["n01440764", "n01443537"] and len(dm.train_set) == 6 and len(dm.val_set) == 4
+    image, label = dm.val_set[3]
+    assert image.shape == (3, 16, 16) and label == 1
+    x, _ = next(iter(dm.train_dataloader()))
+    assert x.shape == (2, 3, 16, 16)
+
+
+@pytest.mark.parametrize(
+    ("module", "expected"),
+    [
+        (lambda root: CIFAR10DataModule(root=root, download=False), "cifar-10-batches-py"),
+        (lambda root: ImageNetDataModule(root=root), "ImageFolder layout"),
+        (lambda root: PTBDataModule(root=root), "ptb.train.txt"),
+        (lambda root: SpeechDataModule(root=root), "openslr.org/12"),
+        (lambda root: SpeechDataModule(root=root, corpus="yesno"), "waves_yesno"),
+    ],
+)
+def test_missing_dataset_says_where_and_how(module, expected: str, tmp_path: Path) -> None:
+    dm = module(str(tmp_path / "nothing"))
+    for step in (dm.check_data, dm.setup):  # check_data: what train.py asks before launching
+        with pytest.raises(FileNotFoundError) as err:
+            step()
+        message = str(err.value)
+        assert expected in message and str(tmp_path / "nothing") in message and "data.synthetic=true" in message
+    assert type(dm)(synthetic=True).check_data() is None  # made-up data needs no files
+
+
+def test_synthetic_data_has_the_real_shapes() -> None:
+    cifar = CIFAR10DataModule(synthetic=True, synthetic_size=8, batch_size=4)
+    cifar.setup()
+    x, y = next(iter(cifar.train_dataloader()))
+    assert x.shape == (4, 3, 32, 32) and y.max() < 10
+    ptb = PTBDataModule(synthetic=True, synthetic_size=4, batch_size=2, bptt=35)
+    ptb.setup()
+    x, y = next(iter(ptb.train_dataloader()))
+    assert x.shape == y.shape == (2, 35) and x.max() < 10_000
+    again = PTBDataModule(synthetic=True, synthetic_size=4, batch_size=2, bptt=35)
+    again.setup()
+    assert torch.equal(ptb.train_set[1][0], again.train_set[1][0])  # same made-up data on every rank
+
+
+def test_lr_schedule_warms_up_linearly_then_steps() -> None:
+    schedule = WarmupMultiStep(steps_per_epoch=10, warmup_epochs=5, milestones=[82, 123], gamma=0.1, start=0.1)
+    assert schedule(0) == pytest.approx(0.1)
+    assert schedule(25) == pytest.approx(0.1 + 0.9 * 2.5 / 5)
+    assert schedule(50) == 1.0 and schedule(819) == 1.0
+    assert schedule(820) == pytest.approx(0.1) and schedule(1230) == pytest.approx(0.01)
+
+
+def test_ctc_text_helpers() -> None:
+    ids = encode_text("yes no")
+    assert "".join(ALPHABET[i] for i in ids) == "YES NO"
+    # best path "YY_E_S  NN_O" -> merge repeats, drop blanks
+    path = [ALPHABET.index(c) for c in "YY_ES__ NNO"]
+    log_probs = torch.nn.functional.one_hot(torch.tensor([path]), len(ALPHABET)).float()
+    assert greedy_decode(log_probs, torch.tensor([len(path)])) == ["YES NO"]
+    with pytest.raises(ValueError, match="outside"):
+        encode_text("naïve")
+    bank = mel_filterbank(n_fft=512, n_mels=40, sample_rate=16_000)
+    assert bank.shape == (257, 40) and (bank.sum(0) > 0).all() and bank.max() <= 1.0
+
+
+def test_digits_synthetic_is_identical_on_every_rank() -> None:
+    from recipes.quickstart import DigitsDataModule
+
+    a, b = DigitsDataModule(synthetic=True), DigitsDataModule(synthetic=True)
+    a.setup()
+    b.setup()
+    assert a.train_set.tensors[0].shape == (1438, 64)
+    assert all(torch.equal(s, t) for s, t in zip(a.train_set.tensors, b.train_set.tensors))
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: ImageClassifier(arch="resnet21"), "`model.arch` must be one of"),
+        (lambda: SpeechDataModule(corpus="timit"), "`data.corpus` must be one of \\['librispeech', 'yesno'\\]"),
+        (lambda: PTBDataModule(batch_size=0), "`data.batch_size` must be an integer >= 1, got 0"),
+        (lambda: WarmupMultiStep(10, gamma=1.5), "`gamma` must be in \\(0, 1\\], got 1.5"),
+        (lambda: ImageClassifier(lr_gamma=0.0), "`model.lr_gamma` must be in \\(0, 1\\], got 0.0"),
+        (lambda: ImageClassifier(lr_milestones=[30, -1]), "`model.lr_milestones\\[1\\]` must be in \\[0, inf\\]"),
+    ],
+)
+def test_bad_task_options_name_the_option_and_the_choices(build, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build()

@@ -1,0 +1,106 @@
+"""Hydra multirun gives one sweep directory with one result per job; the report reads it;
+bad overrides fail before any training process starts, naming the option and what is allowed."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from apprun import REPO, output, results, train
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+from rich.console import Console
+
+from lightning_gc.report import main as report_main
+from lightning_gc.report import report
+from recipes.app import build_strategy
+
+
+def test_multirun_over_the_ratio_writes_one_sweep_and_the_report(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    done = train(
+        "-m",
+        "strategy.compress_ratio=0.01,0.1",
+        "compare_dense=false",
+        "warmup=null",  # so that the ratio takes effect from the first epoch
+        "trainer.max_epochs=1",
+        "data.batch_size=64",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert done.returncode == 0, output(done)
+    # Lightning's default launcher would re-run `-m` in the second process, which starts a second
+    # sweep of its own (that happens to line up with the first only under the basic sequential launcher).
+    assert (done.stdout + done.stderr).count("Launching 2 jobs") == 1, output(done)
+    assert len(list(tmp_path.rglob("multirun.yaml"))) == 1
+    assert sorted(p.parent.name for p in sweep.rglob("result.json")) == ["0", "1"]
+    runs = results(sweep)
+    assert sorted(r["compress_ratio"] for r in runs) == [0.01, 0.1]
+    assert all(r["world_size"] == 2 and r["steps"] == 11 and r["metric"] > 0.5 for r in runs), runs
+    assert all(r["step_time_s"] > 0 and r["samples_per_s"] > 0 for r in runs), runs
+    sparse, denser = sorted(runs, key=lambda r: r["compress_ratio"])
+    assert sparse["wire_compression"] > 2 * denser["wire_compression"] > 2, runs  # the override reached the job
+
+    console = Console(file=io.StringIO(), width=200)
+    png = report(sweep, console)
+    table = console.file.getvalue()
+    assert "2 run(s)" in table and "val/acc" in table
+    for r in runs:
+        assert f"{r['compress_ratio']:g}" in table and f"{r['metric']:.4f}" in table
+    assert png == sweep / "report.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_without_results_says_what_it_needs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(FileNotFoundError, match="no result.json under"):
+        report(tmp_path, Console(file=io.StringIO()))
+    with pytest.raises(SystemExit) as exit_info:
+        report_main([str(tmp_path)])  # python -m lightning_gc.report <dir>
+    assert exit_info.value.code == 2 and "no result.json under" in capsys.readouterr().err
+
+
+def test_unknown_recipe_lists_the_recipes() -> None:
+    done = train("+recipe=resnet99_dgc")
+    assert done.returncode != 0
+    assert "Could not find 'recipe/resnet99_dgc'" in done.stderr
+    assert "resnet50_dgc" in done.stderr and "lstm_ptb_dense" in done.stderr
+    assert "Initializing distributed" not in done.stdout + done.stderr
+
+
+def test_zero_ratio_fails_before_training_naming_the_option() -> None:
+    done = train("+recipe=resnet20_cifar10_dgc", "strategy.compress_ratio=0", "data.synthetic=true")
+    assert done.returncode != 0
+    assert "`compress_ratio` must be in (0, 1], got 0" in done.stderr, output(done)
+    assert "Initializing distributed" not in done.stdout + done.stderr
+
+
+def test_missing_dataset_fails_before_training_saying_where_to_put_it(tmp_path: Path) -> None:
+    done = train("+recipe=lstm_ptb_dgc", "data.download=false", f"data.root={tmp_path}", f"hydra.run.dir={tmp_path}")
+    assert done.returncode != 0
+    assert f"Penn Treebank not found under data.root='{tmp_path}'" in done.stderr, output(done)
+    assert "Initializing distributed" not in done.stdout + done.stderr
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(str(REPO / "configs"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_unknown_compressor_names_the_choices() -> None:
+    cfg = _compose("strategy=topk", "strategy.compressor=bogus")
+    with pytest.raises(ValueError, match=r"`compressor` must be one of \['bf16', 'dgc'.*got 'bogus'"):
+        build_strategy(cfg.strategy, multirun=False)
+
+
+def test_unknown_strategy_option_lists_the_strategies() -> None:
+    with pytest.raises(MissingConfigException, match="strategy/bogus"):
+        _compose("strategy=bogus")
+
+
+def test_strategy_arguments_are_checked_at_build_time() -> None:
+    cfg = _compose("+strategy.bucket_cap_mbb=25")
+    with pytest.raises(ValueError, match="bucket_cap_mbb"):
+        build_strategy(cfg.strategy, multirun=False)
+    assert build_strategy(_compose().strategy, multirun=True)._start_method == "spawn"
+    assert build_strategy(_compose().strategy, multirun=False)._start_method == "popen"
+    with pytest.raises(ValueError, match="`strategy.start_method=popen` cannot run inside a multirun"):
+        build_strategy(_compose("+strategy.start_method=popen").strategy, multirun=True)
