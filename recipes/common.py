@@ -1,4 +1,5 @@
-"""What every recipe shares: the SGD + warm-up schedule, synthetic data, and missing-data errors."""
+"""What every recipe shares: the SGD + warm-up schedule, the datamodules' common arguments and
+loaders, synthetic data, and missing-data errors."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from lightning_gc._validation import check_int, check_range
 
@@ -107,6 +108,52 @@ class SGDTask(L.LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class RecipeDataModule(L.LightningDataModule):
+    """Base of the recipes' datamodules: checks the arguments they share and builds their loaders.
+
+    Args:
+        root: the dataset's directory (``data.root``), resolved to an absolute path.
+        batch_size: per-process batch size (``data.batch_size`` >= 1).
+        num_workers: loader worker processes (``data.num_workers`` >= 0); synthetic data is made
+            in the main process.
+        synthetic: use made-up samples instead of files.
+        synthetic_size: number of made-up training samples (``data.synthetic_size`` >= 1).
+
+    Subclasses set ``train_set`` and ``val_set`` in ``setup``; the training loader shuffles and
+    drops the last partial batch, the validation loader does neither.
+    """
+
+    def __init__(self, root: str, batch_size: int, num_workers: int, synthetic: bool, synthetic_size: int) -> None:
+        super().__init__()
+        self.root = Path(root).expanduser().resolve()
+        self.batch_size = check_int("data.batch_size", batch_size, 1)
+        self.num_workers = check_int("data.num_workers", num_workers, 0)
+        self.synthetic = bool(synthetic)
+        self.synthetic_size = check_int("data.synthetic_size", synthetic_size, 1)
+
+    def loader_options(self) -> dict[str, Any]:
+        """Further ``DataLoader`` arguments of a subclass (e.g. ``collate_fn``, ``pin_memory``)."""
+        return {}
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        workers = 0 if self.synthetic else self.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=train,
+            drop_last=train,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            **self.loader_options(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, train=False)
 
 
 class SyntheticDataset(Dataset):

@@ -8,15 +8,14 @@ by the dataset's channel means and standard deviations.
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
-import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
 from lightning_gc._validation import check_int
-from recipes.common import SyntheticDataset, dataset_missing
+from recipes.common import RecipeDataModule, SyntheticDataset, dataset_missing
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -35,8 +34,8 @@ class _CIFAR10Files(datasets.CIFAR10):
     meta = {**datasets.CIFAR10.meta, "md5": None}
 
 
-class ImageDataModule(L.LightningDataModule):
-    """Shared loader plumbing for the image datamodules.
+class ImageDataModule(RecipeDataModule):
+    """Base of the image datamodules: made-up images of the real shapes, or the subclass's files.
 
     Args:
         root: the dataset's directory (``data.root``).
@@ -58,12 +57,7 @@ class ImageDataModule(L.LightningDataModule):
         synthetic: bool = False,
         synthetic_size: int = 512,
     ) -> None:
-        super().__init__()
-        self.root = Path(root).expanduser().resolve()
-        self.batch_size = check_int("data.batch_size", batch_size, 1)
-        self.num_workers = check_int("data.num_workers", num_workers, 0)
-        self.synthetic = bool(synthetic)
-        self.synthetic_size = check_int("data.synthetic_size", synthetic_size, 1)
+        super().__init__(root, batch_size, num_workers, synthetic, synthetic_size)
 
     def _synthetic(self, size: int, seed: int) -> Dataset:
         shape, classes = (3, self.image_size, self.image_size), self.num_classes
@@ -94,23 +88,8 @@ class ImageDataModule(L.LightningDataModule):
     def real_datasets(self) -> tuple[Dataset, Dataset]:
         raise NotImplementedError
 
-    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        workers = 0 if self.synthetic else self.num_workers
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=train,
-            drop_last=train,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, train=False)
+    def loader_options(self) -> dict[str, Any]:
+        return {"pin_memory": torch.cuda.is_available()}
 
 
 class CIFAR10DataModule(ImageDataModule):

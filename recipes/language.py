@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 from torchmetrics.text import Perplexity
 
 from lightning_gc._validation import check_int, check_range
-from recipes.common import SGDTask, SyntheticDataset, dataset_missing
+from recipes.common import RecipeDataModule, SGDTask, SyntheticDataset, dataset_missing
 
 PTB_SPLITS = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}
 PTB_URL = "http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz"
@@ -44,7 +43,7 @@ def windows(ids: torch.Tensor, bptt: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-class PTBDataModule(L.LightningDataModule):
+class PTBDataModule(RecipeDataModule):
     """Penn Treebank from ``<root>/ptb.{train,valid}.txt``; downloaded (Mikolov's
     simple-examples.tgz) when ``download=true``.
 
@@ -66,14 +65,10 @@ class PTBDataModule(L.LightningDataModule):
         synthetic: bool = False,
         synthetic_size: int = 512,
     ) -> None:
-        super().__init__()
-        self.root = Path(root).expanduser().resolve()
-        self.batch_size = check_int("data.batch_size", batch_size, 1)
+        super().__init__(root, batch_size, num_workers=0, synthetic=synthetic, synthetic_size=synthetic_size)
         self.bptt = check_int("data.bptt", bptt, 1)
         self.download = bool(download)
         self.vocab_size = check_int("data.vocab_size", vocab_size, 2)
-        self.synthetic = bool(synthetic)
-        self.synthetic_size = check_int("data.synthetic_size", synthetic_size, 1)
         self.vocab: dict[str, int] | None = None
 
     def prepare_data(self) -> None:
@@ -130,12 +125,6 @@ class PTBDataModule(L.LightningDataModule):
             raise ValueError(f"ptb.valid.txt has words missing from ptb.train.txt: {unknown[:5]}")
         self.train_set = windows(torch.tensor([self.vocab[w] for w in train_tokens]), self.bptt)
         self.val_set = windows(torch.tensor([self.vocab[w] for w in read_tokens(self._path("valid"))]), self.bptt)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size)
 
 
 class LSTMLanguageModel(SGDTask):

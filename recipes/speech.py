@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
-import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchmetrics.text import WordErrorRate
 
 from lightning_gc._validation import check_choice, check_int
-from recipes.common import SGDTask, SyntheticDataset, dataset_missing
+from recipes.common import RecipeDataModule, SGDTask, SyntheticDataset, dataset_missing
 
 ALPHABET = "_ '" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """Output classes: ``_`` is the CTC blank (class 0)."""
@@ -118,7 +118,7 @@ def pad_batch(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Ten
     return padded, lengths, nn.utils.rnn.pad_sequence(list(targets), batch_first=True), target_lengths
 
 
-class SpeechDataModule(L.LightningDataModule):
+class SpeechDataModule(RecipeDataModule):
     """LibriSpeech (``corpus="librispeech"``: ``<root>/LibriSpeech/<subset>/...`` with ``.flac`` and
     ``.trans.txt``; subsets downloaded from openslr.org when ``download=true``) or the yesno corpus
     (``corpus="yesno"``: ``<root>/waves_yesno/*.wav``; first 3/4 of files train, rest validate).
@@ -144,16 +144,11 @@ class SpeechDataModule(L.LightningDataModule):
         synthetic_size: int = 256,
         synthetic_frames: int = 300,
     ) -> None:
-        super().__init__()
-        self.root = Path(root).expanduser().resolve()
+        super().__init__(root, batch_size, num_workers, synthetic, synthetic_size)
         self.corpus = check_choice("data.corpus", corpus, ("librispeech", "yesno"))
         self.train_subsets, self.val_subsets = list(train_subsets), list(val_subsets)
-        self.batch_size = check_int("data.batch_size", batch_size, 1)
-        self.num_workers = check_int("data.num_workers", num_workers, 0)
         self.n_mels = check_int("data.n_mels", n_mels, 1)
         self.download = bool(download)
-        self.synthetic = bool(synthetic)
-        self.synthetic_size = check_int("data.synthetic_size", synthetic_size, 1)
         self.synthetic_frames = check_int("data.synthetic_frames", synthetic_frames, 16)
 
     def prepare_data(self) -> None:
@@ -215,23 +210,8 @@ class SpeechDataModule(L.LightningDataModule):
             self.train_set = AudioTranscripts(self._items(self.train_subsets), self.n_mels)
             self.val_set = AudioTranscripts(self._items(self.val_subsets), self.n_mels)
 
-    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        workers = 0 if self.synthetic else self.num_workers
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=train,
-            drop_last=train,
-            collate_fn=pad_batch,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, train=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, train=False)
+    def loader_options(self) -> dict[str, Any]:
+        return {"collate_fn": pad_batch}
 
 
 class DeepSpeech(SGDTask):
