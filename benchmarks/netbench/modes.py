@@ -11,7 +11,7 @@
 * ``ideal`` -- one process, no distributed strategy at all (handled by the launcher).
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
 
 from typing import Any
 
