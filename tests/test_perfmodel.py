@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +21,8 @@ from lightning_gc.perfmodel import (
     ring_allreduce_s,
 )
 from lightning_gc.perfmodel import __main__ as cli
-from tests.conftest import REPO
+
+REPO = Path(__file__).resolve().parents[1]
 
 # p = 4 workers, a = 1 ms, B = 1 MB/s
 NET = Network(world_size=4, bandwidth=1e6, latency=1e-3)
