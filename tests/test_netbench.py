@@ -43,6 +43,7 @@ def test_two_nodes_on_loopback_produce_the_record(tmp_path):
     wire = create("dgc", compress_ratio=0.001).wire_bytes(layout_of_shapes(shapes), 4)
     assert record["payload_bytes_per_step"] == wire
     assert record["tx_bytes_per_step"] >= wire
+    assert 0 < record["hook_s_per_step"] < record["median_s"]
 
 
 def test_report_ratios_and_predictions():
@@ -61,4 +62,4 @@ def test_report_ratios_and_predictions():
     assert ddp.prediction_error == pytest.approx((0.6 - 0.88) / 0.88)
     assert rows["noop"].predicted_s is None
     table = report.markdown(list(rows.values()))
-    assert "| 1gbit | m | ddp | 880 | 800–1440 | 18 | 0.25 | 0.12 |" in table and "| -32 % |" in table
+    assert "| 1gbit | m | ddp | 880 | 800–1440 | 18 | 0.25 | 0.12 | 0.000 | – | – | 600 | -32 % |" in table

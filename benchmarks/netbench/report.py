@@ -4,7 +4,8 @@ Per (rate, model, mode), over every repeat: the median of the repeats' median st
 over the timed steps), the min/max single step over all repeats, global samples/s at the median,
 and ratios to the two references of the same rate and model: ``of floor`` = ``noop`` step /
 step (DDP exchanging nothing), ``of ideal`` = ``ideal`` step / step (one process per node, no
-DDP at all). Throughput ratios, so 1.0 means as fast as the reference.
+DDP at all). Throughput ratios, so 1.0 means as fast as the reference. ``hook ms``: host time
+our comm hook spent compensating, encoding and decoding per step (``gc/compress_s``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Row:
     of_ideal: float | None
     tx_bytes: float
     payload_bytes: float | None
+    hook_s: float | None
     predicted_s: float | None
 
     @property
@@ -58,6 +60,7 @@ def summarize(records: Sequence[dict[str, Any]], predicted: dict[tuple[str, str,
         ideal = medians.get((rate, model, IDEAL))
         steps = [s for r in group for s in r["step_s"]]
         payloads = [r["payload_bytes_per_step"] for r in group if r["payload_bytes_per_step"] is not None]
+        hooks = [r["hook_s_per_step"] for r in group if r.get("hook_s_per_step") is not None]
         rows.append(
             Row(
                 rate=rate,
@@ -72,6 +75,7 @@ def summarize(records: Sequence[dict[str, Any]], predicted: dict[tuple[str, str,
                 of_ideal=None if ideal is None else ideal / median,
                 tx_bytes=statistics.median(r["tx_bytes_per_step"] for r in group),
                 payload_bytes=statistics.median(payloads) if payloads else None,
+                hook_s=statistics.median(hooks) if hooks else None,
                 predicted_s=predicted.get((rate, model, mode)),
             )
         )
@@ -85,8 +89,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def markdown(rows: Sequence[Row]) -> str:
     lines = [
         "| link | model | mode | step ms (median) | min–max ms | samples/s | of floor | of ideal "
-        "| MB/step on wire | MB/step payload | predicted ms | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MB/step on wire | MB/step payload | hook ms | predicted ms | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         error = r.prediction_error
@@ -94,6 +98,7 @@ def markdown(rows: Sequence[Row]) -> str:
             f"| {r.rate} | {r.model} | {r.mode} | {r.median_s * 1e3:.0f} | {r.min_s * 1e3:.0f}–{r.max_s * 1e3:.0f} "
             f"| {r.samples_per_s:.0f} | {_fmt(r.of_floor, '.2f')} | {_fmt(r.of_ideal, '.2f')} "
             f"| {r.tx_bytes / 1e6:.3f} | {_fmt(None if r.payload_bytes is None else r.payload_bytes / 1e6, '.3f')} "
+            f"| {_fmt(None if r.hook_s is None else r.hook_s * 1e3, '.0f')} "
             f"| {_fmt(None if r.predicted_s is None else r.predicted_s * 1e3, '.0f')} "
             f"| {_fmt(None if error is None else error * 100, '+.0f')}{'' if error is None else ' %'} |"
         )

@@ -46,6 +46,7 @@ class StepClock(Callback):
         self.times: list[float] = []
         self.sent: list[int] = []
         self.payload: list[float] = []
+        self.codec: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.times.append(time.perf_counter())
@@ -53,6 +54,8 @@ class StepClock(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, GradientCompressionStrategy):  # bytes its hook handed to collectives
             self.payload.append(strategy.totals["bytes_sent"])
+            if "gc/compress_s" in trainer.callback_metrics:  # host time in the hook this step
+                self.codec.append(float(trainer.callback_metrics["gc/compress_s"]))
 
 
 def diffs(values: list[float] | list[int]) -> list[float]:
@@ -107,6 +110,9 @@ def main() -> None:
         "median_s": statistics.median(step_s),
         "tx_bytes_per_step": statistics.median(sent) if sent else 0.0,
         "payload_bytes_per_step": statistics.median(payload) if payload else None,
+        "hook_s_per_step": statistics.median(clock.codec[args.warmup + 1 :])
+        if clock.codec[args.warmup + 1 :]
+        else None,
         "ifname": ifname,
     }
     args.out.mkdir(parents=True, exist_ok=True)
