@@ -93,10 +93,14 @@ def time_codec(
     device: str | torch.device = "cpu",
     repeats: int = 3,
     momentum: float = 0.0,
+    gradients: Sequence[torch.Tensor] | None = None,
 ) -> CodecCost:
     """Measure ``compressor`` on a gradient of ``shapes`` (one bucket); see the module docstring.
 
     ``momentum`` > 0 adds DGC's momentum correction to the compensation, as ``DGCStrategy`` runs it.
+    ``gradients``: flat gradients of the real model, used in turn (default: one standard normal
+    gradient). Real gradients matter for data-dependent compressors: DGC's sampled threshold
+    needs extra passes when the sample misses the heavy tail, which Gaussian data never shows.
     """
     device = torch.device(device)
     layout = layout_of_shapes(shapes)
@@ -107,14 +111,15 @@ def time_codec(
         error_feedback=compressor.biased or momentum > 0,
     )
     memory.set_specs({s.name: MomentumSpec(momentum=momentum) for s in layout.segments})
-    generator = torch.Generator(device=device).manual_seed(0)
-    gradient = torch.randn(layout.numel, device=device, generator=generator)
-    grad = torch.empty_like(gradient)
+    if gradients is None:
+        generator = torch.Generator(device=device).manual_seed(0)
+        gradients = [torch.randn(layout.numel, device=device, generator=generator)]
+    grad = torch.empty(layout.numel, device=device)
     bucket = memory.bucket(layout, grad)
     encode_times, decode_times = [], []
     summed = gathered = 0
     for step in range(repeats + 1):  # step 0 warms up buffers and plans
-        grad.copy_(gradient)
+        grad.copy_(gradients[step % len(gradients)].reshape(-1))
         _sync(device)
         started = time.perf_counter()
         velocity = memory.compensate(bucket, grad, [], world_size)
@@ -144,11 +149,18 @@ def time_codec(
 
 
 def _cache_key(
-    compressor: Compressor, shapes: Sequence[tuple[int, ...]], world_size: int, device: str, momentum: float
-):
-    digest = hashlib.sha1(repr(list(shapes)).encode()).hexdigest()[:12]
+    compressor: Compressor,
+    shapes: Sequence[tuple[int, ...]],
+    world_size: int,
+    device: str,
+    momentum: float,
+    gradients: Sequence[torch.Tensor] | None,
+) -> str:
+    digest = hashlib.sha1(repr(list(shapes)).encode())
+    for gradient in gradients or []:
+        digest.update(gradient.reshape(-1)[:4096].detach().cpu().numpy().tobytes())
     config = json.dumps(compressor.config(), sort_keys=True, default=str)
-    return f"{config}|shapes={digest}|p={world_size}|m={momentum}|{device}|torch={torch.__version__}"
+    return f"{config}|data={digest.hexdigest()[:12]}|p={world_size}|m={momentum}|{device}|torch={torch.__version__}"
 
 
 def codec_cost(
@@ -162,22 +174,34 @@ def codec_cost(
     cache: Path | None = None,
     repeats: int = 3,
     momentum: float = 0.0,
+    gradients: Sequence[torch.Tensor] | None = None,
 ) -> CodecCost:
     """The :class:`~lightning_gc.perfmodel.CodecCost` of compressor ``name`` (built from ``arguments``).
 
     ``measured=(encode_s, decode_s)`` replaces the timing (the byte counts still come from one
-    real encode); ``cache`` is a JSON file read before and updated after timing.
+    real encode); ``cache`` is a JSON file read before and updated after timing; ``gradients``:
+    see :func:`time_codec`.
     """
     compressor = create(name, **(arguments or {}))
     shapes = representative_shapes(numel_or_shapes) if isinstance(numel_or_shapes, int) else list(numel_or_shapes)
     if measured is not None:
-        sizes = time_codec(compressor, shapes, world_size=world_size, device=device, repeats=1, momentum=momentum)
+        sizes = time_codec(
+            compressor, shapes, world_size=world_size, device=device, repeats=1, momentum=momentum, gradients=gradients
+        )
         return CodecCost(name, sizes.summed_bytes, sizes.gathered_bytes, encode_s=measured[0], decode_s=measured[1])
-    key = _cache_key(compressor, shapes, world_size, device, momentum)
+    key = _cache_key(compressor, shapes, world_size, device, momentum, gradients)
     stored = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
     if key in stored:
         return CodecCost(**stored[key])
-    cost = time_codec(compressor, shapes, world_size=world_size, device=device, repeats=repeats, momentum=momentum)
+    cost = time_codec(
+        compressor,
+        shapes,
+        world_size=world_size,
+        device=device,
+        repeats=repeats,
+        momentum=momentum,
+        gradients=gradients,
+    )
     if cache is not None:
         stored[key] = cost.__dict__
         cache.parent.mkdir(parents=True, exist_ok=True)

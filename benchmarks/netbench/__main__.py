@@ -10,6 +10,8 @@ no mode always runs first; records stream to ``<out>/records.jsonl``. The table 
 performance model's predictions from the measured ``noop`` step and link rate) is printed,
 written to ``<out>/table.md`` and, with ``--record``, appended to benchmarks/RESULTS.md; the bar
 chart goes to ``<out>/netbench.png`` (with ``--record`` also to benchmarks/netbench.png).
+``--records DIR/records.jsonl`` re-reports earlier measurements with a fresh calibration (no
+root, nothing run).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.netbench import report
 from benchmarks.netbench.launch import REPO, run_mode
@@ -50,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlap", type=float, default=0.5, help="perf model: fraction of compute hiding comm")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / time.strftime("netbench-%Y%m%d-%H%M%S"))
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--records", type=Path, default=None, help="re-report a records.jsonl (no run, no root)")
     args = parser.parse_args(argv)
     modes = all_modes() if args.modes == ["all"] else args.modes
     unknown = sorted(set(modes) - set(all_modes()))
@@ -72,18 +76,12 @@ def calibrate(model: str, modes: list[str], out: Path) -> dict[str, CodecCost]:
     return {mode: CodecCost(**cost) for mode, cost in json.loads(path.read_text()).items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if os.geteuid() != 0:
-        sys.exit("netbench needs root (network namespaces, tc); run it as root")
-    args.out.mkdir(parents=True, exist_ok=True)
-    costs = {model: calibrate(model, args.modes, args.out) for model in args.models}
-    records: list[dict] = []
-    link_bps: dict[str, float] = {}
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run every (rate, repeat, model, mode) and return the records (also streamed to records.jsonl)."""
+    records: list[dict[str, Any]] = []
     with (args.out / "records.jsonl").open("a") as stream:
         for rate in args.rates:
             with TwoNodeLink(None if rate == UNSHAPED else rate) as link:
-                link_bps[rate] = link.measured_bps
                 print(f"link {rate}: socket test {link.measured_bps / 1e9:.3f} Gbit/s", flush=True)
                 for repeat in range(args.repeats):
                     for model in args.models:
@@ -99,6 +97,23 @@ def main(argv: list[str] | None = None) -> None:
                             stream.write(json.dumps(record) + "\n")
                             stream.flush()
                             print(f"  {model:9s} {mode:16s} r{repeat} {record['median_s'] * 1e3:8.1f} ms", flush=True)
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.records is not None:  # re-report measured records with a fresh calibration
+        records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
+        args.rates = list(dict.fromkeys(r["rate"] for r in records))
+        args.models = list(dict.fromkeys(r["model"] for r in records))
+        args.modes = list(dict.fromkeys(r["mode"] for r in records))
+    elif os.geteuid() != 0:
+        sys.exit("netbench needs root (network namespaces, tc); run it as root")
+    costs = {model: calibrate(model, args.modes, args.out) for model in args.models}
+    if args.records is None:
+        records = measure(args)
+    link_bps = {r["rate"]: r["link_bps"] for r in records}
     predicted = {}
     for rate in args.rates:
         for model in args.models:
@@ -112,13 +127,15 @@ def main(argv: list[str] | None = None) -> None:
             predicted.update({(rate, model, mode): p.step_s for mode, p in modelled.items()})
     rows = report.summarize(records, predicted)
     rates = ", ".join(f"{rate} (socket test {bps / 1e9:.3f} Gbit/s)" for rate, bps in link_bps.items())
+    steps = len(records[0]["step_s"])
+    repeats = max(r["repeat"] for r in records) + 1
     command = "python -m benchmarks.netbench " + shlex.join(sys.argv[1:] if argv is None else argv)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     header = (
         f"\n### `{command}` — {platform.node()}, {os.cpu_count()} CPUs, {stamp}\n\n"
         f"Two emulated nodes (netns + veth + tbf), one pinned core and one torch thread each, gloo; "
-        f"batch {args.batch_size} per node; {args.steps} timed steps after {args.warmup} warm-up, "
-        f"{args.repeats} interleaved repeat(s). Links: {rates}. Predictions: `lightning_gc.perfmodel` from the "
+        f"batch {records[0]['batch_size']} per node; {steps} timed steps after warm-up, "
+        f"{repeats} interleaved repeat(s). Links: {rates}. Predictions: `lightning_gc.perfmodel` from the "
         f"measured `noop` step, the socket-test rate, calibrated codec costs, overlap {args.overlap}.\n\n"
     )
     table = header + report.markdown(rows) + "\n"

@@ -8,8 +8,9 @@ Per mode, what each rank sends and what encoding/decoding costs it per step:
 * ``torch_powersgdR``: matrices torch would compress send ``(n + m) R`` values (P, then Q),
   the rest dense; codec = timed error feedback, ``P = MQ``, QR of P, ``Q = M^T P``, ``PQ^T``;
   one bucket is ready only when backward ends, so nothing overlaps (``f = 0``);
-* ``gc_<name>``: :func:`lightning_gc.calibration.codec_cost` on the model's parameter shapes
-  (``gc_dgc`` with momentum correction at 0.9, as the benchmark trains).
+* ``gc_<name>``: :func:`lightning_gc.calibration.codec_cost` on the model's parameter shapes and
+  its real gradients on four synthetic batches (``gc_dgc`` with momentum correction at 0.9, as
+  the benchmark trains).
 
 Timing runs in this process: launch it pinned to one core with one thread, like the workers::
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.netbench.models import gradient_shapes
+from benchmarks.netbench.models import BenchModule, gradient_shapes, synthetic_batches
 from benchmarks.netbench.modes import DGC_RATIO, IDEAL
 from lightning_gc import calibration
 from lightning_gc.perfmodel import CodecCost, Network, Prediction, Workload, predict
@@ -81,8 +82,26 @@ def powersgd_hook_cost(shapes: Sequence[tuple[int, ...]], rank: int, repeats: in
     return CodecCost(f"torch_powersgd{rank}", summed_bytes=sent * ELEMENT_SIZE, gathered_bytes=0, encode_s=cost)
 
 
-def mode_cost(mode: str, shapes: Sequence[tuple[int, ...]], world_size: int, cache: Path | None) -> CodecCost:
-    """What ``mode`` sends and costs per step (timed here); ``ddp``/``noop`` need no timing."""
+def real_gradients(model: str, steps: int = 4, batch_size: int = 32) -> list[torch.Tensor]:
+    """Flat gradients of ``model`` on ``steps`` synthetic batches, as the workers compute them."""
+    module = BenchModule(model)
+    params = [p for p in module.parameters() if p.requires_grad]
+    gradients = []
+    for batch in synthetic_batches(steps, batch_size, seed=0):
+        module.zero_grad()
+        module.training_step(batch, 0).backward()
+        gradients.append(torch.cat([p.grad.reshape(-1) for p in params]))
+    return gradients
+
+
+def mode_cost(
+    mode: str,
+    shapes: Sequence[tuple[int, ...]],
+    world_size: int,
+    cache: Path | None,
+    gradients: Sequence[torch.Tensor] | None = None,
+) -> CodecCost:
+    """What ``mode`` sends and costs per step (timed here, ours on ``gradients``); ``ddp``/``noop`` need no timing."""
     numel = sum(math.prod(s) for s in shapes)
     if mode == "ddp":
         return CodecCost("ddp", summed_bytes=numel * ELEMENT_SIZE, gathered_bytes=0)
@@ -97,7 +116,13 @@ def mode_cost(mode: str, shapes: Sequence[tuple[int, ...]], world_size: int, cac
         arguments = {"compress_ratio": DGC_RATIO} if name == "dgc" else {}
         momentum = DGC_MOMENTUM if name == "dgc" else 0.0
         cost = calibration.codec_cost(
-            name, list(shapes), world_size=world_size, arguments=arguments, cache=cache, momentum=momentum
+            name,
+            list(shapes),
+            world_size=world_size,
+            arguments=arguments,
+            cache=cache,
+            momentum=momentum,
+            gradients=gradients,
         )
         return CodecCost(mode, cost.summed_bytes, cost.gathered_bytes, cost.encode_s, cost.decode_s)
     raise ValueError(f"no prediction for mode {mode!r}")
@@ -127,7 +152,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     shapes = gradient_shapes(args.model)
-    costs = {mode: mode_cost(mode, shapes, 2, args.cache).__dict__ for mode in args.modes if mode != IDEAL}
+    gradients = real_gradients(args.model)
+    costs = {mode: mode_cost(mode, shapes, 2, args.cache, gradients).__dict__ for mode in args.modes if mode != IDEAL}
     args.out.write_text(json.dumps(costs, indent=1))
 
 

@@ -97,6 +97,7 @@ def main() -> None:
     step_s = diffs(clock.times)[args.warmup :]
     sent = diffs(clock.sent)[args.warmup :]
     payload = diffs(clock.payload)[args.warmup :]
+    hook_s = clock.codec[args.warmup + 1 :]  # the timed steps' own entries
     record = {
         "mode": args.mode,
         "model": args.model,
@@ -110,9 +111,7 @@ def main() -> None:
         "median_s": statistics.median(step_s),
         "tx_bytes_per_step": statistics.median(sent) if sent else 0.0,
         "payload_bytes_per_step": statistics.median(payload) if payload else None,
-        "hook_s_per_step": statistics.median(clock.codec[args.warmup + 1 :])
-        if clock.codec[args.warmup + 1 :]
-        else None,
+        "hook_s_per_step": statistics.median(hook_s) if hook_s else None,
         "ifname": ifname,
     }
     args.out.mkdir(parents=True, exist_ok=True)
