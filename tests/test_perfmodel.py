@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_gc import calibration
 from lightning_gc.compressors import create
@@ -93,6 +95,9 @@ def test_calibration_cache_is_reused(tmp_path):
     cache = tmp_path / "costs.json"
     first = calibration.codec_cost("topk", 4096, world_size=2, cache=cache, repeats=1)
     assert calibration.codec_cost("topk", 4096, world_size=2, cache=cache, repeats=1) == first
+    real = [torch.linspace(-1, 1, 4096), torch.linspace(1, -1, 4096)]  # other data: calibrated anew
+    calibration.codec_cost("topk", 4096, world_size=2, cache=cache, repeats=1, gradients=real)
+    assert len(json.loads(cache.read_text())) == 2
     measured = calibration.codec_cost("topk", 4096, world_size=2, measured=(0.002, 0.001))
     assert (measured.encode_s, measured.decode_s, measured.bytes_sent) == (0.002, 0.001, first.bytes_sent)
 

@@ -9,7 +9,7 @@ pinned core. Then ``repeats`` rounds, each running every mode once, in a rotated
 no mode always runs first; records stream to ``<out>/records.jsonl``. The table (with the
 performance model's predictions from the measured ``noop`` step and link rate) is printed,
 written to ``<out>/table.md`` and, with ``--record``, appended to benchmarks/RESULTS.md; the bar
-chart goes to ``<out>/netbench.png`` (with ``--record`` also to benchmarks/netbench.png).
+chart goes to ``<out>/netbench.png`` (with ``--record`` also to benchmarks/netbench-<UTC time>.png).
 ``--records DIR/records.jsonl`` re-reports earlier measurements with a fresh calibration (no
 root, nothing run).
 """
@@ -37,7 +37,6 @@ from benchmarks.netbench.predict import predict_modes
 from lightning_gc.perfmodel import CodecCost
 
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
-CHART = REPO / "benchmarks" / "netbench.png"
 UNSHAPED = "unshaped"
 
 
@@ -144,9 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     report.chart(rows, args.out / "netbench.png")
     print(f"chart: {args.out / 'netbench.png'}")
     if args.record:
-        shutil.copyfile(args.out / "netbench.png", CHART)
+        chart = RESULTS.parent / f"netbench-{time.strftime('%Y%m%d-%H%M', time.gmtime())}.png"
+        shutil.copyfile(args.out / "netbench.png", chart)
         with RESULTS.open("a") as f:
-            f.write(table + f"\nChart: [`{CHART.name}`]({CHART.name}).\n")
+            f.write(table + f"\nChart: [`{chart.name}`]({chart.name}).\n")
 
 
 if __name__ == "__main__":
