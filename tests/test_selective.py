@@ -62,3 +62,23 @@ def test_calibrated_policy_is_consistent():
     assert calibrated.summed_fraction == 1.0 and calibrated.codec_s_per_element > 0
     with pytest.raises(ValueError, match="`summed_fraction` must be in"):
         CompressWhenFaster(Network(2, 1.0), codec_s_per_element=0.0, summed_fraction=1.5)
+
+
+def _agree_worker(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        mine = policy(1e9, codec_s=0.010 if rank == 0 else 0.040)  # each rank calibrated differently
+        decision = agreed(mine, None)(DGC, LAYOUT, 4)
+        with open(f"{out}.{rank}", "w") as f:
+            f.write(f"{agreed(mine, None).codec_s_per_element!r} {decision}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_takes_rank_zeros_policy(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "decision")
+    mp.spawn(_agree_worker, args=(str(tmp_path / "store"), out), nprocs=2)
+    # rank 1 alone would not compress (40 ms codec > 32 ms dense); with rank 0's policy both do
+    assert [open(f"{out}.{r}").read() for r in range(2)] == [f"{0.010 / 1e6!r} True"] * 2
