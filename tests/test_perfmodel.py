@@ -135,6 +135,9 @@ def test_cli_in_a_subprocess_rejects_nonsense_and_predicts():
         (["--overlap", "1.5"], "`--overlap` must be in [0, 1], got 1.5"),
         (["--params", "0.5"], "`--params` must be an integer >= 1, got 0.5"),
         (["--cost", "dgc=5"], "`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got 'dgc=5'"),
+        (["--cost", "dgc=5,x"], "`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got 'dgc=5,x'"),
+        (["--cost", "gzip=5,1"], "`--cost compressor` must be one of ['bf16', 'dgc'"),
+        (["--cost", "dgc=5,-1"], "`--cost dgc` must be in [0, inf], got -1.0"),
     ],
 )
 def test_cli_rejects_nonsense(args, message, capsys):

@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_gc._validation import check_int, check_range
+from lightning_gc._validation import check_choice, check_int, check_range
+from lightning_gc.compressors.registry import available
 from lightning_gc.perfmodel import BITS_PER_BYTE, DENSE, Network, Prediction, Workload, best, parse_rate, predict
 
 
@@ -39,10 +40,13 @@ def _parse_costs(items: Sequence[str]) -> dict[str, tuple[float, float]]:
     costs = {}
     for item in items:
         name, _, values = item.partition("=")
-        parts = values.split(",")
-        if not name or len(parts) != 2:
-            raise ValueError(f"`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got {item!r}")
-        encode_ms, decode_ms = (check_range(f"--cost {name}", float(v), 0.0, None) for v in parts)
+        try:
+            encode_ms, decode_ms = (float(v) for v in values.split(","))
+        except ValueError:
+            raise ValueError(f"`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got {item!r}") from None
+        check_choice("--cost compressor", name, available())
+        for value in (encode_ms, decode_ms):
+            check_range(f"--cost {name}", value, 0.0, None)
         costs[name] = (encode_ms / 1e3, decode_ms / 1e3)
     return costs
 
@@ -86,7 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the process exit status (2 with a message on bad input)."""
     from lightning_gc import calibration
-    from lightning_gc.compressors.registry import available
 
     parser = build_parser()
     args = parser.parse_args(argv)
