@@ -19,9 +19,11 @@ once when it registers its hook).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_gc._validation import check_range
@@ -61,11 +63,18 @@ class CompressWhenFaster:
         numel: int = 1 << 22,
         device: str = "cpu",
         hidden_s: float = 0.0,
+        gradients: Sequence[torch.Tensor] | None = None,
     ) -> CompressWhenFaster:
-        """Time compressor ``compressor`` (built from ``arguments``) on ``numel`` elements here."""
+        """Time compressor ``compressor`` (built from ``arguments``) on ``numel`` elements here.
+
+        ``gradients``: flat ``numel``-element gradients of the real model to time on (default:
+        Gaussian data, which underestimates data-dependent selection such as DGC's).
+        """
         from lightning_gc.calibration import codec_cost
 
-        cost = codec_cost(compressor, numel, world_size=network.world_size, arguments=arguments, device=device)
+        cost = codec_cost(
+            compressor, numel, world_size=network.world_size, arguments=arguments, device=device, gradients=gradients
+        )
         sent = cost.bytes_sent
         return cls(
             network=network,
