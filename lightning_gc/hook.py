@@ -20,6 +20,7 @@ across a checkpoint resume (which starts again with DDP's initial bucketing).
 """
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ class CompressionHookState:
         min_wire_ratio: buckets on which the compressor would not reach this wire ratio (dense
             bytes / bytes sent) are sent exactly through one all-reduce instead. The decision
             depends on the layout and the compressor's settings only, so every rank agrees.
+        pays: optional further rule ``pays(compressor, layout, element_size) -> bool``; buckets
+            where it is false are sent exactly (e.g. :class:`lightning_gc.selective.CompressWhenFaster`).
+            It must decide the same on every rank.
         nonfinite: what a NaN/Inf in a local gradient does. ``"raise"``: ``FloatingPointError``
             naming the parameters, before anything enters memory (one host sync per bucket).
             ``"skip"``: every rank skips the step, and memory, compressor state and step counter
@@ -73,10 +77,12 @@ class CompressionHookState:
         names: dict[int, tuple[str, int]],
         process_group: dist.ProcessGroup | None = None,
         min_wire_ratio: float = 1.0,
+        pays: Callable[[Compressor, BucketLayout, int], bool] | None = None,
         nonfinite: str = "raise",
     ) -> None:
         self.compressor = compressor
         self.min_wire_ratio = min_wire_ratio
+        self.pays = pays
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
         self.grad_scale: float | None = None
         self._nonfinite_seen: torch.Tensor | None = None
@@ -105,7 +111,9 @@ class CompressionHookState:
 
     def compressor_for(self, layout: BucketLayout, element_size: int) -> Compressor:
         """The configured compressor, or exact all-reduce where it would not pay its way."""
-        if reaches_wire_ratio(self.compressor, layout, element_size, self.min_wire_ratio):
+        if reaches_wire_ratio(self.compressor, layout, element_size, self.min_wire_ratio) and (
+            self.pays is None or self.pays(self.compressor, layout, element_size)
+        ):
             return self.compressor
         return self.uncompressed
 

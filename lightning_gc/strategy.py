@@ -34,6 +34,7 @@ from lightning_gc.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.hook import NONFINITE_POLICIES, CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec, absorb_sgd_momentum
+from lightning_gc.selective import CompressWhenFaster, agreed
 
 CHECKPOINT_KEY = "lightning_gc"
 CHECKPOINT_FORMAT = 1
@@ -99,6 +100,9 @@ class GradientCompressionStrategy(DDPStrategy):
         min_wire_ratio: selective compression: a bucket whose wire ratio under the compressor
             (dense bytes / bytes sent) would be below this is sent exactly by one all-reduce.
             The default 1.0 never sends more bytes than plain DDP.
+        compress_when: ``None`` (default): compress every bucket that passes ``min_wire_ratio``; or
+            a :class:`~lightning_gc.selective.CompressWhenFaster` policy: compress a bucket only
+            where the performance model predicts a faster step. Rank 0's policy is used on all ranks.
         log_stats: log ``gc/bytes_sent``, ``gc/dense_bytes``, ``gc/wire_ratio``, ``gc/density``
             and ``gc/compress_s`` after every optimizer step. Running sums over all steps are kept
             in :attr:`totals` either way.
@@ -127,6 +131,7 @@ class GradientCompressionStrategy(DDPStrategy):
         clip_norm: float | None = None,
         error_feedback: bool | None = None,
         min_wire_ratio: float = 1.0,
+        compress_when: CompressWhenFaster | None = None,
         log_stats: bool = True,
         nonfinite: str = "raise",
         verify_every_n_steps: int | None = None,
@@ -171,6 +176,7 @@ class GradientCompressionStrategy(DDPStrategy):
             clip_norm=clip_norm,
             error_feedback=error_feedback,
         )
+        self.compress_when = compress_when
         self.log_stats = log_stats
         self.totals = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "skipped_steps": 0}
         self._hook_state: CompressionHookState | None = None
@@ -208,12 +214,14 @@ class GradientCompressionStrategy(DDPStrategy):
         # Replaces DDPStrategy's, which registers comm hooks on CUDA only.
         assert isinstance(self.model, DistributedDataParallel)
         names = {id(p): (name, order) for order, (name, p) in enumerate(self.model.module.named_parameters())}
+        pays = agreed(self.compress_when, self.model.process_group)
         self._hook_state = CompressionHookState(
             self.compressor,
             self.memory,
             names,
             self.model.process_group,
             min_wire_ratio=self.min_wire_ratio,
+            pays=pays,
             nonfinite=self.nonfinite,
         )
         verify_same_setup(self._setup_description(), self.model.process_group)

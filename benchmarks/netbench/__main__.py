@@ -1,0 +1,153 @@
+"""Run the two-node bandwidth-limited benchmark (root on Linux). See benchmarks/netbench/__init__.py.
+
+    sudo python -m benchmarks.netbench --rates 1gbit 100mbit unshaped --models resnet18 mlp29m \
+        --modes all --repeats 3 --steps 10 --warmup 3 --record
+
+Per rate: the namespaces and shaped veth are created, measured with a socket test, used, and
+deleted (also on failure or SIGTERM). Per model: encode/decode costs are calibrated once on one
+pinned core. Then ``repeats`` rounds, each running every mode once, in a rotated order so that
+no mode always runs first; records stream to ``<out>/records.jsonl``. The table (with the
+performance model's predictions from the measured ``noop`` step and link rate) is printed,
+written to ``<out>/table.md`` and, with ``--record``, appended to benchmarks/RESULTS.md; the bar
+chart goes to ``<out>/netbench.png`` (with ``--record`` also to benchmarks/netbench-<UTC time>.png).
+``--records DIR/records.jsonl`` re-reports earlier measurements with a fresh calibration (no
+root, nothing run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.netbench import report
+from benchmarks.netbench.launch import REPO, run_mode
+from benchmarks.netbench.modes import all_modes
+from benchmarks.netbench.netns import TwoNodeLink
+from benchmarks.netbench.predict import predict_modes
+from lightning_gc.perfmodel import CodecCost
+
+RESULTS = REPO / "benchmarks" / "RESULTS.md"
+UNSHAPED = "unshaped"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit", UNSHAPED], help="tbf rates or 'unshaped'")
+    parser.add_argument("--models", nargs="+", default=["resnet18", "mlp29m"])
+    parser.add_argument("--modes", nargs="+", default=["all"], help=f"'all' or some of {all_modes()}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (torch PowerSGD needs >= 2)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument("--overlap", type=float, default=0.5, help="perf model: fraction of compute hiding comm")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / time.strftime("netbench-%Y%m%d-%H%M%S"))
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--records", type=Path, default=None, help="re-report a records.jsonl (no run, no root)")
+    args = parser.parse_args(argv)
+    modes = all_modes() if args.modes == ["all"] else args.modes
+    unknown = sorted(set(modes) - set(all_modes()))
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}; modes are {all_modes()}")
+    if args.repeats < 1 or args.steps < 2 or args.warmup < 2:
+        parser.error(
+            f"need --repeats >= 1, --steps >= 2, --warmup >= 2; got {args.repeats}, {args.steps}, {args.warmup}"
+        )
+    args.modes = modes
+    return args
+
+
+def calibrate(model: str, modes: list[str], out: Path) -> dict[str, CodecCost]:
+    """Encode/decode costs of ``modes`` on ``model``, timed on core 0 with one thread."""
+    path = out / f"costs-{model}.json"
+    command = ["taskset", "-c", "0", sys.executable, "-m", "benchmarks.netbench.predict", "--model", model]
+    command += ["--modes", *modes, "--out", str(path), "--cache", str(out / "calibration-cache.json")]
+    subprocess.run(command, check=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return {mode: CodecCost(**cost) for mode, cost in json.loads(path.read_text()).items()}
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run every (rate, repeat, model, mode) and return the records (also streamed to records.jsonl)."""
+    records: list[dict[str, Any]] = []
+    with (args.out / "records.jsonl").open("a") as stream:
+        for rate in args.rates:
+            with TwoNodeLink(None if rate == UNSHAPED else rate) as link:
+                print(f"link {rate}: socket test {link.measured_bps / 1e9:.3f} Gbit/s", flush=True)
+                for repeat in range(args.repeats):
+                    for model in args.models:
+                        shift = repeat % len(args.modes)
+                        for mode in args.modes[shift:] + args.modes[:shift]:
+                            record = run_mode(
+                                mode, model, nodes=link.nodes, master_addr=link.master_addr,
+                                out=args.out / rate / model / mode / f"r{repeat}",
+                                steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
+                            )  # fmt: skip
+                            record.update(rate=rate, repeat=repeat, link_bps=link.measured_bps, nodes_total=2)
+                            records.append(record)
+                            stream.write(json.dumps(record) + "\n")
+                            stream.flush()
+                            print(f"  {model:9s} {mode:16s} r{repeat} {record['median_s'] * 1e3:8.1f} ms", flush=True)
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.records is not None:  # re-report measured records with a fresh calibration
+        records = [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()]
+        args.rates = list(dict.fromkeys(r["rate"] for r in records))
+        args.models = list(dict.fromkeys(r["model"] for r in records))
+        args.modes = list(dict.fromkeys(r["mode"] for r in records))
+    elif os.geteuid() != 0:
+        sys.exit("netbench needs root (network namespaces, tc); run it as root")
+    costs = {model: calibrate(model, args.modes, args.out) for model in args.models}
+    if args.records is None:
+        records = measure(args)
+    link_bps = {r["rate"]: r["link_bps"] for r in records}
+    predicted = {}
+    for rate in args.rates:
+        for model in args.models:
+            floor = [r["median_s"] for r in records if (r["rate"], r["model"], r["mode"]) == (rate, model, "noop")]
+            if not floor:
+                continue
+            numel = next(r["gradient_numel"] for r in records if r["model"] == model)
+            modelled = predict_modes(
+                costs[model], numel, statistics.median(floor), link_bps[rate], overlap=args.overlap
+            )
+            predicted.update({(rate, model, mode): p.step_s for mode, p in modelled.items()})
+    rows = report.summarize(records, predicted)
+    rates = ", ".join(f"{rate} (socket test {bps / 1e9:.3f} Gbit/s)" for rate, bps in link_bps.items())
+    steps = len(records[0]["step_s"])
+    repeats = max(r["repeat"] for r in records) + 1
+    command = "python -m benchmarks.netbench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    header = (
+        f"\n### `{command}` — {platform.node()}, {os.cpu_count()} CPUs, {stamp}\n\n"
+        f"Two emulated nodes (netns + veth + tbf), one pinned core and one torch thread each, gloo; "
+        f"batch {records[0]['batch_size']} per node; {steps} timed steps after warm-up, "
+        f"{repeats} interleaved repeat(s). Links: {rates}. Predictions: `lightning_gc.perfmodel` from the "
+        f"measured `noop` step, the socket-test rate, calibrated codec costs, overlap {args.overlap}.\n\n"
+    )
+    table = header + report.markdown(rows) + "\n"
+    print(table)
+    (args.out / "table.md").write_text(table)
+    report.chart(rows, args.out / "netbench.png")
+    print(f"chart: {args.out / 'netbench.png'}")
+    if args.record:
+        chart = RESULTS.parent / f"netbench-{time.strftime('%Y%m%d-%H%M', time.gmtime())}.png"
+        shutil.copyfile(args.out / "netbench.png", chart)
+        with RESULTS.open("a") as f:
+            f.write(table + f"\nChart: [`{chart.name}`]({chart.name}).\n")
+
+
+if __name__ == "__main__":
+    main()

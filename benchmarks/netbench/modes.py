@@ -1,0 +1,70 @@
+"""How gradients are exchanged in each benchmark mode, as a Lightning strategy.
+
+* ``ddp`` -- plain DDP all-reduce (torch's C++ reducer);
+* ``noop`` -- DDP with a comm hook that exchanges nothing: the floor, everything but the exchange;
+* ``torch_fp16`` -- torch's ``fp16_compress_hook``;
+* ``torch_powersgd1`` / ``torch_powersgd4`` -- torch's ``powerSGD_hook`` at rank 1 / 4, with ONE
+  DDP bucket (``bucket_cap_mb=1024``): torch's hook chains its all-reduces from future callbacks
+  and crashes on gloo with more than one bucket (DESIGN.md §4);
+* ``gc_<name>`` -- ``lightning_gc`` with compressor ``<name>``, any registered compressor
+  (``gc_dgc`` is ``DGCStrategy(compress_ratio=0.001)`` with momentum correction);
+* ``ideal`` -- one process, no distributed strategy at all (handled by the launcher).
+"""
+
+# No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
+
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+from lightning_gc import DGCStrategy, GradientCompressionStrategy, available
+
+IDEAL = "ideal"
+TORCH_MODES = ("ddp", "noop", "torch_fp16", "torch_powersgd1", "torch_powersgd4")
+DGC_RATIO = 0.001
+
+
+def all_modes() -> list[str]:
+    """Every mode, references first, then torch's hooks, then ours (one per registered compressor)."""
+    return [IDEAL, *TORCH_MODES, *(f"gc_{name}" for name in available())]
+
+
+class HookedDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` that registers its comm hook on every device (Lightning: CUDA only)."""
+
+    def _register_ddp_hooks(self) -> None:
+        if self._ddp_comm_hook is not None:
+            assert self.model is not None
+            self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+
+
+def noop_hook(state: Any, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Exchange nothing: each rank keeps its own gradient."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def make_strategy(mode: str) -> Strategy:
+    """The Lightning strategy of ``mode`` (gloo backend)."""
+    common = {"process_group_backend": "gloo"}
+    if mode == "ddp":
+        return DDPStrategy(**common)
+    if mode == "noop":
+        return HookedDDPStrategy(ddp_comm_hook=noop_hook, **common)
+    if mode == "torch_fp16":
+        return HookedDDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook, **common)
+    if mode.startswith("torch_powersgd"):
+        rank = int(mode.removeprefix("torch_powersgd"))
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+        return HookedDDPStrategy(
+            ddp_comm_state=state, ddp_comm_hook=powersgd.powerSGD_hook, bucket_cap_mb=1024, **common
+        )
+    if mode == "gc_dgc":
+        return DGCStrategy(compress_ratio=DGC_RATIO, **common)
+    if mode.startswith("gc_") and mode.removeprefix("gc_") in available():
+        return GradientCompressionStrategy(mode.removeprefix("gc_"), **common)
+    raise ValueError(f"unknown mode {mode!r}; modes are {all_modes()}")

@@ -1,0 +1,209 @@
+"""Encode/decode cost of a compressor on this device, measured on a representative gradient.
+
+Times exactly what the comm hook runs per step on one rank (see :mod:`lightning_gc.hook`)::
+
+    encode_s = compensate (memory) + compressor.encode + commit (memory)
+    decode_s = compressor.decode of ``world_size`` ranks' payloads
+
+with the collectives replaced by local copies (the world's payloads are this rank's, repeated),
+and reports the bytes the payload would all-reduce (``summed``) and all-gather (``gathered``).
+Medians over ``repeats`` after one warm-up round. Results can be cached in a JSON file keyed by
+compressor configuration, gradient shapes, world size, device and torch version.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_gc.compressors.base import Compressor
+from lightning_gc.compressors.registry import argument_names, available, create
+from lightning_gc.hook import commit
+from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.memory import CompensationMemory
+from lightning_gc.momentum import MomentumSpec
+from lightning_gc.perfmodel import CodecCost
+
+COLUMNS = 1024
+
+
+def layout_of_shapes(shapes: Sequence[tuple[int, ...]]) -> BucketLayout:
+    """One bucket holding tensors of ``shapes`` back to back (names ``t0``, ``t1``, ...)."""
+    segments, start = [], 0
+    for order, shape in enumerate(shapes):
+        segment = Segment(name=f"t{order}", order=order, start=start, shape=tuple(shape))
+        segments.append(segment)
+        start = segment.stop
+    return BucketLayout(index=0, segments=tuple(segments), param_ids=tuple(range(len(segments))))
+
+
+def representative_shapes(numel: int) -> list[tuple[int, ...]]:
+    """A ``numel``-element gradient as one ``(rows, 1024)`` weight matrix plus a 1-D remainder."""
+    rows, rest = divmod(numel, COLUMNS)
+    shapes: list[tuple[int, ...]] = [(rows, COLUMNS)] if rows else []
+    return shapes + ([(rest,)] if rest else [])
+
+
+def module_shapes(module: torch.nn.Module) -> list[tuple[int, ...]]:
+    """Shapes of ``module``'s trainable parameters, in ``parameters()`` order."""
+    return [tuple(p.shape) for p in module.parameters() if p.requires_grad]
+
+
+def parse_arguments(items: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``["compress_ratio=0.001", ...]`` -> per compressor name, the arguments it accepts."""
+    parsed: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"`--arg` must look like NAME=VALUE, got {item!r}")
+        try:
+            parsed[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            parsed[key] = text
+    per_name = {}
+    for name in available():
+        from lightning_gc.compressors.registry import compressor_class
+
+        accepted = argument_names(compressor_class(name))
+        per_name[name] = {k: v for k, v in parsed.items() if k in accepted}
+    unused = sorted(set(parsed) - {k for args in per_name.values() for k in args})
+    if unused:
+        raise ValueError(f"no registered compressor takes argument(s) {unused}")
+    return per_name
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_codec(
+    compressor: Compressor,
+    shapes: Sequence[tuple[int, ...]],
+    *,
+    world_size: int,
+    device: str | torch.device = "cpu",
+    repeats: int = 3,
+    momentum: float = 0.0,
+    gradients: Sequence[torch.Tensor] | None = None,
+) -> CodecCost:
+    """Measure ``compressor`` on a gradient of ``shapes`` (one bucket); see the module docstring.
+
+    ``momentum`` > 0 adds DGC's momentum correction to the compensation, as ``DGCStrategy`` runs it.
+    ``gradients``: flat gradients of the real model, used in turn (default: one standard normal
+    gradient). Real gradients matter for data-dependent compressors: DGC's sampled threshold
+    needs extra passes when the sample misses the heavy tail, which Gaussian data never shows.
+    """
+    device = torch.device(device)
+    layout = layout_of_shapes(shapes)
+    memory = CompensationMemory(
+        momentum_correction=momentum > 0,
+        momentum_masking=True,
+        clip_norm=None,
+        error_feedback=compressor.biased or momentum > 0,
+    )
+    memory.set_specs({s.name: MomentumSpec(momentum=momentum) for s in layout.segments})
+    if gradients is None:
+        generator = torch.Generator(device=device).manual_seed(0)
+        gradients = [torch.randn(layout.numel, device=device, generator=generator)]
+    grad = torch.empty(layout.numel, device=device)
+    bucket = memory.bucket(layout, grad)
+    encode_times, decode_times = [], []
+    summed = gathered = 0
+    for step in range(repeats + 1):  # step 0 warms up buffers and plans
+        grad.copy_(gradients[step % len(gradients)].reshape(-1))
+        _sync(device)
+        started = time.perf_counter()
+        velocity = memory.compensate(bucket, grad, [], world_size)
+        encoded = compressor.encode(velocity, grad, layout, step=step, world_size=world_size, rank=0)
+        commit(memory, bucket, encoded)
+        _sync(device)
+        encoded_at = time.perf_counter()
+        if encoded.gathered is not None:  # every rank's payload = this rank's
+            assert encoded.gathered_out is not None
+            encoded.gathered_out.view(world_size, -1).copy_(encoded.gathered.view(1, -1).expand(world_size, -1))
+        _sync(device)
+        decode_started = time.perf_counter()
+        compressor.decode(encoded, grad, world_size=world_size)
+        _sync(device)
+        if step:
+            encode_times.append(encoded_at - started)
+            decode_times.append(time.perf_counter() - decode_started)
+        summed = 0 if encoded.summed is None else encoded.summed.numel() * encoded.summed.element_size()
+        gathered = 0 if encoded.gathered is None else encoded.gathered.numel() * encoded.gathered.element_size()
+    return CodecCost(
+        name=compressor.name,
+        summed_bytes=summed,
+        gathered_bytes=gathered,
+        encode_s=statistics.median(encode_times),
+        decode_s=statistics.median(decode_times),
+    )
+
+
+def _cache_key(
+    compressor: Compressor,
+    shapes: Sequence[tuple[int, ...]],
+    world_size: int,
+    device: str,
+    momentum: float,
+    gradients: Sequence[torch.Tensor] | None,
+) -> str:
+    digest = hashlib.sha1(repr(list(shapes)).encode())
+    for gradient in gradients or []:
+        digest.update(gradient.reshape(-1)[:4096].detach().cpu().numpy().tobytes())
+    config = json.dumps(compressor.config(), sort_keys=True, default=str)
+    return f"{config}|data={digest.hexdigest()[:12]}|p={world_size}|m={momentum}|{device}|torch={torch.__version__}"
+
+
+def codec_cost(
+    name: str,
+    numel_or_shapes: int | Sequence[tuple[int, ...]],
+    *,
+    world_size: int,
+    arguments: dict[str, Any] | None = None,
+    device: str = "cpu",
+    measured: tuple[float, float] | None = None,
+    cache: Path | None = None,
+    repeats: int = 3,
+    momentum: float = 0.0,
+    gradients: Sequence[torch.Tensor] | None = None,
+) -> CodecCost:
+    """The :class:`~lightning_gc.perfmodel.CodecCost` of compressor ``name`` (built from ``arguments``).
+
+    ``measured=(encode_s, decode_s)`` replaces the timing (the byte counts still come from one
+    real encode); ``cache`` is a JSON file read before and updated after timing; ``gradients``:
+    see :func:`time_codec`.
+    """
+    compressor = create(name, **(arguments or {}))
+    shapes = representative_shapes(numel_or_shapes) if isinstance(numel_or_shapes, int) else list(numel_or_shapes)
+    if measured is not None:
+        sizes = time_codec(
+            compressor, shapes, world_size=world_size, device=device, repeats=1, momentum=momentum, gradients=gradients
+        )
+        return CodecCost(name, sizes.summed_bytes, sizes.gathered_bytes, encode_s=measured[0], decode_s=measured[1])
+    key = _cache_key(compressor, shapes, world_size, device, momentum, gradients)
+    stored = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
+    if key in stored:
+        return CodecCost(**stored[key])
+    cost = time_codec(
+        compressor,
+        shapes,
+        world_size=world_size,
+        device=device,
+        repeats=repeats,
+        momentum=momentum,
+        gradients=gradients,
+    )
+    if cache is not None:
+        stored[key] = cost.__dict__
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(stored, indent=1, sort_keys=True))
+    return cost

@@ -1,0 +1,240 @@
+"""When compression pays: predicted step time of dense all-reduce vs each compressor.
+
+Notation (DESIGN.md §6): ``p`` workers, ``M`` gradient bytes per worker, ``B`` link bandwidth in
+bytes/s, ``a`` latency per message in seconds, ``r`` wire ratio, ``n`` collective rounds per step
+(DDP buckets).
+
+Communication (alpha-beta cost of the classic algorithms, per step)::
+
+    ring all-reduce of M bytes            T_ar(M) = n * 2(p-1) a + 2(p-1)/p * M / B
+    all-gather of m = M/r bytes per rank  T_ag(m) = n * (p-1) a   + (p-1) * m / B
+
+A compressor's payload has a summed part (all-reduced) and a gathered part (all-gathered):
+``T_comm = T_ar(summed) + T_ag(gathered)``; dense DDP is ``T_ar(M)``.
+
+Overlap: DDP launches a bucket's collective while backward still computes earlier layers. With
+per-step compute time ``C`` (forward + backward + optimizer of one worker, nothing exchanged) and
+``f`` the fraction of ``C`` that can run concurrently with communication, the exposed part of
+the exchange is ``max(0, T_comm - f C)``. Encoding and decoding run on the worker's compute
+resource inside the hook, so they are never hidden::
+
+    step(dense)      = C + max(0, T_ar(M) - f C)
+    step(compressor) = C + T_enc + T_dec + max(0, T_comm - f C)
+    speedup          = step(dense) / step(compressor)
+
+Compression pays exactly when ``T_enc + T_dec + max(0, T_comm - f C) < max(0, T_ar(M) - f C)``.
+The world of one rank exchanges nothing: every ``T`` is 0 for ``p = 1``.
+
+``T_enc`` and ``T_dec`` come from :mod:`lightning_gc.calibration` (the real compressor timed on
+this device) or are given. The model is checked against measured two-node runs by
+``benchmarks/netbench``; it is a model, not a measurement. Command line:
+``python -m lightning_gc.perfmodel --help`` (:mod:`lightning_gc.perfmodel.__main__`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_gc._validation import check_int, check_range
+
+DENSE = "dense"
+"""Name of the reference: plain DDP ring all-reduce, no encode/decode."""
+
+BITS_PER_BYTE = 8
+
+
+@dataclass(frozen=True)
+class Network:
+    """The cluster as the exchange sees it.
+
+    Attributes:
+        world_size: number of workers ``p`` (>= 1).
+        bandwidth: link bandwidth ``B`` in bytes per second (> 0).
+        latency: per-message latency ``a`` in seconds (>= 0).
+    """
+
+    world_size: int
+    bandwidth: float
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_int("world_size", self.world_size, 1)
+        check_range("bandwidth", self.bandwidth, 0.0, None, low_inclusive=False)
+        check_range("latency", self.latency, 0.0, None)
+
+    @classmethod
+    def from_bits(cls, world_size: int, bits_per_second: float, latency: float = 0.0) -> Network:
+        """A network whose bandwidth is given in bits per second (``1e9`` for 1 Gbit/s)."""
+        check_range("bandwidth", bits_per_second, 0.0, None, low_inclusive=False)
+        return cls(world_size, bits_per_second / BITS_PER_BYTE, latency)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One worker's training step without communication.
+
+    Attributes:
+        gradient_numel: gradient elements per worker per step.
+        compute_s: forward + backward + optimizer time ``C`` of one step, nothing exchanged.
+        overlap: fraction ``f`` of ``compute_s`` that can run concurrently with communication
+            (part of backward), in [0, 1].
+        element_size: bytes per gradient element (4 for fp32).
+        rounds: collective rounds per step ``n`` (DDP buckets), >= 1.
+    """
+
+    gradient_numel: int
+    compute_s: float
+    overlap: float = 0.5
+    element_size: int = 4
+    rounds: int = 1
+
+    def __post_init__(self) -> None:
+        check_int("gradient_numel", self.gradient_numel, 1)
+        check_range("compute_s", self.compute_s, 0.0, None)
+        check_range("overlap", self.overlap, 0.0, 1.0)
+        check_int("element_size", self.element_size, 1)
+        check_int("rounds", self.rounds, 1)
+
+    @property
+    def dense_bytes(self) -> int:
+        """``M``: bytes plain DDP all-reduces per step."""
+        return self.gradient_numel * self.element_size
+
+    @property
+    def hidden_s(self) -> float:
+        """``f C``: communication time that backward can hide."""
+        return self.overlap * self.compute_s
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """What one compressor costs one worker per step, for the whole gradient.
+
+    Attributes:
+        name: compressor name (``"dense"`` for plain DDP).
+        summed_bytes: bytes all-reduced per step.
+        gathered_bytes: bytes all-gathered per rank per step.
+        encode_s: compensation + encoding (+ memory commit) time per step.
+        decode_s: decoding time per step, for ``p`` ranks' payloads.
+    """
+
+    name: str
+    summed_bytes: int
+    gathered_bytes: int
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_int("summed_bytes", self.summed_bytes, 0)
+        check_int("gathered_bytes", self.gathered_bytes, 0)
+        check_range("encode_s", self.encode_s, 0.0, None)
+        check_range("decode_s", self.decode_s, 0.0, None)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.summed_bytes + self.gathered_bytes
+
+    @classmethod
+    def dense(cls, workload: Workload) -> CodecCost:
+        """Plain DDP: the whole gradient all-reduced, nothing encoded."""
+        return cls(DENSE, summed_bytes=workload.dense_bytes, gathered_bytes=0)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted step of one exchange scheme.
+
+    Attributes:
+        name: compressor name or ``"dense"``.
+        comm_s: ``T_comm``, the collectives alone.
+        codec_s: ``T_enc + T_dec``.
+        exposed_s: ``max(0, T_comm - f C)``, the communication backward cannot hide.
+        step_s: ``C + codec_s + exposed_s``.
+        speedup: dense step time / this step time (> 1: faster than dense).
+        bytes_sent: bytes this rank hands to the collectives per step.
+        wire_ratio: dense bytes / bytes sent.
+    """
+
+    name: str
+    comm_s: float
+    codec_s: float
+    exposed_s: float
+    step_s: float
+    speedup: float
+    bytes_sent: int
+    wire_ratio: float
+
+
+def ring_allreduce_s(nbytes: float, network: Network, rounds: int = 1) -> float:
+    """``T_ar = n 2(p-1) a + 2(p-1)/p * nbytes / B``; 0 when nothing is sent or ``p = 1``."""
+    p = network.world_size
+    if nbytes <= 0 or p == 1:
+        return 0.0
+    return rounds * 2 * (p - 1) * network.latency + 2 * (p - 1) / p * nbytes / network.bandwidth
+
+
+def allgather_s(nbytes_per_rank: float, network: Network, rounds: int = 1) -> float:
+    """``T_ag = n (p-1) a + (p-1) * nbytes_per_rank / B``; 0 when nothing is sent or ``p = 1``."""
+    p = network.world_size
+    if nbytes_per_rank <= 0 or p == 1:
+        return 0.0
+    return rounds * (p - 1) * network.latency + (p - 1) * nbytes_per_rank / network.bandwidth
+
+
+def comm_s(cost: CodecCost, network: Network, rounds: int = 1) -> float:
+    """``T_comm = T_ar(summed) + T_ag(gathered)``."""
+    return ring_allreduce_s(cost.summed_bytes, network, rounds) + allgather_s(cost.gathered_bytes, network, rounds)
+
+
+def exposed_s(communication_s: float, hidden_s: float) -> float:
+    """``max(0, T_comm - f C)``: what overlap with backward cannot hide."""
+    return max(0.0, communication_s - hidden_s)
+
+
+def predict(workload: Workload, network: Network, costs: Sequence[CodecCost]) -> list[Prediction]:
+    """Predictions for dense DDP (always first) and each of ``costs``; see the module docstring."""
+    dense_cost = CodecCost.dense(workload)
+    rows = []
+    for cost in [dense_cost, *[c for c in costs if c.name != DENSE]]:
+        t_comm = comm_s(cost, network, workload.rounds)
+        codec = cost.encode_s + cost.decode_s
+        exposed = exposed_s(t_comm, workload.hidden_s)
+        rows.append((cost, t_comm, codec, exposed, workload.compute_s + codec + exposed))
+    dense_step = rows[0][4]
+    return [
+        Prediction(
+            name=cost.name,
+            comm_s=t_comm,
+            codec_s=codec,
+            exposed_s=exposed,
+            step_s=step,
+            speedup=dense_step / step if step > 0 else 1.0,
+            bytes_sent=cost.bytes_sent,
+            wire_ratio=workload.dense_bytes / cost.bytes_sent if cost.bytes_sent else math.inf,
+        )
+        for cost, t_comm, codec, exposed, step in rows
+    ]
+
+
+def best(predictions: Sequence[Prediction]) -> Prediction:
+    """The fastest scheme; dense wins ties (no compression without a predicted gain)."""
+    return min(predictions, key=lambda p: (p.step_s, p.name != DENSE))
+
+
+def pays(cost: CodecCost, workload: Workload, network: Network) -> bool:
+    """Whether ``cost``'s scheme is predicted strictly faster than dense all-reduce."""
+    dense, compressed = predict(workload, network, [cost])
+    return compressed.step_s < dense.step_s
+
+
+def parse_rate(text: str, name: str = "rate") -> float:
+    """``"1gbit"``, ``"100mbit"``, ``"2.5e9"`` (bits/s) -> bits per second; ``name`` is used in errors."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    lowered = text.strip().lower()
+    unit = next((u for u in units if lowered.endswith(u)), "")
+    try:
+        return float(lowered.removesuffix(unit)) * units.get(unit, 1.0)
+    except ValueError:
+        raise ValueError(f"`{name}` must look like 1gbit, 100mbit or 2.5e9 (bits/s), got {text!r}") from None

@@ -1,0 +1,144 @@
+"""``python -m lightning_gc.perfmodel``: predict step time with and without compression.
+
+    python -m lightning_gc.perfmodel --params 25.6e6 --compute-ms 200 --world-size 16 \\
+        --bandwidth 1gbit --latency-us 50 [--compressor dgc] [--cost dgc=40,5]
+
+Encode/decode costs are timed on ``--device`` unless given with ``--cost``. Bad values exit
+with status 2 and a message naming the option, the value and the valid range.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_gc._validation import check_choice, check_int, check_range
+from lightning_gc.compressors.registry import available
+from lightning_gc.perfmodel import BITS_PER_BYTE, DENSE, Network, Prediction, Workload, best, parse_rate, predict
+
+
+def _whole(value: float) -> float | int:
+    """``value`` as an int when it is a whole number (``25.6e6`` -> 25600000), else unchanged."""
+    return int(value) if float(value).is_integer() else value
+
+
+def _count_from_module(path: str) -> int:
+    """Trainable parameter count of ``package.module:ClassName`` built with no arguments."""
+    module_name, _, class_name = path.partition(":")
+    if not class_name:
+        raise ValueError(f"`--module` must look like package.module:ClassName, got {path!r}")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    model = cls()
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _parse_costs(items: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """``NAME=ENCODE_MS,DECODE_MS`` -> {name: (encode_s, decode_s)}."""
+    costs = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        try:
+            encode_ms, decode_ms = (float(v) for v in values.split(","))
+        except ValueError:
+            raise ValueError(f"`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got {item!r}") from None
+        check_choice("--cost compressor", name, available())
+        for value in (encode_ms, decode_ms):
+            check_range(f"--cost {name}", value, 0.0, None)
+        costs[name] = (encode_ms / 1e3, decode_ms / 1e3)
+    return costs
+
+
+def format_table(predictions: Sequence[Prediction]) -> str:
+    """Markdown table of predictions."""
+    lines = [
+        "| scheme | MB sent | wire ratio | comm (ms) | encode+decode (ms) | exposed (ms) | step (ms) | speedup |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in predictions:
+        lines.append(
+            f"| {p.name} | {p.bytes_sent / 1e6:.3f} | {p.wire_ratio:.1f} | {p.comm_s * 1e3:.1f} | "
+            f"{p.codec_s * 1e3:.1f} | {p.exposed_s * 1e3:.1f} | {p.step_s * 1e3:.1f} | {p.speedup:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_gc.perfmodel",
+        description="Predict DDP step time with and without gradient compression on a cluster.",
+    )
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=float, help="gradient elements per step (e.g. 25.6e6)")
+    size.add_argument("--module", help="package.module:LightningModuleClass, built with no arguments")
+    parser.add_argument("--compute-ms", type=float, required=True, help="per-step compute time C, no exchange")
+    parser.add_argument("--overlap", type=float, default=0.5, help="fraction f of C that hides communication")
+    parser.add_argument("--world-size", type=int, required=True, help="number of workers p")
+    parser.add_argument("--bandwidth", default="1gbit", help="link bandwidth: 1gbit, 100mbit, or bits/s")
+    parser.add_argument("--latency-us", type=float, default=50.0, help="per-message latency a in microseconds")
+    parser.add_argument("--rounds", type=int, default=1, help="collective rounds per step (DDP buckets)")
+    parser.add_argument("--compressor", default="all", help="a registered compressor name, or 'all'")
+    parser.add_argument("--arg", action="append", default=[], help="compressor argument NAME=VALUE (repeatable)")
+    parser.add_argument("--cost", action="append", default=[], help="measured NAME=ENCODE_MS,DECODE_MS (skips timing)")
+    parser.add_argument("--device", default="cpu", help="device to calibrate encode/decode on")
+    parser.add_argument("--cache", type=Path, default=None, help="JSON file caching calibrations")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the process exit status (2 with a message on bad input)."""
+    from lightning_gc import calibration
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_int("--world-size", args.world_size, 1)
+        bits = check_range(
+            "--bandwidth (bits/s)", parse_rate(args.bandwidth, "--bandwidth"), 0.0, None, low_inclusive=False
+        )
+        check_range("--latency-us", args.latency_us, 0.0, None)
+        check_range("--compute-ms", args.compute_ms, 0.0, None)
+        check_range("--overlap", args.overlap, 0.0, 1.0)
+        check_int("--rounds", args.rounds, 1)
+        if args.compressor != "all" and args.compressor not in available():
+            raise ValueError(f"`--compressor` must be 'all' or one of {available()}, got {args.compressor!r}")
+        numel = _count_from_module(args.module) if args.module else _whole(args.params)
+        check_int("--params", numel, 1)
+        network = Network.from_bits(args.world_size, bits, args.latency_us * 1e-6)
+        workload = Workload(numel, args.compute_ms / 1e3, args.overlap, rounds=args.rounds)
+        measured = _parse_costs(args.cost)
+        names = available() if args.compressor == "all" else [args.compressor]
+        arguments = calibration.parse_arguments(args.arg)
+    except ValueError as error:
+        parser.error(str(error))
+    costs = [
+        calibration.codec_cost(
+            name,
+            workload.gradient_numel,
+            world_size=network.world_size,
+            arguments=arguments.get(name, {}),
+            device=args.device,
+            measured=measured.get(name),
+            cache=args.cache,
+        )
+        for name in names
+    ]
+    predictions = predict(workload, network, costs)
+    print(
+        f"p={network.world_size}, B={network.bandwidth * BITS_PER_BYTE / 1e9:g} Gbit/s, "
+        f"a={network.latency * 1e6:g} us, M={workload.dense_bytes / 1e6:.1f} MB, "
+        f"C={workload.compute_s * 1e3:g} ms, f={workload.overlap:g}, rounds={workload.rounds}"
+    )
+    print(format_table(predictions))
+    choice = best(predictions)
+    if choice.name == DENSE:
+        print("use: dense all-reduce (no compressor is predicted faster)")
+    else:
+        print(f"use: {choice.name} (expected speedup {choice.speedup:.2f}x over dense all-reduce)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

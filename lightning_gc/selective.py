@@ -1,0 +1,106 @@
+"""Selective compression from the performance model: compress a bucket only where it pays.
+
+For a bucket of ``n`` elements (``M_b = n * element_size`` bytes) the policy compares what the
+bucket adds to the step (:mod:`lightning_gc.perfmodel`, per bucket, with ``h`` the communication
+time backward hides for it)::
+
+    dense       max(0, T_ar(M_b) - h)
+    compressed  c * n + max(0, T_ar(s W) + T_ag((1 - s) W) - h)
+
+where ``W = compressor.wire_bytes(layout, element_size)``, ``s`` the fraction of the wire bytes
+the compressor all-reduces (the rest is all-gathered) and ``c`` the calibrated encode + decode
+time per element. The bucket is compressed iff the compressed line is strictly smaller.
+
+Every input is either the bucket layout, the compressor's settings, or a number of the policy,
+so ranks holding the same policy decide the same. Calibrating in each process would give each
+rank different numbers: :func:`agreed` hands every rank rank 0's policy (the strategy calls it
+once when it registers its hook).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_gc._validation import check_range
+from lightning_gc.compressors.base import Compressor
+from lightning_gc.layout import BucketLayout
+from lightning_gc.perfmodel import Network, allgather_s, exposed_s, ring_allreduce_s
+
+
+@dataclass(frozen=True)
+class CompressWhenFaster:
+    """Compress a bucket only where the model predicts a faster exchange than dense all-reduce.
+
+    Attributes:
+        network: the cluster (world size, bandwidth in bytes/s, latency).
+        codec_s_per_element: ``c``, encode + decode seconds per bucket element.
+        summed_fraction: ``s``, share of the compressor's wire bytes that is all-reduced, in [0, 1].
+        hidden_s: ``h``, communication time per bucket that backward hides (0: none).
+    """
+
+    network: Network
+    codec_s_per_element: float
+    summed_fraction: float = 0.0
+    hidden_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_range("codec_s_per_element", self.codec_s_per_element, 0.0, None)
+        check_range("summed_fraction", self.summed_fraction, 0.0, 1.0)
+        check_range("hidden_s", self.hidden_s, 0.0, None)
+
+    @classmethod
+    def calibrate(
+        cls,
+        compressor: str,
+        network: Network,
+        *,
+        arguments: dict[str, Any] | None = None,
+        numel: int = 1 << 22,
+        device: str = "cpu",
+        hidden_s: float = 0.0,
+        gradients: Sequence[torch.Tensor] | None = None,
+    ) -> CompressWhenFaster:
+        """Time compressor ``compressor`` (built from ``arguments``) on ``numel`` elements here.
+
+        ``gradients``: flat ``numel``-element gradients of the real model to time on (default:
+        Gaussian data, which underestimates data-dependent selection such as DGC's).
+        """
+        from lightning_gc.calibration import codec_cost
+
+        cost = codec_cost(
+            compressor, numel, world_size=network.world_size, arguments=arguments, device=device, gradients=gradients
+        )
+        sent = cost.bytes_sent
+        return cls(
+            network=network,
+            codec_s_per_element=(cost.encode_s + cost.decode_s) / numel,
+            summed_fraction=cost.summed_bytes / sent if sent else 0.0,
+            hidden_s=hidden_s,
+        )
+
+    def step_cost_s(self, layout: BucketLayout, element_size: int, wire_bytes: int | None) -> float:
+        """What the bucket adds to the step: dense when ``wire_bytes`` is None, else compressed."""
+        if wire_bytes is None:
+            return exposed_s(ring_allreduce_s(layout.numel * element_size, self.network), self.hidden_s)
+        summed = self.summed_fraction * wire_bytes
+        comm = ring_allreduce_s(summed, self.network) + allgather_s(wire_bytes - summed, self.network)
+        return self.codec_s_per_element * layout.numel + exposed_s(comm, self.hidden_s)
+
+    def __call__(self, compressor: Compressor, layout: BucketLayout, element_size: int) -> bool:
+        """Whether to compress this bucket (the hook's ``pays`` predicate)."""
+        compressed = self.step_cost_s(layout, element_size, compressor.wire_bytes(layout, element_size))
+        return compressed < self.step_cost_s(layout, element_size, None)
+
+
+def agreed(policy: CompressWhenFaster | None, group: dist.ProcessGroup | None) -> CompressWhenFaster | None:
+    """Rank 0's ``policy`` on every rank of ``group`` (collective: every rank must call it)."""
+    if policy is None or dist.get_world_size(group) == 1:
+        return policy
+    holder: list[Any] = [policy]
+    dist.broadcast_object_list(holder, group=group, group_src=0)
+    return holder[0]

@@ -1,0 +1,65 @@
+"""The netbench's multi-node launch path, unit-sized and without root: two "nodes" on loopback.
+
+Each node is started like a user starts Lightning on a cluster (MASTER_ADDR/MASTER_PORT/
+NODE_RANK/WORLD_SIZE, num_nodes=2, devices=1, gloo on an interface named by GLOO_SOCKET_IFNAME).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks.netbench import report
+from benchmarks.netbench.launch import Node, run_mode
+from benchmarks.netbench.models import gradient_shapes
+from lightning_gc.calibration import layout_of_shapes
+from lightning_gc.compressors import create
+
+STEPS, WARMUP, BATCH = 2, 2, 4
+
+
+def test_two_nodes_on_loopback_produce_the_record(tmp_path):
+    nodes = [Node("lo"), Node("lo")]
+    record = run_mode(
+        "gc_dgc",
+        "tiny",
+        nodes=nodes,
+        master_addr="127.0.0.1",
+        out=tmp_path,
+        steps=STEPS,
+        warmup=WARMUP,
+        batch_size=BATCH,
+    )
+    assert (record["mode"], record["model"], record["world_size"], record["global_rank"]) == ("gc_dgc", "tiny", 2, 0)
+    assert (record["nodes"], record["node_rank"], record["ifname"]) == (2, 0, "lo")
+    assert (tmp_path / "rank1.json").exists()  # node 1 joined as global rank 1
+    shapes = gradient_shapes("tiny")
+    assert record["gradient_numel"] == sum(math.prod(s) for s in shapes)
+    assert len(record["step_s"]) == STEPS and all(s > 0 for s in record["step_s"])
+    assert min(record["step_s"]) <= record["median_s"] <= max(record["step_s"])
+    assert record["samples_per_s"] == pytest.approx(2 * BATCH / record["median_s"])
+    # after warm-up each step sends exactly DGC's wire bytes (one bucket), and the wire saw at least that
+    wire = create("dgc", compress_ratio=0.001).wire_bytes(layout_of_shapes(shapes), 4)
+    assert record["payload_bytes_per_step"] == wire
+    assert record["tx_bytes_per_step"] >= wire
+    assert 0 < record["hook_s_per_step"] < record["median_s"]
+
+
+def test_report_ratios_and_predictions():
+    def rec(mode: str, median: float) -> dict:
+        steps = [median, median * 1.5]
+        return {"rate": "1gbit", "model": "m", "mode": mode, "median_s": median, "step_s": steps, "batch_size": 8,
+                "nodes_total": 2, "tx_bytes_per_step": 100.0, "payload_bytes_per_step": None}  # fmt: skip
+
+    records = [rec(m, t * (1 + r / 10)) for r in range(3) for m, t in (("ideal", 0.1), ("noop", 0.2), ("ddp", 0.8))]
+    rows = {r.mode: r for r in report.summarize(records, {("1gbit", "m", "ddp"): 0.6})}
+    ddp = rows["ddp"]
+    assert ddp.repeats == 3 and ddp.median_s == pytest.approx(0.88)
+    assert ddp.of_floor == pytest.approx(0.22 / 0.88) and ddp.of_ideal == pytest.approx(0.11 / 0.88)
+    assert ddp.min_s == pytest.approx(0.8) and ddp.max_s == pytest.approx(0.96 * 1.5)
+    assert ddp.samples_per_s == pytest.approx(16 / 0.88)
+    assert ddp.prediction_error == pytest.approx((0.6 - 0.88) / 0.88)
+    assert rows["noop"].predicted_s is None
+    table = report.markdown(list(rows.values()))
+    assert "| 1gbit | m | ddp | 880 | 800–1440 | 18 | 0.25 | 0.12 | 0.000 | – | – | 600 | -32 % |" in table

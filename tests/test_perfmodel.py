@@ -1,0 +1,147 @@
+"""The performance model's formulas on hand-computed cases, calibration, and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_gc import calibration
+from lightning_gc.compressors import create
+from lightning_gc.perfmodel import (
+    CodecCost,
+    Network,
+    Workload,
+    allgather_s,
+    best,
+    pays,
+    predict,
+    ring_allreduce_s,
+)
+from lightning_gc.perfmodel import __main__ as cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+# p = 4 workers, a = 1 ms, B = 1 MB/s
+NET = Network(world_size=4, bandwidth=1e6, latency=1e-3)
+
+
+def test_ring_allreduce_hand_computed():
+    # 2(p-1)a + 2(p-1)/p M/B = 6 ms + 1.5 * 1 s
+    assert ring_allreduce_s(1e6, NET) == pytest.approx(0.006 + 1.5)
+    assert ring_allreduce_s(1e6, NET, rounds=3) == pytest.approx(3 * 0.006 + 1.5)
+    assert ring_allreduce_s(0, NET) == 0.0
+    assert ring_allreduce_s(1e6, Network(1, 1e6, 1e-3)) == 0.0  # a world of one exchanges nothing
+
+
+def test_allgather_hand_computed():
+    # (p-1)a + (p-1) m/B with m = 1e5: 3 ms + 0.3 s
+    assert allgather_s(1e5, NET) == pytest.approx(0.003 + 0.3)
+    # all-gather beats all-reduce on bytes only when r > p/2: at r = 2 = p/2 they tie on bandwidth
+    assert allgather_s(5e5, Network(4, 1e6)) == pytest.approx(ring_allreduce_s(1e6, Network(4, 1e6)))
+
+
+def test_overlap_and_speedup_hand_computed():
+    workload = Workload(gradient_numel=250_000, compute_s=1.0, overlap=0.5)  # M = 1 MB, f C = 0.5 s
+    sparse = CodecCost("sparse", summed_bytes=0, gathered_bytes=100_000, encode_s=0.06, decode_s=0.04)
+    dense, compressed = predict(workload, NET, [sparse])
+    assert dense.name == "dense" and dense.comm_s == pytest.approx(1.506)
+    assert dense.exposed_s == pytest.approx(1.006) and dense.step_s == pytest.approx(2.006)
+    # 0.303 s of all-gather hides entirely behind 0.5 s of backward; codec is never hidden
+    assert compressed.comm_s == pytest.approx(0.303) and compressed.exposed_s == 0.0
+    assert compressed.step_s == pytest.approx(1.1)
+    assert compressed.speedup == pytest.approx(2.006 / 1.1)
+    assert compressed.wire_ratio == pytest.approx(10.0)
+    assert best([dense, compressed]) is compressed and pays(sparse, workload, NET)
+
+
+def test_codec_cost_can_lose_and_dense_wins_ties():
+    workload = Workload(gradient_numel=250_000, compute_s=1.0, overlap=1.0)  # dense 1.506 s: 1.0 hidden
+    slow = CodecCost("slow", summed_bytes=500_000, gathered_bytes=0, encode_s=0.6)
+    assert not pays(slow, workload, NET)  # 0.6 s codec + 0 exposed > 0.506 s exposed
+    tie = CodecCost("tie", summed_bytes=1_000_000, gathered_bytes=0)
+    assert best(predict(workload, NET, [tie])).name == "dense"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"world_size": 0, "bandwidth": 1.0}, "`world_size` must be an integer >= 1, got 0"),
+        ({"world_size": 2, "bandwidth": 0.0}, "`bandwidth` must be in (0, inf], got 0.0"),
+        ({"world_size": 2, "bandwidth": 1.0, "latency": -1.0}, "`latency` must be in [0, inf], got -1.0"),
+    ],
+)
+def test_network_rejects_nonsense(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        Network(**kwargs)
+    assert message in str(error.value)
+
+
+def test_calibration_reports_what_the_compressor_sends():
+    shapes = [(64, 1024), (64,)]
+    cost = calibration.codec_cost("dgc", shapes, world_size=2, arguments={"compress_ratio": 0.01}, repeats=1)
+    wire = create("dgc", compress_ratio=0.01).wire_bytes(calibration.layout_of_shapes(shapes), 4)
+    assert cost.bytes_sent == wire and cost.gathered_bytes > 0 and cost.summed_bytes == 64 * 4
+    assert cost.encode_s > 0 and cost.decode_s > 0
+    fp16 = calibration.codec_cost("fp16", shapes, world_size=2, repeats=1)
+    assert (fp16.summed_bytes, fp16.gathered_bytes) == ((64 * 1024 + 64) * 2, 0)
+
+
+def test_calibration_cache_is_reused(tmp_path):
+    cache = tmp_path / "costs.json"
+    first = calibration.codec_cost("topk", 4096, world_size=2, cache=cache, repeats=1)
+    assert calibration.codec_cost("topk", 4096, world_size=2, cache=cache, repeats=1) == first
+    real = [torch.linspace(-1, 1, 4096), torch.linspace(1, -1, 4096)]  # other data: calibrated anew
+    calibration.codec_cost("topk", 4096, world_size=2, cache=cache, repeats=1, gradients=real)
+    assert len(json.loads(cache.read_text())) == 2
+    measured = calibration.codec_cost("topk", 4096, world_size=2, measured=(0.002, 0.001))
+    assert (measured.encode_s, measured.decode_s, measured.bytes_sent) == (0.002, 0.001, first.bytes_sent)
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "lightning_gc.perfmodel", "--params", "1e6", "--compute-ms", "100", *args]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_cli_in_a_subprocess_rejects_nonsense_and_predicts():
+    cases = {
+        ("--world-size", "0"): "error: `--world-size` must be an integer >= 1, got 0",
+        ("--world-size", "2", "--bandwidth", "0"): "error: `--bandwidth (bits/s)` must be in (0, inf], got 0.0",
+    }
+    good = _cli("--world-size", "2", "--bandwidth", "100mbit", "--compressor", "dgc", "--cost", "dgc=5,1")
+    running = {args: _cli(*args) for args in cases}
+    for args, process in running.items():
+        stdout, stderr = process.communicate(timeout=120)
+        assert process.returncode == 2 and not stdout, (args, stderr)
+        assert cases[args] in stderr, (args, stderr)
+    stdout, stderr = good.communicate(timeout=120)
+    assert good.returncode == 0, stderr
+    # 4 MB at 100 Mbit/s on 2 workers: dense exposes 320 ms - 50 ms; dgc costs 6 ms of codec
+    assert "| dense | 4.000 | 1.0 | 320.1 | 0.0 | 270.1 | 370.1 | 1.00 |" in stdout
+    assert "use: dgc (expected speedup" in stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--bandwidth=-5mbit"], "`--bandwidth (bits/s)` must be in (0, inf], got -5000000.0"),
+        (["--bandwidth", "fast"], "`--bandwidth` must look like 1gbit, 100mbit or 2.5e9 (bits/s), got 'fast'"),
+        (["--latency-us", "-1"], "`--latency-us` must be in [0, inf], got -1.0"),
+        (["--compressor", "zip"], "`--compressor` must be 'all' or one of ['bf16', 'dgc'"),
+        (["--overlap", "1.5"], "`--overlap` must be in [0, 1], got 1.5"),
+        (["--params", "0.5"], "`--params` must be an integer >= 1, got 0.5"),
+        (["--cost", "dgc=5"], "`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got 'dgc=5'"),
+        (["--cost", "dgc=5,x"], "`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got 'dgc=5,x'"),
+        (["--cost", "gzip=5,1"], "`--cost compressor` must be one of ['bf16', 'dgc'"),
+        (["--cost", "dgc=5,-1"], "`--cost dgc` must be in [0, inf], got -1.0"),
+    ],
+)
+def test_cli_rejects_nonsense(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--params", "1e6", "--compute-ms", "100", "--world-size", "2", *args])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
