@@ -128,14 +128,13 @@ def test_sync_free_selection_equals_exact_selection(numel: int, k: int, dtype: t
 def test_sync_free_selection_pads_with_no_ops_when_the_threshold_is_too_high() -> None:
     # Every sampled position holds the maximum: the threshold admits only the sample, fewer than k.
     numel, k = 100_000, 5_000
-    samples = kernels.sample_size(numel, k, 0.01)
-    stride = numel // samples
+    positions = reference.sample_positions(reference.sample_plan(numel, k, 0.01, salt=0), DEVICE)
     values = torch.ones(numel, device=DEVICE)
-    values[0 : samples * stride : stride] = 100.0
+    values[positions] = 100.0
     indices, sent = _select(values, k, "triton", salt=0)
     real = sent != 0
-    assert int(real.sum()) == samples
-    assert set(indices[real].tolist()) == set(range(0, samples * stride, stride))
+    assert int(real.sum()) == positions.numel() < k
+    assert set(indices[real].tolist()) == set(positions.tolist())
     _assert_commit_is_lossless(values, indices, sent)
 
 

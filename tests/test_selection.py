@@ -68,3 +68,23 @@ def test_sample_size_guarantees_enough_hits() -> None:
     s = sample_size(numel, k, sample_ratio=0.001)
     assert k * s / numel >= 16
     assert sample_size(numel, k, sample_ratio=0.05) == 50_000
+
+
+def test_jittered_sample_covers_every_block_and_breaks_periodic_layouts() -> None:
+    """One position per stride block, anywhere in it; a 3x3-kernel-like period of 9 under a
+    stride of 36 is sampled at every phase (a plain strided sample sees a single one)."""
+    from lightning_gc.kernels.reference import sample_plan, sample_positions
+
+    numel, k = 589_824, 590
+    plan = sample_plan(numel, k, 0.01, salt=11)
+    assert plan is not None and plan.stride == 36
+    positions = sample_positions(plan, "cpu")
+    blocks = positions // plan.stride
+    assert torch.equal(blocks, torch.arange(plan.samples)) and int(positions.max()) < numel
+    assert set((positions % 9).tolist()) == set(range(9))
+    assert not torch.equal(positions, sample_positions(sample_plan(numel, k, 0.01, salt=12), "cpu"))
+    # A layout where one kernel position carries the large values: enough candidates, no retry.
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 0.01
+    x[4::9] *= 100
+    chosen = sampled_topk_indices(x, k, sample_ratio=0.01, salt=11)
+    assert set(chosen.tolist()) == set(topk_indices(x, k).tolist())

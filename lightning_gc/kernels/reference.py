@@ -6,7 +6,7 @@ Exact ``torch.topk`` over millions of elements is slow (a partial sort). DGC ins
 magnitude threshold from a small sample, keeps the elements above it as candidates, and runs an
 exact top-k only over those candidates::
 
-    s      = sample size: max(sample_ratio * n, MIN_SAMPLE_HITS * n / k), a strided sample of |x|
+    s      = sample size: max(sample_ratio * n, MIN_SAMPLE_HITS * n / k), a jittered sample of |x|
     j      = 2 * ceil(k * s / n) + 2          the sample rank expected to admit ~2k candidates
     thr    = j-th largest |x| in the sample
     C      = { i : |x_i| >= thr }             (retry with a 4x lower sample rank while |C| < k)
@@ -17,8 +17,12 @@ so the result *is* the exact top-k (up to ties): the sample only decides how muc
 final top-k does, never which elements win. The 2x margin makes a retry rare (the sample rank
 ``j`` is >= 34, so the candidate count's relative spread is about 1/sqrt(j) < 20 %).
 
-The sample is strided with an offset derived from ``salt`` (the step and the parameter), so the
-selection is a pure function of its inputs: reruns and resumed runs choose identical indices.
+The sample is *jittered-stratified*: one element per block of ``n // s``, at a place inside the
+block given by a hash of (block number, ``salt``). A plain strided sample aliases with periodic
+layouts (a 3x3 convolution's weight gradient sampled with a stride of 36 sees one kernel position
+only) and then admits far fewer than ``k`` candidates; the jitter breaks that while keeping the
+sample spread over the whole tensor. ``salt`` is the step and the parameter, so the selection is
+a pure function of its inputs: reruns and resumed runs choose identical indices.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ MIN_SAMPLE_HITS = 16
 true k-th magnitude (``k * s / n >= MIN_SAMPLE_HITS``)."""
 
 _CANDIDATE_MARGIN = 2
-_SALT_MULTIPLIER = 0x9E3779B1  # Knuth's multiplicative hash: spreads consecutive salts over the stride
+_SALT_MULTIPLIER = 0x9E3779B1  # Knuth's multiplicative hash: spreads consecutive salts over 32 bits
 
 
 class SelectionScratch:
@@ -65,8 +69,20 @@ class SamplePlan:
 
     samples: int
     stride: int
-    offset: int
+    key: int  # 32-bit jitter key derived from the salt
     rank: int  # the threshold is the rank-th largest sampled magnitude
+
+
+_JITTER_MUL = 0x9E3779B1  # Fibonacci hashing: the block number's product spreads over 32 bits
+
+
+def sample_positions(plan: SamplePlan, device: torch.device | str) -> torch.Tensor:
+    """The sampled positions (int64): block ``i`` contributes ``i * stride + jitter_i`` with
+    ``jitter_i = ((i * 0x9E3779B1 + key) mod 2^32) * stride >> 32``, uniform in ``[0, stride)``.
+    Integer arithmetic only, identical in the Triton kernel."""
+    block = torch.arange(plan.samples, device=device, dtype=torch.int64)
+    jitter = (((block * _JITTER_MUL + plan.key) & 0xFFFFFFFF) * plan.stride) >> 32
+    return block * plan.stride + jitter
 
 
 def sample_plan(numel: int, k: int, sample_ratio: float, salt: int) -> SamplePlan | None:
@@ -77,7 +93,7 @@ def sample_plan(numel: int, k: int, sample_ratio: float, salt: int) -> SamplePla
         return None
     stride = numel // samples
     rank = min(samples, _CANDIDATE_MARGIN * math.ceil(k * samples / numel) + 2)
-    return SamplePlan(samples=samples, stride=stride, offset=(salt * _SALT_MULTIPLIER) % stride, rank=rank)
+    return SamplePlan(samples=samples, stride=stride, key=(salt * _SALT_MULTIPLIER) & 0xFFFFFFFF, rank=rank)
 
 
 def topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -102,7 +118,7 @@ def sampled_topk_indices(
         k: number of indices to return, ``1 <= k``; all indices when ``k >= values.numel()``.
         sample_ratio: fraction of ``values`` sampled for the threshold (raised when too few
             sampled elements would land above it, see :data:`MIN_SAMPLE_HITS`).
-        salt: selects the offset of the strided sample; the same salt gives the same result.
+        salt: keys the sample's jitter; the same salt gives the same result.
         scratch: reusable buffers for ``|values|`` and the candidate mask.
     """
     numel = values.numel()
@@ -114,7 +130,7 @@ def sampled_topk_indices(
     magnitude, mask = (scratch or SelectionScratch()).buffers(values)
     torch.abs(values, out=magnitude)
     samples = plan.samples
-    sample = magnitude[plan.offset :: plan.stride][:samples]
+    sample = magnitude[sample_positions(plan, values.device)]
     rank = plan.rank
     while True:
         threshold = torch.topk(sample, rank, sorted=False).values.min()

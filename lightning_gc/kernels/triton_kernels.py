@@ -112,10 +112,14 @@ CANDIDATE_HEADROOM = 4
 
 
 @triton.jit
-def _strided_abs_kernel(values_ptr, out_ptr, offset, stride, samples, BLOCK: tl.constexpr):
+def _sample_abs_kernel(values_ptr, out_ptr, key, stride, samples, BLOCK: tl.constexpr):
+    # Twin of reference.sample_positions: one jittered element per block of ``stride``.
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = i < samples
-    x = tl.load(values_ptr + offset + i.to(tl.int64) * stride, mask=inside)
+    block = i.to(tl.int64)
+    hashed = (block * tl.full([], 0x9E3779B1, tl.int64) + key) & tl.full([], 0xFFFFFFFF, tl.int64)
+    jitter = (hashed * stride) >> 32
+    x = tl.load(values_ptr + block * stride + jitter, mask=inside)
     tl.store(out_ptr + i, tl.abs(x.to(tl.float32)), mask=inside)
 
 
@@ -172,7 +176,7 @@ def sampled_topk_(
         torch.index_select(values, 0, indices, out=out_values)
         return
     sample = torch.empty(plan.samples, dtype=torch.float32, device=device)
-    _launch(_strided_abs_kernel, (triton.cdiv(plan.samples, BLOCK),), values, sample, plan.offset, plan.stride,
+    _launch(_sample_abs_kernel, (triton.cdiv(plan.samples, BLOCK),), values, sample, plan.key, plan.stride,
             plan.samples, BLOCK=BLOCK)  # fmt: skip
     threshold = torch.topk(sample, plan.rank, sorted=False).values.min().reshape(1)
 
