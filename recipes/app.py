@@ -37,24 +37,30 @@ def build_strategy(cfg: DictConfig, *, multirun: bool) -> Strategy:
             "included, in every extra process; use spawn (the default in sweeps), fork or forkserver"
         )
     extra = {"start_method": "spawn"} if multirun and "start_method" not in cfg else {}
+    return build("strategy", cfg, **extra)
+
+
+def build(group: str, cfg: DictConfig, **extra: Any) -> Any:
+    """``instantiate(cfg)``, with a constructor's error raised as a ``ValueError`` that names the
+    config group first (Hydra wraps it in its own ``InstantiationException``)."""
     try:
-        return instantiate(cfg, **extra)
-    except Exception as err:  # Hydra wraps the constructor's ValueError; show the message first
+        return instantiate(cfg, _convert_="all", **extra)
+    except Exception as err:
         cause = err.__cause__ or err
-        raise ValueError(f"bad `strategy` config ({cfg.get('_target_')}): {cause}") from err
+        raise ValueError(f"bad `{group}` config ({cfg.get('_target_')}): {cause}") from err
 
 
 def fit_once(cfg: DictConfig, strategy: Strategy, out_dir: Path, info: dict[str, Any]) -> dict[str, Any] | None:
     """Fit ``cfg.model`` on ``cfg.data`` with ``strategy``; rank 0 returns the run's result."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    model = instantiate(cfg.model, _convert_="all")
-    data = instantiate(cfg.data, _convert_="all")
+    model = build("model", cfg.model)
+    data = build("data", cfg.data)
     check_data = getattr(data, "check_data", None)
     if check_data is not None:
         check_data()  # a missing dataset fails here, before Lightning starts the other processes
     callbacks: list[L.Callback] = [RunRecorder(out_dir, info)]
     if cfg.warmup is not None and hasattr(strategy, "compress_ratio"):
-        callbacks.append(instantiate(cfg.warmup, _convert_="all"))
+        callbacks.append(build("warmup", cfg.warmup))
     trainer = L.Trainer(
         **OmegaConf.to_container(cfg.trainer, resolve=True),  # type: ignore[arg-type]
         strategy=strategy,

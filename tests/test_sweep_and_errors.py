@@ -14,7 +14,7 @@ from rich.console import Console
 
 from lightning_gc.report import main as report_main
 from lightning_gc.report import report
-from recipes.app import build_strategy
+from recipes.app import build, build_strategy
 
 
 def test_multirun_over_the_ratio_writes_one_sweep_and_the_report(tmp_path: Path) -> None:
@@ -104,3 +104,45 @@ def test_strategy_arguments_are_checked_at_build_time() -> None:
     assert build_strategy(_compose().strategy, multirun=False)._start_method == "popen"
     with pytest.raises(ValueError, match="`strategy.start_method=popen` cannot run inside a multirun"):
         build_strategy(_compose("+strategy.start_method=popen").strategy, multirun=True)
+
+
+BAD_OVERRIDES = [
+    # (overrides, config node built, text the error must contain: the option, the value, what is allowed)
+    (["strategy.compress_ratio=1.5"], "strategy", "`compress_ratio` must be in (0, 1], got 1.5"),
+    (["strategy.sample_ratio=0"], "strategy", "`sample_ratio` must be in (0, 1], got 0"),
+    (
+        ["strategy.value_dtype=int8"],
+        "strategy",
+        "`value_dtype` must be one of ['float32', 'float16', 'bfloat16'], got 'int8'",
+    ),
+    (["strategy.clip_norm=-1"], "strategy", "`clip_norm` must be in (0, inf], got -1"),
+    (["strategy.min_compress_numel=0"], "strategy", "`min_compress_numel` must be an integer >= 1, got 0"),
+    (["+strategy.nonfinite=ignore"], "strategy", "`nonfinite` must be one of ['raise', 'skip'], got 'ignore'"),
+    (["+strategy.timeout=-1"], "strategy", "`timeout` must be in (0, inf], got -1"),
+    (["+strategy.verify_every_n_steps=0"], "strategy", "`verify_every_n_steps` must be an integer >= 1, got 0"),
+    (["strategy=powersgd", "strategy.rank=0"], "strategy", "`rank` must be an integer >= 1, got 0"),
+    (["strategy=powersgd", "strategy.start_iter=-2"], "strategy", "`start_iter` must be an integer >= 0, got -2"),
+    (["strategy=qsgd", "strategy.levels=1"], "strategy", "`levels` must be an integer in [2, 127], got 1"),
+    (["strategy=fft", "strategy.bits=3"], "strategy", "`bits` must be one of [4, 8, 16], got 3"),
+    (["strategy=signsgd", "strategy.chunk_size=2"], "strategy", "`chunk_size` must be an integer >= 8, got 2"),
+    (["strategy=randomk", "strategy.compress_ratio=1.0"], "strategy", "`compress_ratio` must be in (0, 1), got 1.0"),
+    (["warmup.interval=batch"], "warmup", "`interval` must be one of ['epoch', 'step'], got 'batch'"),
+    (["+recipe=resnet20_cifar10_dgc", "model.lr_gamma=0"], "model", "`model.lr_gamma` must be in (0, 1], got 0"),
+    (["+recipe=lstm_ptb_dgc", "data.batch_size=0"], "data", "`data.batch_size` must be an integer >= 1, got 0"),
+    (["+recipe=deepspeech_librispeech_dgc", "data.corpus=timit"], "data", "`data.corpus` must be one of"),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "node", "message"), BAD_OVERRIDES, ids=lambda v: " ".join(v) if isinstance(v, list) else None
+)
+def test_bad_config_values_fail_at_construction_naming_option_value_and_choices(
+    overrides: list[str], node: str, message: str
+) -> None:
+    cfg = _compose(*overrides)
+    with pytest.raises(ValueError) as error:
+        if node == "strategy":
+            build_strategy(cfg.strategy, multirun=False)
+        else:
+            build(node, cfg[node])
+    assert str(error.value).startswith(f"bad `{node}` config") and message in str(error.value)
