@@ -104,7 +104,12 @@ def test_non_finite_steps_are_skipped_on_every_rank_and_rolled_back(run_ranks) -
         {**common, "strategy": {"kind": "dgc", "compress_ratio": 0.01, "nonfinite": "skip"}, "faults": faults},
         {**common, "strategy": {"kind": "gc", "compressor": "powersgd", "nonfinite": "skip"}, "faults": faults},
         # fp16 with a grad scaler: overflowing steps are the scaler's to skip, whatever the policy
-        {**common, "strategy": {"kind": "dgc", "compress_ratio": 0.01}, "faults": faults, "trainer": {"fp16_with_scaler": True}},
+        {
+            **common,
+            "strategy": {"kind": "dgc", "compress_ratio": 0.01},
+            "faults": faults,
+            "trainer": {"fp16_with_scaler": True},
+        },
     ]
     rank0, rank1 = run_ranks({"fits": fits})
     assert rank0[2]["grad_scale"] == rank1[2]["grad_scale"] == 2.0**16 / 4  # backed off twice, on every rank

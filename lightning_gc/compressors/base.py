@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_gc._validation import check_range
 from lightning_gc.layout import BucketLayout, Segment
 
 
@@ -113,6 +114,22 @@ def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor, context: Any 
         elements_sent=velocity.numel(),
         context=context,
     )
+
+
+class AdjustableRatio:
+    """Mixin: a ``compress_ratio`` in (0, 1], validated on every assignment, so that
+    :class:`~lightning_gc.SparsityWarmup` can change it between steps."""
+
+    _compress_ratio: float
+
+    @property
+    def compress_ratio(self) -> float:
+        """The fraction of each compressed tensor's values sent (or their worth)."""
+        return self._compress_ratio
+
+    @compress_ratio.setter
+    def compress_ratio(self, value: float) -> None:
+        self._compress_ratio = check_range("compress_ratio", value, 0.0, 1.0, low_inclusive=False)
 
 
 class Compressor(ABC):

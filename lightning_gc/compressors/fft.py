@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from lightning_gc._validation import check_choice, check_int, check_range
+from lightning_gc._validation import check_choice, check_int
 from lightning_gc.compressors import rangefloat
-from lightning_gc.compressors.base import Compressor, DensePart, Encoded, encode_whole_bucket
+from lightning_gc.compressors.base import AdjustableRatio, Compressor, DensePart, Encoded, encode_whole_bucket
 from lightning_gc.compressors.registry import register
 from lightning_gc.layout import BucketLayout, Segment
 
@@ -67,7 +67,7 @@ class _FFTPlan:
 
 
 @register
-class FFTCompressor(Compressor):
+class FFTCompressor(AdjustableRatio, Compressor):
     """Top frequency components of each large tensor, sent as range-based few-bit floats.
 
     Args:
@@ -85,15 +85,6 @@ class FFTCompressor(Compressor):
         self.bits = check_choice("bits", bits, rangefloat.CODE_BITS)
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 2)
         self._plans: dict[int, _FFTPlan] = {}
-
-    @property
-    def compress_ratio(self) -> float:
-        """Real values' worth sent per compressed tensor; settable (e.g. by SparsityWarmup)."""
-        return self._compress_ratio
-
-    @compress_ratio.setter
-    def compress_ratio(self, value: float) -> None:
-        self._compress_ratio = check_range("compress_ratio", value, 0.0, 1.0, low_inclusive=False)
 
     def k_for(self, numel: int) -> int:
         """Coefficients kept of a tensor of ``numel`` elements."""

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from lightning_gc import kernels
-from lightning_gc._validation import check_choice, check_int, check_range
-from lightning_gc.compressors.base import Compressor, Encoded, encode_whole_bucket
+from lightning_gc._validation import check_choice, check_int
+from lightning_gc.compressors.base import AdjustableRatio, Compressor, Encoded, encode_whole_bucket
 from lightning_gc.compressors.wire import VALUE_DTYPES, SparseWireFormat
 from lightning_gc.layout import BucketLayout, Segment
 
@@ -50,7 +50,7 @@ class _SparsePlan:
     gathered: torch.Tensor
 
 
-class SparseCompressor(Compressor):
+class SparseCompressor(AdjustableRatio, Compressor):
     """Shared machinery of top-k style sparsifiers; subclasses choose the ``k`` indices.
 
     Args:
@@ -69,15 +69,6 @@ class SparseCompressor(Compressor):
         self.value_dtype_name = check_choice("value_dtype", value_dtype, VALUE_DTYPES)
         self.wire = SparseWireFormat(VALUE_DTYPES[self.value_dtype_name])
         self._plans: dict[int, _SparsePlan] = {}
-
-    @property
-    def compress_ratio(self) -> float:
-        """Fraction of each compressed tensor's elements sent; settable (e.g. by SparsityWarmup)."""
-        return self._compress_ratio
-
-    @compress_ratio.setter
-    def compress_ratio(self, value: float) -> None:
-        self._compress_ratio = check_range("compress_ratio", value, 0.0, 1.0, low_inclusive=False)
 
     def compresses(self, segment: Segment) -> bool:
         """Whether ``segment`` is sparsified at the current ratio (else it is sent dense)."""
