@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch_ranks, start_ranks
+from conftest import REPO, launch_ranks, start_ranks
 
 from lightning_gc import available
 from lightning_gc.compressors import DGCCompressor
@@ -150,7 +153,7 @@ def test_ranks_set_up_differently_fail_at_setup_naming_the_difference(tmp_path: 
         "epochs": 1,
     }
     codes, logs = start_ranks("fit_worker.py", {"fits": [fit]}, tmp_path / "mismatch", timeout=180)
-    assert codes == [1, 1]
+    assert all(code not in (0, None) for code in codes)  # 1, or SIGABRT from gloo's teardown
     message = "rank 0 and rank 1 are set up differently at compressor.compress_ratio: 0.001 vs 0.01"
     assert message in logs[0] and message in logs[1]
 
@@ -227,33 +230,42 @@ def test_lightning_features_combined_with_compression(run_ranks) -> None:
     assert rank0[14]["grad_scale"] is not None
 
 
+TWO_OPTIMIZERS = """
+import lightning as L, torch
+from lightning_gc import DGCStrategy
+from recipes.quickstart import DigitsClassifier, DigitsDataModule
+
+class TwoOptimizers(DigitsClassifier):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False  # Lightning's rule for several optimizers
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        for optimizer in self.optimizers():
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        first, second = self.net[0].parameters(), self.net[2].parameters()
+        return [torch.optim.SGD(first, lr=0.1, momentum=0.9), torch.optim.SGD(second, lr=0.1)]
+
+trainer = L.Trainer(accelerator="cpu", devices=1, strategy=DGCStrategy(), max_steps=1, logger=False,
+                    enable_checkpointing=False)
+trainer.fit(TwoOptimizers(hidden=[16]), DigitsDataModule())
+"""
+
+
 def test_several_optimizers_with_momentum_correction_are_refused() -> None:
-    import lightning as L
-
-    from lightning_gc import DGCStrategy
-    from recipes.quickstart import DigitsClassifier, DigitsDataModule
-
-    class TwoOptimizers(DigitsClassifier):
-        def __init__(self, **kwargs) -> None:
-            super().__init__(**kwargs)
-            self.automatic_optimization = False  # Lightning's rule for several optimizers
-
-        def training_step(self, batch, batch_idx):  # type: ignore[override]
-            loss = super().training_step(batch, batch_idx)
-            self.manual_backward(loss)
-            for optimizer in self.optimizers():
-                optimizer.step()
-                optimizer.zero_grad()
-
-        def configure_optimizers(self):  # type: ignore[override]
-            first, second = self.net[0].parameters(), self.net[2].parameters()
-            return [torch.optim.SGD(first, lr=0.1, momentum=0.9), torch.optim.SGD(second, lr=0.1)]
-
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=DGCStrategy(), max_steps=1, logger=False, enable_checkpointing=False
+    # In a process of its own: Lightning stops at setup with a process group and a TCP store open.
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_OPTIMIZERS], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
-    with pytest.raises(ValueError, match="configures 2 optimizers"):
-        trainer.fit(TwoOptimizers(hidden=[16]), DigitsDataModule())
+    assert done.returncode != 0
+    assert "momentum_correction=True moves one optimizer's momentum" in done.stderr
+    assert "the model configures 2 optimizers" in done.stderr
 
 
 def test_dgc_compressor_checkpoint_holds_no_state() -> None:
