@@ -35,7 +35,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_step(numel: int, ratio: float, device: torch.device, select: Callable[[torch.Tensor, int, int], torch.Tensor]):
+Select = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+"""``(velocity, k, salt) -> (indices, values)``: the pairs to send."""
+
+
+def make_step(numel: int, ratio: float, device: torch.device, select: Select):
     """A closure running compensate + select + mask on its own memory for a given gradient."""
     param = torch.nn.Parameter(torch.zeros(numel, 1, device=device))  # a 2-D weight: compressed
     layout = BucketLayout.build(0, [param], {id(param): ("weight", 0)}, numel)
@@ -51,8 +55,8 @@ def make_step(numel: int, ratio: float, device: torch.device, select: Callable[[
         started = time.perf_counter()
         state = memory.bucket(layout, work)
         velocity = memory.compensate(state, work, [param], world_size=1)
-        indices = select(velocity, k, step)
-        memory.commit_sparse(state, indices, velocity[indices])
+        indices, values = select(velocity, k, step)
+        memory.commit_sparse(state, indices, values)
         _sync(device)
         step += 1
         return time.perf_counter() - started
@@ -71,9 +75,20 @@ def main() -> None:
     device = torch.device(args.device)
 
     compressor = DGCCompressor(args.ratio)
+
+    def sampled(velocity: torch.Tensor, k: int, salt: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = torch.empty(k, dtype=torch.int64, device=velocity.device)
+        values = velocity.new_empty(k)
+        compressor.select(velocity, k, salt, indices, values)
+        return indices, values
+
+    def exact(velocity: torch.Tensor, k: int, salt: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = topk_indices(velocity, k)
+        return indices, velocity[indices]
+
     steps = {
-        "sampled": make_step(args.numel, args.ratio, device, lambda v, k, salt: compressor.select(v, k, salt)),
-        "exact topk": make_step(args.numel, args.ratio, device, lambda v, k, salt: topk_indices(v, k)),
+        "sampled": make_step(args.numel, args.ratio, device, sampled),
+        "exact topk": make_step(args.numel, args.ratio, device, exact),
     }
     generator = torch.Generator(device=device).manual_seed(0)
     grads = [torch.randn(args.numel, device=device, generator=generator) for _ in range(2)]
