@@ -115,8 +115,17 @@ def main() -> None:
             f"| {time.strftime('%Y-%m-%d')} | {machine} | {args.numel:,} | {args.ratio} | "
             f"{medians['sampled'] * 1e3:.1f} | {medians['exact topk'] * 1e3:.1f} | {speedup:.2f}x | {args.repeats} |\n"
         )
-        with RESULTS.open("a") as f:
-            f.write(row)
+        RESULTS.write_text(insert_row(RESULTS.read_text(), row))
+
+
+def insert_row(text: str, row: str) -> str:
+    """``text`` with ``row`` added at the end of the results table (the one headed like ours)."""
+    lines = text.splitlines(keepends=True)
+    header = next(i for i, line in enumerate(lines) if line.startswith("| date | device | elements | ratio |"))
+    end = header
+    while end + 1 < len(lines) and lines[end + 1].startswith("|"):
+        end += 1
+    return "".join(lines[: end + 1] + [row] + lines[end + 1 :])
 
 
 if __name__ == "__main__":
