@@ -105,15 +105,24 @@ class DensePart:
         out.index_copy_(0, self.positions, self.values.div_(world_size))
 
 
-def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor, context: Any = None) -> Encoded:
-    """The bucket's velocity, sent whole and exactly through one all-reduce in ``out``."""
+def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor) -> Encoded:
+    """The bucket's velocity, sent whole and exactly through one all-reduce in ``out``; the
+    compressor's decode finishes it with :func:`decode_whole_bucket`."""
     return Encoded(
         summed=out.copy_(velocity),
         dense_all=True,
         bytes_sent=velocity.numel() * velocity.element_size(),
         elements_sent=velocity.numel(),
-        context=context,
     )
+
+
+def decode_whole_bucket(encoded: Encoded, out: torch.Tensor, world_size: int) -> bool:
+    """Finish a bucket from :func:`encode_whole_bucket` (``out`` was the all-reduce buffer, so the
+    mean is ``out / N``) and return ``True``; return ``False`` for any other encoding."""
+    if encoded.summed is not out:
+        return False
+    out.div_(world_size)
+    return True
 
 
 class AdjustableRatio:

@@ -29,7 +29,14 @@ import torch
 
 from lightning_gc._validation import check_choice, check_int
 from lightning_gc.compressors import rangefloat
-from lightning_gc.compressors.base import AdjustableRatio, Compressor, DensePart, Encoded, encode_whole_bucket
+from lightning_gc.compressors.base import (
+    AdjustableRatio,
+    Compressor,
+    DensePart,
+    Encoded,
+    decode_whole_bucket,
+    encode_whole_bucket,
+)
 from lightning_gc.compressors.registry import register
 from lightning_gc.layout import BucketLayout, Segment
 
@@ -189,10 +196,9 @@ class FFTCompressor(AdjustableRatio, Compressor):
         return payload[:header_end].view(torch.int32).view(count, 2), payload[header_end:index_end].view(torch.int32)
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
-        plan: _FFTPlan | None = encoded.context
-        if plan is None:  # sent whole: ``out`` was the all-reduce buffer
-            out.div_(world_size)
+        if decode_whole_bucket(encoded, out, world_size):
             return
+        plan: _FFTPlan = encoded.context
         rows = plan.gathered.view(world_size, -1)
         for position, spectrum in enumerate(plan.spectra):
             total = torch.zeros(spectrum.bins, dtype=torch.complex64, device=out.device)

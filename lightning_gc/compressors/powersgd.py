@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from lightning_gc._validation import check_int, check_range
-from lightning_gc.compressors.base import Compressor, DensePart, Encoded, encode_whole_bucket
+from lightning_gc.compressors.base import Compressor, DensePart, Encoded, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.registry import register
 from lightning_gc.layout import BucketLayout, Segment
 
@@ -224,8 +224,7 @@ class PowerSGDCompressor(Compressor):
         )
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
-        if encoded.context is None:  # sent whole: ``out`` was the all-reduce buffer
-            out.div_(world_size)
+        if decode_whole_bucket(encoded, out, world_size):
             return
         plan, velocity = encoded.context
         plan.round2.div_(world_size)

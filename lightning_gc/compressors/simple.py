@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_gc.compressors.base import Compressor, Encoded, encode_whole_bucket
+from lightning_gc.compressors.base import Compressor, Encoded, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
 from lightning_gc.kernels import topk_indices
@@ -34,7 +34,7 @@ class NoCompressor(Compressor):
         return encode_whole_bucket(velocity, out)
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
-        out.div_(world_size)  # ``out`` was the all-reduce buffer
+        decode_whole_bucket(encoded, out, world_size)
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         return layout.numel * element_size

@@ -25,7 +25,14 @@ import torch
 
 from lightning_gc import kernels
 from lightning_gc._validation import check_choice, check_int
-from lightning_gc.compressors.base import AdjustableRatio, Compressor, Encoded, encode_whole_bucket
+from lightning_gc.compressors.base import (
+    AdjustableRatio,
+    Compressor,
+    DensePart,
+    Encoded,
+    decode_whole_bucket,
+    encode_whole_bucket,
+)
 from lightning_gc.compressors.wire import VALUE_DTYPES, SparseWireFormat
 from lightning_gc.layout import BucketLayout, Segment
 
@@ -42,8 +49,7 @@ class _SparsePlan:
     compressed: tuple[tuple[Segment, int, int], ...]  # (segment, k, first slot in the payload)
     total_k: int
     dense_all: bool
-    dense_positions: torch.Tensor | None
-    dense_values: torch.Tensor | None
+    dense: DensePart | None  # the dense tensors of a partly compressed bucket
     sent_indices: torch.Tensor
     sent_values: torch.Tensor
     payload: torch.Tensor
@@ -119,9 +125,6 @@ class SparseCompressor(AdjustableRatio, Compressor):
         compressed, dense, total_k = self._split(layout)
         device = like.device
         dense_all = not compressed
-        dense_positions = None
-        if dense and not dense_all:
-            dense_positions = torch.cat([torch.arange(s.start, s.stop, device=device) for s in dense])
         payload_bytes = self.wire.payload_bytes(total_k)
         plan = _SparsePlan(
             layout=layout,
@@ -130,8 +133,7 @@ class SparseCompressor(AdjustableRatio, Compressor):
             compressed=tuple(compressed),
             total_k=total_k,
             dense_all=dense_all,
-            dense_positions=dense_positions,
-            dense_values=None if dense_positions is None else like.new_empty(dense_positions.numel()),
+            dense=None if dense_all else DensePart.of(dense, like),
             sent_indices=torch.empty(total_k, dtype=torch.int64, device=device),
             sent_values=like.new_empty(total_k),
             payload=torch.empty(payload_bytes, dtype=torch.uint8, device=device),
@@ -153,7 +155,7 @@ class SparseCompressor(AdjustableRatio, Compressor):
     ) -> Encoded:
         plan = self._plan(layout, velocity, world_size)
         if plan.dense_all:
-            return encode_whole_bucket(velocity, out, context=plan)
+            return encode_whole_bucket(velocity, out)
         for segment, k, first in plan.compressed:
             chosen = slice(first, first + k)
             self.select(
@@ -165,36 +167,28 @@ class SparseCompressor(AdjustableRatio, Compressor):
             )
             plan.sent_indices[chosen].add_(segment.start)
         sent = self.wire.pack(plan.payload, plan.total_k, plan.sent_indices, plan.sent_values)
-        dense_bytes = 0
-        if plan.dense_positions is not None:
-            assert plan.dense_values is not None
-            torch.index_select(velocity, 0, plan.dense_positions, out=plan.dense_values)
-            dense_bytes = plan.dense_values.numel() * plan.dense_values.element_size()
-        dense_count = 0 if plan.dense_values is None else plan.dense_values.numel()
+        summed = None if plan.dense is None else plan.dense.gather(velocity)
         return Encoded(
-            summed=plan.dense_values,
+            summed=summed,
             gathered=plan.payload,
             gathered_out=plan.gathered,
             sent_indices=plan.sent_indices,
             sent_values=sent,
-            dense_positions=plan.dense_positions,
-            bytes_sent=plan.payload.numel() + dense_bytes,
-            elements_sent=plan.total_k + dense_count,
+            dense_positions=None if plan.dense is None else plan.dense.positions,
+            bytes_sent=plan.payload.numel() + (0 if summed is None else summed.numel() * summed.element_size()),
+            elements_sent=plan.total_k + (0 if summed is None else summed.numel()),
             context=plan,
         )
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
-        plan: _SparsePlan = encoded.context
-        if plan.dense_all:
-            assert encoded.summed is not None
-            out.div_(world_size)  # ``summed`` is ``out``: it was the send buffer
+        if decode_whole_bucket(encoded, out, world_size):
             return
+        plan: _SparsePlan = encoded.context
         out.zero_()
         indices, values = self.wire.unpack(plan.gathered, world_size, plan.total_k)
         kernels.scatter_average_(out, indices, values, world_size)
-        if plan.dense_positions is not None:
-            assert plan.dense_values is not None
-            out.index_copy_(0, plan.dense_positions, plan.dense_values.div_(world_size))
+        if plan.dense is not None:
+            plan.dense.write_mean(out, world_size)
 
     def config(self) -> dict[str, Any]:
         return {
