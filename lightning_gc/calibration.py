@@ -2,7 +2,7 @@
 
 Times exactly what the comm hook runs per step on one rank (see :mod:`lightning_gc.hook`)::
 
-    encode_s = compensate (memory) + compressor.encode + commit (memory)
+    encode_s = finiteness screen + compensate (memory) + compressor.encode + commit (memory)
     decode_s = compressor.decode of ``world_size`` ranks' payloads
 
 with the collectives replaced by local copies (the world's payloads are this rank's, repeated),
@@ -26,7 +26,7 @@ import torch
 
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import argument_names, available, create
-from lightning_gc.hook import commit
+from lightning_gc.hook import all_finite, commit
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
@@ -122,6 +122,7 @@ def time_codec(
         grad.copy_(gradients[step % len(gradients)].reshape(-1))
         _sync(device)
         started = time.perf_counter()
+        bool(all_finite(grad))  # the hook's default screen (nonfinite="raise"), host sync included
         velocity = memory.compensate(bucket, grad, [], world_size)
         encoded = compressor.encode(velocity, grad, layout, step=step, world_size=world_size, rank=0)
         commit(memory, bucket, encoded)

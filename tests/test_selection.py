@@ -88,3 +88,16 @@ def test_jittered_sample_covers_every_block_and_breaks_periodic_layouts() -> Non
     x[4::9] *= 100
     chosen = sampled_topk_indices(x, k, sample_ratio=0.01, salt=11)
     assert set(chosen.tolist()) == set(topk_indices(x, k).tolist())
+
+
+def test_candidates_in_the_tail_and_at_row_edges_are_found() -> None:
+    """The CPU search reads row maxima of 64-element rows plus a tail: winners placed in the
+    tail, at row edges and negative must all be chosen, in a tensor whose size is no multiple of 64."""
+    numel = 640_037
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 1e-2
+    hot = torch.tensor([0, 63, 64, 127, 320_000, numel - 37, numel - 2, numel - 1])
+    x[hot] = torch.linspace(5, 6, hot.numel()) * torch.tensor([1, -1] * 4)
+    k = 640
+    chosen = sampled_topk_indices(x, k, sample_ratio=0.01, salt=1)
+    assert set(hot.tolist()) <= set(chosen.tolist())
+    assert set(chosen.tolist()) == set(topk_indices(x, k).tolist())

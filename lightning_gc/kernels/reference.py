@@ -23,6 +23,15 @@ layouts (a 3x3 convolution's weight gradient sampled with a stride of 36 sees on
 only) and then admits far fewer than ``k`` candidates; the jitter breaks that while keeping the
 sample spread over the whole tensor. ``salt`` is the step and the parameter, so the selection is
 a pure function of its inputs: reruns and resumed runs choose identical indices.
+
+On the CPU the pass over the whole tensor is the cost (it is memory-bound), so ``C`` is found
+without materialising ``|x|`` or a mask: the tensor is viewed as rows of :data:`ROW` elements,
+one ``amax`` and one ``amin`` pass give each row's largest magnitude ``r_j = max(max x, -min x)``,
+and only rows with ``r_j >= thr`` are read again (at most ``|C|`` of them). That is two
+vectorised read-only passes instead of ``abs`` + compare + ``nonzero`` (two writes, three reads),
+about 3x faster on one core, and it yields ``C`` in ascending order exactly as ``nonzero`` does.
+A NaN in a row makes ``r_j`` NaN, which no threshold admits (NaN never reaches the hook: it
+screens gradients first).
 """
 
 from __future__ import annotations
@@ -40,22 +49,26 @@ _CANDIDATE_MARGIN = 2
 _SALT_MULTIPLIER = 0x9E3779B1  # Knuth's multiplicative hash: spreads consecutive salts over 32 bits
 
 
+ROW = 64
+"""Elements per row of the CPU candidate search: short rows keep the re-read small (at most
+``|C| * ROW`` elements), long rows keep ``amax``/``amin`` vectorised (16-element rows are 6x slower)."""
+
+
 class SelectionScratch:
-    """Reusable ``|x|`` and mask buffers, grown to the largest tensor seen, so selection allocates
-    nothing gradient-sized in steady state. Not thread-safe: one per hook state."""
+    """Reusable per-row maximum buffers, grown to the largest tensor seen, so selection allocates
+    nothing gradient-sized (nor ``1/ROW`` of it) in steady state. Not thread-safe: one per hook state."""
 
     def __init__(self) -> None:
-        self._magnitude: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
+        self._high: torch.Tensor | None = None
+        self._low: torch.Tensor | None = None
 
-    def buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        numel = like.numel()
-        current = self._magnitude
-        if current is None or current.numel() < numel or current.dtype != like.dtype or current.device != like.device:
-            self._magnitude = torch.empty(numel, dtype=like.dtype, device=like.device)
-            self._mask = torch.empty(numel, dtype=torch.bool, device=like.device)
-        assert self._magnitude is not None and self._mask is not None
-        return self._magnitude[:numel], self._mask[:numel]
+    def row_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        current = self._high
+        if current is None or current.numel() < rows or current.dtype != like.dtype or current.device != like.device:
+            self._high = torch.empty(rows, dtype=like.dtype, device=like.device)
+            self._low = torch.empty(rows, dtype=like.dtype, device=like.device)
+        assert self._high is not None and self._low is not None
+        return self._high[:rows], self._low[:rows]
 
 
 def sample_size(numel: int, k: int, sample_ratio: float) -> int:
@@ -114,12 +127,12 @@ def sampled_topk_indices(
     """Indices (int64) of the ``k`` largest ``|values|`` of a 1-D tensor, via a sampled threshold.
 
     Args:
-        values: 1-D tensor.
+        values: 1-D contiguous tensor.
         k: number of indices to return, ``1 <= k``; all indices when ``k >= values.numel()``.
         sample_ratio: fraction of ``values`` sampled for the threshold (raised when too few
             sampled elements would land above it, see :data:`MIN_SAMPLE_HITS`).
         salt: keys the sample's jitter; the same salt gives the same result.
-        scratch: reusable buffers for ``|values|`` and the candidate mask.
+        scratch: reusable per-row buffers (see :class:`SelectionScratch`).
     """
     numel = values.numel()
     if k >= numel:
@@ -127,21 +140,47 @@ def sampled_topk_indices(
     plan = sample_plan(numel, k, sample_ratio, salt)
     if plan is None:
         return topk_indices(values, k)
-    magnitude, mask = (scratch or SelectionScratch()).buffers(values)
-    torch.abs(values, out=magnitude)
-    samples = plan.samples
-    sample = magnitude[sample_positions(plan, values.device)]
+    search = _CandidateSearch(values, scratch or SelectionScratch())
+    sample = values[sample_positions(plan, values.device)].abs_()
     rank = plan.rank
     while True:
         threshold = torch.topk(sample, rank, sorted=False).values.min()
-        candidates = torch.nonzero(torch.ge(magnitude, threshold, out=mask)).view(-1)
+        candidates, magnitudes = search.at_least(threshold)
         if candidates.numel() >= k:
             break
-        if rank == samples:  # even the sample's minimum admits fewer than k: give up sampling
-            return torch.topk(magnitude, k, sorted=False).indices
-        rank = min(samples, 4 * rank)
-    chosen = torch.topk(magnitude[candidates], k, sorted=False).indices
+        if rank == plan.samples:  # even the sample's minimum admits fewer than k: give up sampling
+            return topk_indices(values, k)
+        rank = min(plan.samples, 4 * rank)
+    chosen = torch.topk(magnitudes, k, sorted=False).indices
     return candidates[chosen]
+
+
+class _CandidateSearch:
+    """``{i : |x_i| >= thr}`` in ascending order, for any threshold, from one pass over ``x``.
+
+    ``x`` is viewed as ``[rows, ROW]`` plus a tail of ``numel % ROW``; the row maxima of ``|x|``
+    are computed once, and each query re-reads only the rows whose maximum reaches the threshold
+    (whole rows, with ``index_select``: far cheaper than gathering single elements).
+    """
+
+    def __init__(self, values: torch.Tensor, scratch: SelectionScratch) -> None:
+        self.body = values.numel() - values.numel() % ROW
+        self.rows = values[: self.body].view(-1, ROW)
+        self.tail = values[self.body :]
+        high, low = scratch.row_buffers(self.rows.shape[0], values)
+        torch.amax(self.rows, dim=1, out=high)
+        torch.amin(self.rows, dim=1, out=low)
+        self.row_max = torch.maximum(high, low.neg_(), out=high)
+
+    def at_least(self, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, their magnitudes) of every element with ``|x| >= threshold``, ascending."""
+        hit_rows = torch.nonzero(self.row_max >= threshold).view(-1)
+        hit = self.rows.index_select(0, hit_rows).abs_()
+        row, column = torch.nonzero(hit >= threshold, as_tuple=True)
+        tail = self.tail.abs()
+        tail_kept = torch.nonzero(tail >= threshold).view(-1)
+        positions = torch.cat([hit_rows[row] * ROW + column, tail_kept + self.body])
+        return positions, torch.cat([hit[row, column], tail[tail_kept]])
 
 
 def compensate_(
