@@ -141,7 +141,7 @@ def sampled_topk_indices(
     if plan is None:
         return topk_indices(values, k)
     search = _CandidateSearch(values, scratch or SelectionScratch())
-    sample = values[sample_positions(plan, values.device)].abs_()
+    sample = values.index_select(0, sample_positions(plan, values.device)).abs_()  # not x[pos]: 10x slower on CPU
     rank = plan.rank
     while True:
         threshold = torch.topk(sample, rank, sorted=False).values.min()
