@@ -1,0 +1,138 @@
+"""Where the comm hook's time goes on one CPU core: DGC's per-step phases on a model's real gradients.
+
+The hook runs, per bucket (see lightning_gc/hook.py)::
+
+    screen      all_finite(grad)                  the default nonfinite="raise" check
+    compensate  u <- m*u + g;  v <- v + u          memory.compensate
+    encode      sampled top-k per tensor + pack    compressor.encode
+    commit      v[idx] -= sent;  u[idx] <- 0       memory.commit
+    decode      zero + scatter-add of N payloads   compressor.decode
+
+Each phase is timed on the whole gradient as one bucket, on the netbench models' real gradients
+(four synthetic batches, used in turn), with one torch thread like a netbench worker. Two
+reference points are timed in the same run on the same data, so the speedups are side by side:
+the screen as ``isfinite(grad).all()`` and the candidate search as ``abs`` + compare +
+``nonzero`` over the whole tensor (what the hook and selection did before 2026-11-23).
+
+    taskset -c 0 python benchmarks/hook_phases.py [--models resnet18 mlp29m] [--repeats 9] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks.netbench.models import gradient_shapes
+from benchmarks.netbench.predict import real_gradients
+from lightning_gc.calibration import layout_of_shapes
+from lightning_gc.compressors import DGCCompressor
+from lightning_gc.hook import all_finite, commit
+from lightning_gc.kernels import reference
+from lightning_gc.memory import CompensationMemory
+from lightning_gc.momentum import MomentumSpec
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+PHASES = ("screen", "compensate", "encode", "commit", "decode")
+REFERENCES = ("screen: isfinite().all()", "search: row maxima", "search: abs+ge+nonzero")
+
+
+def _timed(work: Callable[..., object], *args: object, **kwargs: object) -> float:
+    started = time.perf_counter()
+    work(*args, **kwargs)
+    return time.perf_counter() - started
+
+
+def _search_by_row_maxima(values: torch.Tensor, threshold: torch.Tensor, scratch: reference.SelectionScratch) -> object:
+    return reference._CandidateSearch(values, scratch).at_least(threshold)
+
+
+def _search_by_mask(
+    values: torch.Tensor, threshold: torch.Tensor, magnitude: torch.Tensor, mask: torch.Tensor
+) -> object:
+    """The previous search, with its reused buffers: ``nonzero(|x| >= thr)``."""
+    torch.abs(values, out=magnitude)
+    return torch.nonzero(torch.ge(magnitude, threshold, out=mask))
+
+
+def measure(model: str, repeats: int, ratio: float, world_size: int = 2) -> dict[str, float]:
+    """Median seconds per phase (and per reference point) over ``repeats`` steps."""
+    gradients = real_gradients(model)
+    layout = layout_of_shapes(gradient_shapes(model))
+    compressor = DGCCompressor(ratio)
+    memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
+    memory.set_specs({s.name: MomentumSpec(momentum=0.9) for s in layout.segments})
+    grad = torch.empty(layout.numel)
+    bucket = memory.bucket(layout, grad)
+    largest = max(layout.segments, key=lambda s: s.numel)
+    threshold = torch.tensor(0.0)
+    magnitude, mask = torch.empty(largest.numel), torch.empty(largest.numel, dtype=torch.bool)
+    scratch = reference.SelectionScratch()
+    times: dict[str, list[float]] = {name: [] for name in PHASES + REFERENCES}
+    for step in range(repeats + 2):  # two warm-up steps fill buffers and plans
+        grad.copy_(gradients[step % len(gradients)])
+        sample: dict[str, float] = {}
+        sample["screen"] = _timed(lambda: bool(all_finite(grad)))
+        sample["screen: isfinite().all()"] = _timed(lambda: bool(torch.isfinite(grad).all()))
+        started = time.perf_counter()
+        velocity = memory.compensate(bucket, grad, [], world_size)
+        sample["compensate"] = time.perf_counter() - started
+        values = largest.of(velocity)
+        threshold.fill_(torch.quantile(values[:: max(1, values.numel() // 100_000)].abs(), 0.998).item())
+        sample["search: row maxima"] = _timed(_search_by_row_maxima, values, threshold, scratch)
+        sample["search: abs+ge+nonzero"] = _timed(_search_by_mask, values, threshold, magnitude, mask)
+        started = time.perf_counter()
+        encoded = compressor.encode(velocity, grad, layout, step=step, world_size=world_size)
+        sample["encode"] = time.perf_counter() - started
+        sample["commit"] = _timed(commit, memory, bucket, encoded)
+        assert encoded.gathered is not None and encoded.gathered_out is not None
+        encoded.gathered_out.view(world_size, -1).copy_(encoded.gathered.view(1, -1).expand(world_size, -1))
+        sample["decode"] = _timed(compressor.decode, encoded, grad, world_size=world_size)
+        if step >= 2:
+            for name, seconds in sample.items():
+                times[name].append(seconds)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def markdown(results: dict[str, dict[str, float]]) -> str:
+    models = list(results)
+    lines = ["| phase | " + " | ".join(f"{m} (ms)" for m in models) + " |", "|---" * (len(models) + 1) + "|"]
+    for name in PHASES + ("hook total",) + REFERENCES:
+        cells = []
+        for model in models:
+            seconds = sum(results[model][p] for p in PHASES) if name == "hook total" else results[model][name]
+            cells.append(f"{seconds * 1e3:.1f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["resnet18", "mlp29m"])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--ratio", type=float, default=0.001)
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {model: measure(model, args.repeats, args.ratio) for model in args.models}
+    table = markdown(results)
+    print(table)
+    if args.record:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        command = f"taskset -c 0 python benchmarks/hook_phases.py --models {' '.join(args.models)}"
+        header = (
+            f"\n### `{command} --repeats {args.repeats}` — {platform.node()}, 1 torch thread, {stamp}\n\n"
+            f"DGC at {args.ratio}, momentum 0.9, world size 2, whole gradient as one bucket, real "
+            "gradients; medians. The search rows time the largest tensor's candidate search alone.\n\n"
+        )
+        with RESULTS.open("a") as results_file:
+            results_file.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
