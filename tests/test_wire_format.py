@@ -329,9 +329,10 @@ def resnet50_layout() -> BucketLayout:
     return layout_of_shapes(module_shapes(model))
 
 
-def test_resnet50_gradient_at_0_1_percent_fits_in_0_2_megabytes(resnet50_layout: BucketLayout) -> None:
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_resnet50_gradient_at_0_1_percent_fits_in_0_2_megabytes(resnet50_layout: BucketLayout, dtype: str) -> None:
     layout = resnet50_layout
-    compressor = DGCCompressor(0.001, **NARROW)
+    compressor = DGCCompressor(0.001, index_encoding="elias_fano", value_dtype=dtype, dense_dtype=dtype)
     compressed, dense, total_k = compressor._split(layout)
     assert layout.numel == 25_557_032 and len(compressed) == 54 and total_k == 25_533
     assert sum(s.numel for s, _, _ in compressed) == 25_502_912 and sum(s.numel for s in dense) == 54_120
@@ -367,3 +368,14 @@ def test_elias_fano_trains_bit_identically_and_fp16_dense_keeps_its_residual(run
     assert torch.count_nonzero(int32["memory"][bias]["velocity"]) == 0
     residual = narrow["memory"][bias]["velocity"]
     assert 0 < residual.abs().max() < 1e-2 * narrow["memory"][bias]["momentum"].abs().max()
+
+
+def test_the_resnet50_recipe_uses_the_narrow_wire(resnet50_layout: BucketLayout) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    with initialize_config_dir(str(Path(__file__).parents[1] / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["+recipe=resnet50_dgc"])
+    compressor = instantiate(cfg.strategy).compressor
+    assert compressor.config()["index_encoding"] == "elias_fano"
+    assert compressor.wire_bytes(resnet50_layout, 4) <= 200_000
