@@ -5,7 +5,13 @@ rank (the collectives are identities, so this times the compressor alone; a mult
 compressor's encode time covers all its rounds). Medians of interleaved repeats;
 ``--record`` appends the table to benchmarks/RESULTS.md.
 
+By default one row per registered compressor (settings in ``ARGUMENTS``) plus the rows of
+``EXTRA_ROWS``; ``--row "NAME KEY=VALUE ..."`` (repeatable) runs only the rows given, e.g. DGC's
+wire formats side by side::
+
     python benchmarks/compressors.py [--numel 25600000] [--repeats 3] [--device cpu|cuda] [--record]
+    python benchmarks/compressors.py --row "dgc compress_ratio=0.001" \
+        --row "dgc compress_ratio=0.001 index_encoding=elias_fano value_dtype=float16"
 """
 
 from __future__ import annotations
@@ -17,11 +23,35 @@ from pathlib import Path
 
 import torch
 
+from lightning_gc.calibration import parse_arguments
 from lightning_gc.compressors import available, create
 from lightning_gc.layout import BucketLayout
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 ARGUMENTS = {"topk": {"compress_ratio": 0.01}, "randomk": {"compress_ratio": 0.01}, "dgc": {"compress_ratio": 0.001}}
+EXTRA_ROWS = [("dgc", {"compress_ratio": 0.001, "index_encoding": "elias_fano", "value_dtype": "float16"})]
+
+
+def default_rows() -> list[tuple[str, dict[str, object]]]:
+    """(compressor name, arguments) of every row run without ``--row``."""
+    return [(name, ARGUMENTS.get(name, {})) for name in available()] + EXTRA_ROWS
+
+
+def parse_row(text: str) -> tuple[str, dict[str, object]]:
+    """``"dgc compress_ratio=0.001 index_encoding=elias_fano"`` -> ``("dgc", {...})``; the arguments
+    are checked against what the compressor takes."""
+    name, *items = text.split()
+    if name not in available():
+        raise argparse.ArgumentTypeError(f"must start with a compressor name, one of {available()}, got {name!r}")
+    try:
+        arguments = parse_arguments(items)[name]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    taken = set(arguments)
+    unknown = [item for item in items if item.partition("=")[0] not in taken]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"compressor {name!r} takes no argument(s) {unknown}")
+    return name, arguments
 
 
 def _sync(device: torch.device) -> None:
@@ -35,17 +65,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--record", action="store_true")
+    parser.add_argument(
+        "--row", action="append", type=parse_row, help='"NAME KEY=VALUE ...": run only these rows (repeatable)'
+    )
     args = parser.parse_args()
+    rows = args.row or default_rows()
     device = torch.device(args.device)
     param = torch.nn.Parameter(torch.zeros(args.numel // 1000, 1000, device=device))
     layout = BucketLayout.build(0, [param], {id(param): ("weight", 0)}, param.numel())
     gradient = torch.randn(param.numel(), device=device, generator=torch.Generator(device=device).manual_seed(0))
-    compressors = {name: create(name, **ARGUMENTS.get(name, {})) for name in available()}
-    times: dict[str, dict[str, list[float]]] = {name: {"encode": [], "decode": []} for name in compressors}
-    wire: dict[str, int] = {}
+    compressors = [create(name, **arguments) for name, arguments in rows]
+    times: list[dict[str, list[float]]] = [{"encode": [], "decode": []} for _ in compressors]
+    wire: list[int] = [0] * len(compressors)
     out = torch.empty_like(gradient)
     for repeat in range(args.repeats + 1):  # the first round is warm-up
-        for name, compressor in compressors.items():
+        for row, compressor in enumerate(compressors):
             velocity = gradient.clone()
             _sync(device)
             started = time.perf_counter()
@@ -63,29 +97,31 @@ def main() -> None:
             compressor.decode(encoded, out, world_size=1)
             _sync(device)
             if repeat:
-                times[name]["encode"].append(encoded_at - started)
-                times[name]["decode"].append(time.perf_counter() - decode_started)
-            wire[name] = bytes_sent
+                times[row]["encode"].append(encoded_at - started)
+                times[row]["decode"].append(time.perf_counter() - decode_started)
+            wire[row] = bytes_sent
 
     dense = gradient.numel() * gradient.element_size()
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    rows = []
-    for name in compressors:
-        encode = statistics.median(times[name]["encode"]) * 1e3
-        decode = statistics.median(times[name]["decode"]) * 1e3
-        settings = ", ".join(f"{k}={v}" for k, v in ARGUMENTS.get(name, {}).items()) or "defaults"
-        ratio = dense / wire[name]
-        rows.append(f"| {name} | {settings} | {encode:.1f} | {decode:.1f} | {wire[name]:,} | {ratio:.1f} |")
+    lines = []
+    for row, (name, arguments) in enumerate(rows):
+        encode = statistics.median(times[row]["encode"]) * 1e3
+        decode = statistics.median(times[row]["decode"]) * 1e3
+        settings = ", ".join(f"{k}={v}" for k, v in arguments.items()) or "defaults"
+        ratio = dense / wire[row]
+        lines.append(f"| {name} | {settings} | {encode:.1f} | {decode:.1f} | {wire[row]:,} | {ratio:.1f} |")
+    selected = "".join(f' --row "{name} ' + " ".join(f"{k}={v}" for k, v in arguments.items()) + '"'
+                       for name, arguments in rows) if args.row else ""  # fmt: skip
     header = (
-        f"\n### `python benchmarks/compressors.py --repeats {args.repeats}` — {machine}, "
+        f"\n### `python benchmarks/compressors.py --repeats {args.repeats}{selected}` — {machine}, "
         f"{time.strftime('%Y-%m-%d')}, {args.numel:,} fp32 elements ({dense / 1e6:.1f} MB dense)\n\n"
         "| compressor | arguments | encode (ms) | decode (ms) | bytes on the wire | wire ratio |\n"
         "|---|---|---|---|---|---|\n"
     )
-    print(header + "\n".join(rows))
+    print(header + "\n".join(lines))
     if args.record:
         with RESULTS.open("a") as f:
-            f.write(header + "\n".join(rows) + "\n")
+            f.write(header + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -387,6 +387,11 @@ class DGCStrategy(GradientCompressionStrategy):
         sample_ratio: fraction of each tensor sampled for the threshold, in (0, 1].
         min_compress_numel: tensors with fewer elements, and 1-D tensors, go dense.
         value_dtype: values on the wire, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        index_encoding: indices on the wire, ``"int32"`` or ``"elias_fano"`` (sorted,
+            Elias--Fano coded: ~12 bits per index at ratio 0.001; same training result).
+        dense_dtype: dtype of the tensors sent dense (1-D, small) next to compressed ones,
+            ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``None`` (the gradient's); what
+            rounding drops stays in the residual.
         **kwargs: :class:`GradientCompressionStrategy` / ``DDPStrategy`` arguments.
     """
 
@@ -401,6 +406,8 @@ class DGCStrategy(GradientCompressionStrategy):
         sample_ratio: float = 0.01,
         min_compress_numel: int = 1024,
         value_dtype: str = "float32",
+        index_encoding: str = "int32",
+        dense_dtype: str | None = None,
         **kwargs: Any,
     ) -> None:
         compressor = DGCCompressor(
@@ -408,6 +415,8 @@ class DGCStrategy(GradientCompressionStrategy):
             sample_ratio=sample_ratio,
             min_compress_numel=min_compress_numel,
             value_dtype=value_dtype,
+            index_encoding=index_encoding,
+            dense_dtype=dense_dtype,
         )
         super().__init__(
             compressor,

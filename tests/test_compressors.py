@@ -204,13 +204,21 @@ def test_randomk_wire_ratio_on_a_large_tensor() -> None:
     assert 4 * layout.numel / encoded.bytes_sent == 100.0  # values only: no indices on the wire
 
 
-@pytest.mark.parametrize("name", ["onebit", "signsgd", "topk", "randomk", "fp16", "bf16", "dgc", "powersgd", "fft"])
-def test_error_feedback_loses_nothing(name: str) -> None:
+NARROW_WIRE = {"index_encoding": "elias_fano", "value_dtype": "float16", "dense_dtype": "float16"}
+
+
+@pytest.mark.parametrize(
+    ("name", "wire"),
+    [(name, {}) for name in ["onebit", "signsgd", "topk", "randomk", "fp16", "bf16", "dgc", "powersgd", "fft"]]
+    + [("dgc", NARROW_WIRE), ("topk", {**NARROW_WIRE, "dense_dtype": "bfloat16"})],
+)
+def test_error_feedback_loses_nothing(name: str, wire: dict) -> None:
     """Over many steps: everything decoded + what memory still holds == every gradient fed in."""
     from lightning_gc.hook import commit
     from lightning_gc.memory import CompensationMemory
 
-    compressor = create(name, **({"compress_ratio": 0.05} if name in ("topk", "dgc", "randomk", "fft") else {}))
+    ratio = {"compress_ratio": 0.05} if name in ("topk", "dgc", "randomk", "fft") else {}
+    compressor = create(name, **ratio, **wire)
     assert compressor.biased
     layout, params = _layout_and_params([(64, 50), (50,), (30, 40)])
     memory = CompensationMemory(momentum_correction=False, momentum_masking=True, clip_norm=None)
@@ -233,6 +241,10 @@ def test_every_compressor_predicts_its_wire_bytes() -> None:
     for name in available():
         _, _, bytes_sent = _round_trip(create(name), velocity, layout, step=0)
         assert create(name).wire_bytes(layout, 4) == bytes_sent, name
+    for name in ("dgc", "topk"):
+        for wire in ({"index_encoding": "elias_fano"}, NARROW_WIRE):
+            _, _, bytes_sent = _round_trip(create(name, **wire), velocity, layout, step=0)
+            assert create(name, **wire).wire_bytes(layout, 4) == bytes_sent < create(name).wire_bytes(layout, 4)
 
 
 def test_selective_compression_rule() -> None:

@@ -115,6 +115,16 @@ BAD_OVERRIDES = [
         "strategy",
         "`value_dtype` must be one of ['float32', 'float16', 'bfloat16'], got 'int8'",
     ),
+    (
+        ["strategy.index_encoding=delta"],
+        "strategy",
+        "`index_encoding` must be one of ['int32', 'elias_fano'], got 'delta'",
+    ),
+    (
+        ["strategy=topk", "strategy.dense_dtype=int8"],
+        "strategy",
+        "`dense_dtype` must be one of ['float32', 'float16', 'bfloat16', None], got 'int8'",
+    ),
     (["strategy.clip_norm=-1"], "strategy", "`clip_norm` must be in (0, inf], got -1"),
     (["strategy.min_compress_numel=0"], "strategy", "`min_compress_numel` must be an integer >= 1, got 0"),
     (["+strategy.nonfinite=ignore"], "strategy", "`nonfinite` must be one of ['raise', 'skip'], got 'ignore'"),

@@ -1,33 +1,11 @@
-"""Sparse wire format round trips, and the hand-over of SGD momentum to the memory."""
+"""The hand-over of SGD momentum to the memory (wire format round trips: test_wire_format.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_gc.compressors.wire import SparseWireFormat
 from lightning_gc.momentum import GROUP_KEY, MomentumSpec, absorb_sgd_momentum
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("k", [1, 3, 1000])
-def test_gathered_payloads_unpack_to_every_ranks_pairs(dtype: torch.dtype, k: int) -> None:
-    wire = SparseWireFormat(dtype)
-    world = 3
-    size = wire.payload_bytes(k)
-    assert size % 4 == 0 and size >= k * (4 + torch.empty((), dtype=dtype).element_size())
-    sent = []
-    gathered = torch.empty(world * size, dtype=torch.uint8)
-    for rank in range(world):
-        indices = torch.randperm(50_000)[:k]
-        values = torch.randn(k)
-        decoded = wire.pack(gathered[rank * size : (rank + 1) * size], k, indices, values)
-        rounded = values.to(dtype).to(torch.float32)
-        assert decoded.dtype == torch.float32 and torch.equal(decoded, rounded)
-        sent.append((indices, rounded))
-    got_indices, got_values = wire.unpack(gathered, world, k)
-    assert torch.equal(got_indices.long(), torch.cat([i for i, _ in sent]))
-    assert torch.equal(got_values.float(), torch.cat([v for _, v in sent]))
 
 
 def _sgd(**kwargs: object) -> torch.optim.SGD:

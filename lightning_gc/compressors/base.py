@@ -74,35 +74,55 @@ class Encoded:
 
 @dataclass
 class DensePart:
-    """The tensors of a bucket sent whole (exactly, through an all-reduce) while the rest is compressed.
+    """The tensors of a bucket sent whole (through an all-reduce) while the rest is compressed.
 
     ``values`` is the send buffer: :meth:`gather` fills it from the velocity, the collective sums
-    it over ranks in place, :meth:`write_mean` writes the mean back into the bucket.
+    it over ranks in place, :meth:`write_mean` writes the mean back into the bucket. A send buffer
+    narrower than the velocity (e.g. fp16) is summed in that dtype; as with the ``fp16``
+    compressor, :attr:`sent` then hands memory the rounded values so the rounding stays in the
+    residual. ``staging`` is the velocity-dtype scratch such a buffer needs (else ``None``).
     """
 
     positions: torch.Tensor  # int64 bucket positions, in segment order
     values: torch.Tensor
+    staging: torch.Tensor | None = None
 
     @staticmethod
-    def of(segments: Sequence[Segment], like: torch.Tensor, values: torch.Tensor | None = None) -> DensePart | None:
+    def of(
+        segments: Sequence[Segment],
+        like: torch.Tensor,
+        values: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> DensePart | None:
         """The dense part made of ``segments`` (``None`` if there are none); ``values`` may be a
-        caller-owned buffer of their total size (e.g. the tail of a larger send buffer)."""
+        caller-owned buffer of their total size (e.g. the tail of a larger send buffer), ``dtype``
+        the wire dtype of a buffer made here (default: ``like``'s)."""
         if not segments:
             return None
         positions = torch.cat([torch.arange(s.start, s.stop, device=like.device) for s in segments])
         if values is None:
-            values = like.new_empty(positions.numel())
+            values = torch.empty(positions.numel(), dtype=dtype or like.dtype, device=like.device)
         elif values.numel() != positions.numel():
             raise ValueError(f"dense buffer holds {values.numel()} elements, the segments {positions.numel()}")
-        return DensePart(positions=positions, values=values)
+        staging = None if values.dtype == like.dtype else like.new_empty(positions.numel())
+        return DensePart(positions=positions, values=values, staging=staging)
+
+    @property
+    def sent(self) -> torch.Tensor | None:
+        """What receivers decode when the wire dtype differs from the velocity's (``Encoded.dense_sent``:
+        memory subtracts it before the collective overwrites it); ``None`` when the values leave exactly."""
+        return None if self.staging is None else self.values
 
     def gather(self, velocity: torch.Tensor) -> torch.Tensor:
         """Copy the dense positions of ``velocity`` into the send buffer and return it."""
-        return torch.index_select(velocity, 0, self.positions, out=self.values)
+        if self.staging is None:
+            return torch.index_select(velocity, 0, self.positions, out=self.values)
+        return self.values.copy_(torch.index_select(velocity, 0, self.positions, out=self.staging))
 
     def write_mean(self, out: torch.Tensor, world_size: int) -> None:
         """After the all-reduce: ``out[positions] = summed values / world_size``."""
-        out.index_copy_(0, self.positions, self.values.div_(world_size))
+        mean = self.values if self.staging is None else self.staging.copy_(self.values)
+        out.index_copy_(0, self.positions, mean.div_(world_size))
 
 
 def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor) -> Encoded:

@@ -120,8 +120,10 @@ class TopKCompressor(SparseCompressor):
         *,
         min_compress_numel: int = 1024,
         value_dtype: str | torch.dtype = "float32",
+        index_encoding: str = "int32",
+        dense_dtype: str | torch.dtype | None = None,
     ) -> None:
-        super().__init__(compress_ratio, min_compress_numel, value_dtype)
+        super().__init__(compress_ratio, min_compress_numel, value_dtype, index_encoding, dense_dtype)
 
     def select(
         self, values: torch.Tensor, k: int, salt: int, out_indices: torch.Tensor, out_values: torch.Tensor

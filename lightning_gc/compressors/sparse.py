@@ -2,8 +2,13 @@
 
 Per bucket, tensors with ``dim() > 1`` and at least ``min_compress_numel`` elements are
 *compressed*: each contributes exactly ``k`` (index, value) pairs to one fixed-size all-gather.
-Every other tensor (biases, norms, small tensors) is *dense*: its values are all-reduced. With
-``compress_ratio == 1`` every tensor is dense and the bucket goes through one plain all-reduce.
+Every other tensor (biases, norms, small tensors) is *dense*: its values are all-reduced (in
+``dense_dtype`` if one is set). With ``compress_ratio == 1`` every tensor is dense and the bucket
+goes through one plain all-reduce in the gradient's dtype.
+
+The pairs go on the wire in the layout of :mod:`lightning_gc.compressors.wire`: int32 indices, or
+an Elias--Fano code of the sorted indices (``index_encoding="elias_fano"``, ~12 bits per index at
+0.1 % density), with values in ``value_dtype``.
 
 Decompression::
 
@@ -33,10 +38,18 @@ from lightning_gc.compressors.base import (
     decode_whole_bucket,
     encode_whole_bucket,
 )
-from lightning_gc.compressors.wire import VALUE_DTYPES, SparseWireFormat
+from lightning_gc.compressors.wire import INDEX_ENCODINGS, VALUE_DTYPES
 from lightning_gc.layout import BucketLayout, Segment
 
 _SALT_STEP = 1_000_003  # distinct steps must map far apart before the per-parameter offset is added
+
+
+def dtype_name(argument: str, value: str | torch.dtype | None, *, optional: bool = False) -> str | None:
+    """The name in :data:`VALUE_DTYPES` of ``value`` (a name or a ``torch.dtype``; ``None`` if
+    ``optional``), or ``ValueError`` naming ``argument``, the value and the choices."""
+    if isinstance(value, torch.dtype):
+        value = next((k for k, v in VALUE_DTYPES.items() if v == value), str(value))
+    return check_choice(argument, value, [*VALUE_DTYPES, *([None] if optional else [])])
 
 
 @dataclass
@@ -64,16 +77,31 @@ class SparseCompressor(AdjustableRatio, Compressor):
         min_compress_numel: tensors with fewer elements (and all 1-D tensors) are sent dense.
         value_dtype: dtype of the values on the wire: ``"float32"``, ``"float16"`` or
             ``"bfloat16"``. What a narrower dtype rounds away stays in the velocity (error
-            feedback). Dense tensors are always sent in the gradient's dtype.
+            feedback).
+        index_encoding: ``"int32"`` (4 bytes per index) or ``"elias_fano"`` (the bucket's
+            indices sorted and Elias--Fano coded: ``2 + floor(log2(bucket numel / k))`` bits per
+            index or less; same decoded result). See :mod:`lightning_gc.compressors.wire`.
+        dense_dtype: dtype in which the dense tensors of a partly compressed bucket are
+            all-reduced (``"float32"``, ``"float16"``, ``"bfloat16"``); ``None``: the gradient's.
+            The sum over ranks is accumulated in that dtype, and what rounding drops stays in the
+            velocity. A bucket sent wholly dense (``compress_ratio == 1``) is unaffected.
     """
 
-    def __init__(self, compress_ratio: float, min_compress_numel: int, value_dtype: str | torch.dtype) -> None:
+    def __init__(
+        self,
+        compress_ratio: float,
+        min_compress_numel: int,
+        value_dtype: str | torch.dtype,
+        index_encoding: str = "int32",
+        dense_dtype: str | torch.dtype | None = None,
+    ) -> None:
         self.compress_ratio = compress_ratio
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 1)
-        if isinstance(value_dtype, torch.dtype):
-            value_dtype = next((k for k, v in VALUE_DTYPES.items() if v == value_dtype), str(value_dtype))
-        self.value_dtype_name = check_choice("value_dtype", value_dtype, VALUE_DTYPES)
-        self.wire = SparseWireFormat(VALUE_DTYPES[self.value_dtype_name])
+        self.value_dtype_name = dtype_name("value_dtype", value_dtype)
+        self.index_encoding = check_choice("index_encoding", index_encoding, INDEX_ENCODINGS)
+        self.dense_dtype_name = dtype_name("dense_dtype", dense_dtype, optional=True)
+        self.dense_dtype = None if self.dense_dtype_name is None else VALUE_DTYPES[self.dense_dtype_name]
+        self.wire = INDEX_ENCODINGS[self.index_encoding](VALUE_DTYPES[self.value_dtype_name])
         self._plans: dict[int, _SparsePlan] = {}
 
     def compresses(self, segment: Segment) -> bool:
@@ -111,7 +139,8 @@ class SparseCompressor(AdjustableRatio, Compressor):
         compressed, dense, total_k = self._split(layout)
         if not compressed:
             return layout.numel * element_size
-        return self.wire.payload_bytes(total_k) + sum(s.numel for s in dense) * element_size
+        dense_size = element_size if self.dense_dtype is None else self.dense_dtype.itemsize
+        return self.wire.payload_bytes(total_k, layout.numel) + sum(s.numel for s in dense) * dense_size
 
     def _plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _SparsePlan:
         plan = self._plans.get(layout.index)
@@ -125,7 +154,7 @@ class SparseCompressor(AdjustableRatio, Compressor):
         compressed, dense, total_k = self._split(layout)
         device = like.device
         dense_all = not compressed
-        payload_bytes = self.wire.payload_bytes(total_k)
+        payload_bytes = self.wire.payload_bytes(total_k, layout.numel) if compressed else 0
         plan = _SparsePlan(
             layout=layout,
             ratio=self._compress_ratio,
@@ -133,7 +162,7 @@ class SparseCompressor(AdjustableRatio, Compressor):
             compressed=tuple(compressed),
             total_k=total_k,
             dense_all=dense_all,
-            dense=None if dense_all else DensePart.of(dense, like),
+            dense=None if dense_all else DensePart.of(dense, like, dtype=self.dense_dtype),
             sent_indices=torch.empty(total_k, dtype=torch.int64, device=device),
             sent_values=like.new_empty(total_k),
             payload=torch.empty(payload_bytes, dtype=torch.uint8, device=device),
@@ -166,7 +195,7 @@ class SparseCompressor(AdjustableRatio, Compressor):
                 out_values=plan.sent_values[chosen],
             )
             plan.sent_indices[chosen].add_(segment.start)
-        sent = self.wire.pack(plan.payload, plan.total_k, plan.sent_indices, plan.sent_values)
+        sent = self.wire.pack(plan.payload, plan.sent_indices, plan.sent_values, layout.numel)
         summed = None if plan.dense is None else plan.dense.gather(velocity)
         return Encoded(
             summed=summed,
@@ -175,6 +204,7 @@ class SparseCompressor(AdjustableRatio, Compressor):
             sent_indices=plan.sent_indices,
             sent_values=sent,
             dense_positions=None if plan.dense is None else plan.dense.positions,
+            dense_sent=None if plan.dense is None else plan.dense.sent,
             bytes_sent=plan.payload.numel() + (0 if summed is None else summed.numel() * summed.element_size()),
             elements_sent=plan.total_k + (0 if summed is None else summed.numel()),
             context=plan,
@@ -185,7 +215,7 @@ class SparseCompressor(AdjustableRatio, Compressor):
             return
         plan: _SparsePlan = encoded.context
         out.zero_()
-        indices, values = self.wire.unpack(plan.gathered, world_size, plan.total_k)
+        indices, values = self.wire.unpack(plan.gathered, world_size, plan.total_k, plan.layout.numel)
         kernels.scatter_average_(out, indices, values, world_size)
         if plan.dense is not None:
             plan.dense.write_mean(out, world_size)
@@ -196,4 +226,6 @@ class SparseCompressor(AdjustableRatio, Compressor):
             "compress_ratio": self._compress_ratio,
             "min_compress_numel": self.min_compress_numel,
             "value_dtype": self.value_dtype_name,
+            "index_encoding": self.index_encoding,
+            "dense_dtype": self.dense_dtype_name,
         }
