@@ -379,3 +379,47 @@ def test_the_resnet50_recipe_uses_the_narrow_wire(resnet50_layout: BucketLayout)
     compressor = instantiate(cfg.strategy).compressor
     assert compressor.config()["index_encoding"] == "elias_fano"
     assert compressor.wire_bytes(resnet50_layout, 4) <= 200_000
+
+
+# ------------------------------------------------------------------ saturation of narrow wires
+def test_saturating_copy_clamps_to_what_a_sum_of_summands_can_hold() -> None:
+    from lightning_gc.compressors.base import saturating_copy_
+
+    values = torch.tensor([1e6, -1e6, 1.5, 40_000.0, float("nan")])
+    wire = saturating_copy_(torch.empty(5, dtype=torch.float16), values, summands=2)
+    assert wire[:4].tolist() == [32752.0, -32752.0, 1.5, 32752.0] and wire[4].isnan()
+    assert (wire[:4].float() * 2).isfinite().all()  # the all-reduce of two ranks cannot overflow
+    huge = torch.tensor([3e38, -3e38])
+    assert torch.equal(saturating_copy_(torch.empty(2), huge, summands=2), huge)  # same dtype: a plain copy
+
+
+@pytest.mark.parametrize("encoding", ["int32", "elias_fano"])
+def test_values_beyond_fp16_range_saturate_and_the_excess_stays_in_memory(encoding: str) -> None:
+    """A velocity of 1e6 (fp16 holds at most 65504) goes out as 65504 on a float16 wire; memory
+    keeps the rest, so it leaves over the next steps instead of reaching the model as inf. The
+    dense part (float16, 2 ranks) saturates at 65504 / 2, so the all-reduce stays finite."""
+    layout = _layout(SHAPES)
+    world = 2
+    memories, states = [], []
+    for _ in range(world):
+        memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
+        state = memory.bucket(layout, torch.empty(layout.numel))
+        grad = torch.zeros(layout.numel)
+        big = layout.segments[0].start + 17
+        dense_position = layout.segments[1].start + 3
+        grad[big], grad[dense_position] = 1e6, -1e6
+        memory.compensate(state, grad, [], world_size=world)
+        memories.append(memory)
+        states.append(state)
+    compressors = [
+        DGCCompressor(0.05, value_dtype="float16", dense_dtype="float16", index_encoding=encoding) for _ in range(world)
+    ]
+    delivered = torch.zeros(layout.numel)
+    for step in range(40):  # the dense -1e6 leaves in 31 steps of 65504 / 2
+        exchanged = _exchange(compressors, [state.velocity for state in states], layout, step=step)
+        for (out, encoded), memory, state in zip(exchanged, memories, states):
+            assert out.isfinite().all()
+            commit(memory, state, encoded)
+        delivered += exchanged[0][0]
+    assert delivered[big] == pytest.approx(1e6) and delivered[dense_position] == pytest.approx(-1e6)
+    assert all(state.velocity.abs().max() < 1 for state in states)  # nothing left behind, nothing lost

@@ -72,6 +72,22 @@ class Encoded:
     commit_after_decode: bool = False
 
 
+def saturating_copy_(wire: torch.Tensor, values: torch.Tensor, summands: int = 1) -> torch.Tensor:
+    """``wire <- values``, clamped to ``+-finfo(wire.dtype).max / summands``; returns ``wire``.
+
+    A narrow wire dtype (fp16: largest finite 65504) turns large values into ``inf``, and a
+    collective summing ``summands`` of them can overflow even when each is finite. Clamping
+    instead keeps every value and every sum finite; with error feedback the clipped excess stays
+    in memory (memory subtracts what receivers decode), so it is delayed, not lost. NaN stays NaN.
+    A wire dtype at least as wide as the values' is a plain copy.
+    """
+    wire.copy_(values)
+    if torch.finfo(wire.dtype).max < torch.finfo(values.dtype).max:
+        limit = torch.finfo(wire.dtype).max / summands
+        wire.clamp_(-limit, limit)
+    return wire
+
+
 @dataclass
 class DensePart:
     """The tensors of a bucket sent whole (through an all-reduce) while the rest is compressed.
@@ -113,11 +129,13 @@ class DensePart:
         memory subtracts it before the collective overwrites it); ``None`` when the values leave exactly."""
         return None if self.staging is None else self.values
 
-    def gather(self, velocity: torch.Tensor) -> torch.Tensor:
-        """Copy the dense positions of ``velocity`` into the send buffer and return it."""
+    def gather(self, velocity: torch.Tensor, world_size: int = 1) -> torch.Tensor:
+        """Copy the dense positions of ``velocity`` into the send buffer and return it; a narrow
+        buffer saturates so that the sum over ``world_size`` ranks stays finite."""
         if self.staging is None:
             return torch.index_select(velocity, 0, self.positions, out=self.values)
-        return self.values.copy_(torch.index_select(velocity, 0, self.positions, out=self.staging))
+        exact = torch.index_select(velocity, 0, self.positions, out=self.staging)
+        return saturating_copy_(self.values, exact, world_size)
 
     def write_mean(self, out: torch.Tensor, world_size: int) -> None:
         """After the all-reduce: ``out[positions] = summed values / world_size``."""

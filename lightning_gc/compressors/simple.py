@@ -6,7 +6,13 @@ from typing import Any
 
 import torch
 
-from lightning_gc.compressors.base import Compressor, Encoded, decode_whole_bucket, encode_whole_bucket
+from lightning_gc.compressors.base import (
+    Compressor,
+    Encoded,
+    decode_whole_bucket,
+    encode_whole_bucket,
+    saturating_copy_,
+)
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
 from lightning_gc.kernels import topk_indices
@@ -47,6 +53,7 @@ class _CastCompressor(Compressor):
     """All-reduce of the velocity cast to ``wire_dtype``; the rounding stays in memory.
 
     The sum over ranks is accumulated in ``wire_dtype`` by the collective. 2 bytes per element.
+    Values saturate at ``finfo(wire_dtype).max / world_size`` (see :func:`saturating_copy_`).
     """
 
     wire_dtype: torch.dtype
@@ -69,7 +76,7 @@ class _CastCompressor(Compressor):
             wire = self._buffers[layout.index] = torch.empty(
                 velocity.numel(), dtype=self.wire_dtype, device=velocity.device
             )
-        wire.copy_(velocity)
+        saturating_copy_(wire, velocity, world_size)  # the sum over ranks stays finite
         return Encoded(
             summed=wire,
             dense_all=True,

@@ -196,7 +196,7 @@ class SparseCompressor(AdjustableRatio, Compressor):
             )
             plan.sent_indices[chosen].add_(segment.start)
         sent = self.wire.pack(plan.payload, plan.sent_indices, plan.sent_values, layout.numel)
-        summed = None if plan.dense is None else plan.dense.gather(velocity)
+        summed = None if plan.dense is None else plan.dense.gather(velocity, world_size)
         return Encoded(
             summed=summed,
             gathered=plan.payload,

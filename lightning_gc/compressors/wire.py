@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from lightning_gc import kernels
+from lightning_gc.compressors.base import saturating_copy_
 
 VALUE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -63,8 +64,9 @@ class SparseWireFormat(ABC):
         the values as receivers decode them, in the caller's pair order.
 
         With a wire dtype narrower than ``values``' the result is the rounded values (in
-        ``values``' dtype), so memory can keep exactly what rounding dropped; otherwise it is
-        ``values`` itself. Indices may repeat.
+        ``values``' dtype, saturated at the wire dtype's largest finite value), so memory can keep
+        exactly what rounding and saturation dropped; otherwise it is ``values`` itself. Indices
+        may repeat.
         """
 
     @abstractmethod
@@ -96,7 +98,7 @@ class Int32Indices(SparseWireFormat):
         n = indices.numel()
         payload[: n * _INDEX_BYTES].view(INDEX_DTYPE).copy_(indices)
         value_view = payload[n * _INDEX_BYTES : n * (_INDEX_BYTES + self.value_bytes)].view(self.value_dtype)
-        value_view.copy_(values)
+        saturating_copy_(value_view, values)
         return self._as_decoded(values, value_view)
 
     def unpack(
@@ -151,7 +153,7 @@ class EliasFanoIndices(SparseWireFormat):
         width = low_bits(n, universe)
         device = indices.device
         sorted_indices, order = torch.sort(indices.to(torch.int64), stable=True)
-        wire_values = values.to(self.value_dtype)
+        wire_values = saturating_copy_(torch.empty_like(values, dtype=self.value_dtype), values)
         value_end = n * self.value_bytes
         payload[:value_end].view(self.value_dtype).copy_(wire_values[order])
 
