@@ -8,6 +8,8 @@
   and crashes on gloo with more than one bucket (DESIGN.md §4);
 * ``gc_<name>`` -- ``lightning_gc`` with compressor ``<name>``, any registered compressor
   (``gc_dgc`` is ``DGCStrategy(compress_ratio=0.001)`` with momentum correction);
+* ``gc_dgc_compact`` -- the same with the compact wire: Elias--Fano indices, bfloat16 values and
+  bfloat16 dense tensors (the ResNet-50 recipe's settings);
 * ``ideal`` -- one process, no distributed strategy at all (handled by the launcher).
 """
 
@@ -25,11 +27,22 @@ from lightning_gc import DGCStrategy, GradientCompressionStrategy, available
 IDEAL = "ideal"
 TORCH_MODES = ("ddp", "noop", "torch_fp16", "torch_powersgd1", "torch_powersgd4")
 DGC_RATIO = 0.001
+DGC_MODES: dict[str, dict[str, Any]] = {
+    "gc_dgc": {"compress_ratio": DGC_RATIO},
+    "gc_dgc_compact": {
+        "compress_ratio": DGC_RATIO,
+        "index_encoding": "elias_fano",
+        "value_dtype": "bfloat16",
+        "dense_dtype": "bfloat16",
+    },
+}
+"""``DGCStrategy`` / ``DGCCompressor`` arguments of the DGC modes."""
 
 
 def all_modes() -> list[str]:
     """Every mode, references first, then torch's hooks, then ours (one per registered compressor)."""
-    return [IDEAL, *TORCH_MODES, *(f"gc_{name}" for name in available())]
+    ours = [f"gc_{name}" for name in available()]
+    return [IDEAL, *TORCH_MODES, *DGC_MODES, *(mode for mode in ours if mode not in DGC_MODES)]
 
 
 class HookedDDPStrategy(DDPStrategy):
@@ -63,8 +76,8 @@ def make_strategy(mode: str) -> Strategy:
         return HookedDDPStrategy(
             ddp_comm_state=state, ddp_comm_hook=powersgd.powerSGD_hook, bucket_cap_mb=1024, **common
         )
-    if mode == "gc_dgc":
-        return DGCStrategy(compress_ratio=DGC_RATIO, **common)
+    if mode in DGC_MODES:
+        return DGCStrategy(**DGC_MODES[mode], **common)
     if mode.startswith("gc_") and mode.removeprefix("gc_") in available():
         return GradientCompressionStrategy(mode.removeprefix("gc_"), **common)
     raise ValueError(f"unknown mode {mode!r}; modes are {all_modes()}")

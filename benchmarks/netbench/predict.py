@@ -9,7 +9,7 @@ Per mode, what each rank sends and what encoding/decoding costs it per step:
   the rest dense; codec = timed error feedback, ``P = MQ``, QR of P, ``Q = M^T P``, ``PQ^T``;
   one bucket is ready only when backward ends, so nothing overlaps (``f = 0``);
 * ``gc_<name>``: :func:`lightning_gc.calibration.codec_cost` on the model's parameter shapes and
-  its real gradients on four synthetic batches (``gc_dgc`` with momentum correction at 0.9, as
+  its real gradients on four synthetic batches (the DGC modes with momentum correction at 0.9, as
   the benchmark trains).
 
 Timing runs in this process: launch it pinned to one core with one thread, like the workers::
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.netbench.models import BenchModule, gradient_shapes, synthetic_batches
-from benchmarks.netbench.modes import DGC_RATIO, IDEAL
+from benchmarks.netbench.modes import DGC_MODES, IDEAL
 from lightning_gc import calibration
 from lightning_gc.perfmodel import CodecCost, Network, Prediction, Workload, predict
 
@@ -112,9 +112,10 @@ def mode_cost(
     if mode.startswith("torch_powersgd"):
         return powersgd_hook_cost(shapes, int(mode.removeprefix("torch_powersgd")))
     if mode.startswith("gc_"):
-        name = mode.removeprefix("gc_")
-        arguments = {"compress_ratio": DGC_RATIO} if name == "dgc" else {}
-        momentum = DGC_MOMENTUM if name == "dgc" else 0.0
+        dgc = mode in DGC_MODES
+        name = "dgc" if dgc else mode.removeprefix("gc_")
+        arguments = DGC_MODES[mode] if dgc else {}
+        momentum = DGC_MOMENTUM if dgc else 0.0
         cost = calibration.codec_cost(
             name,
             list(shapes),
