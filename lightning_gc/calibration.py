@@ -2,11 +2,14 @@
 
 Times exactly what the comm hook runs per step on one rank (see :mod:`lightning_gc.hook`)::
 
-    encode_s = finiteness screen + compensate (memory) + compressor.encode + commit (memory)
-    decode_s = compressor.decode of ``world_size`` ranks' payloads
+    encode_s = finiteness screen + compensate (memory) + every round of compressor.encode + commit
+    decode_s = compressor.decode of ``world_size`` ranks' payloads (+ the commit, for compressors
+               whose residual needs the aggregate)
 
-with the collectives replaced by local copies (the world's payloads are this rank's, repeated),
-and reports the bytes the payload would all-reduce (``summed``) and all-gather (``gathered``).
+with the collectives replaced by local stand-ins (the world's payloads are this rank's, repeated),
+and reports the bytes all rounds would all-reduce (``summed``) and all-gather (``gathered``).
+Steps are numbered from :data:`STEADY_STEP`, past any warm-up a compressor runs dense (PowerSGD's
+``start_iter``), so the steady state is what is timed.
 Medians over ``repeats`` after one warm-up round. Results can be cached in a JSON file keyed by
 compressor configuration, gradient shapes, world size, device and torch version.
 """
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_gc.compressors.base import Compressor
+from lightning_gc.compressors.base import Compressor, Encoded
 from lightning_gc.compressors.registry import argument_names, available, create
 from lightning_gc.hook import all_finite, commit
 from lightning_gc.layout import BucketLayout, Segment
@@ -33,6 +36,7 @@ from lightning_gc.momentum import MomentumSpec
 from lightning_gc.perfmodel import CodecCost
 
 COLUMNS = 1024
+STEADY_STEP = 1_000_000
 
 
 def layout_of_shapes(shapes: Sequence[tuple[int, ...]]) -> BucketLayout:
@@ -85,6 +89,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _payload_bytes(payload: torch.Tensor | None) -> int:
+    return 0 if payload is None else payload.numel() * payload.element_size()
+
+
+def _exchange_locally(encoded: Encoded, world_size: int) -> None:
+    """Stand-in for one round's collectives when every rank sends what this rank sends: the
+    all-reduce sums ``world_size`` equal payloads, the all-gather repeats this one."""
+    if encoded.summed is not None:
+        encoded.summed.mul_(world_size)
+    if encoded.gathered is not None:
+        assert encoded.gathered_out is not None
+        encoded.gathered_out.view(world_size, -1).copy_(encoded.gathered.view(1, -1).expand(world_size, -1))
+
+
 def time_codec(
     compressor: Compressor,
     shapes: Sequence[tuple[int, ...]],
@@ -117,29 +135,35 @@ def time_codec(
     grad = torch.empty(layout.numel, device=device)
     bucket = memory.bucket(layout, grad)
     encode_times, decode_times = [], []
-    summed = gathered = 0
     for step in range(repeats + 1):  # step 0 warms up buffers and plans
         grad.copy_(gradients[step % len(gradients)].reshape(-1))
         _sync(device)
         started = time.perf_counter()
         bool(all_finite(grad))  # the hook's default screen (nonfinite="raise"), host sync included
         velocity = memory.compensate(bucket, grad, [], world_size)
-        encoded = compressor.encode(velocity, grad, layout, step=step, world_size=world_size, rank=0)
-        commit(memory, bucket, encoded)
+        encoded = compressor.encode(velocity, grad, layout, step=STEADY_STEP + step, world_size=world_size, rank=0)
+        summed = gathered = 0
+        while True:  # the hook's multi-round protocol (PowerSGD: P, then Q)
+            summed += _payload_bytes(encoded.summed)
+            gathered += _payload_bytes(encoded.gathered)
+            if encoded.next_round is None:
+                break
+            _exchange_locally(encoded, world_size)
+            encoded = encoded.next_round()
+        if not encoded.commit_after_decode:
+            commit(memory, bucket, encoded)
         _sync(device)
         encoded_at = time.perf_counter()
-        if encoded.gathered is not None:  # every rank's payload = this rank's
-            assert encoded.gathered_out is not None
-            encoded.gathered_out.view(world_size, -1).copy_(encoded.gathered.view(1, -1).expand(world_size, -1))
+        _exchange_locally(encoded, world_size)
         _sync(device)
         decode_started = time.perf_counter()
         compressor.decode(encoded, grad, world_size=world_size)
+        if encoded.commit_after_decode:
+            commit(memory, bucket, encoded)
         _sync(device)
         if step:
             encode_times.append(encoded_at - started)
             decode_times.append(time.perf_counter() - decode_started)
-        summed = 0 if encoded.summed is None else encoded.summed.numel() * encoded.summed.element_size()
-        gathered = 0 if encoded.gathered is None else encoded.gathered.numel() * encoded.gathered.element_size()
     return CodecCost(
         name=compressor.name,
         summed_bytes=summed,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_gc import calibration
-from lightning_gc.compressors import create
+from lightning_gc.compressors import available, create
 from lightning_gc.perfmodel import (
     CodecCost,
     Network,
@@ -145,3 +145,14 @@ def test_cli_rejects_nonsense(args, message, capsys):
         cli.main(["--params", "1e6", "--compute-ms", "100", "--world-size", "2", *args])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", available())
+def test_every_compressor_calibrates_through_all_its_rounds(name: str) -> None:
+    """The codec timing follows the hook's protocol (PowerSGD's second round included) and counts
+    the bytes of every round: they equal what the compressor says it puts on the wire."""
+    shapes = [(64, 96), (96,), (32, 48)]
+    cost = calibration.codec_cost(name, shapes, world_size=2, repeats=1)
+    assert cost.encode_s > 0 and cost.decode_s > 0
+    layout = calibration.layout_of_shapes(shapes)
+    assert cost.summed_bytes + cost.gathered_bytes == create(name).wire_bytes(layout, 4)
