@@ -67,12 +67,29 @@ def test_codec_cost_can_lose_and_dense_wins_ties():
     assert best(predict(workload, NET, [tie])).name == "dense"
 
 
+def test_host_bound_transport_time_is_never_hidden():
+    """p = 2, M = 100 MB at B = 100 MB/s: T_ar = 2(p-1)/p M/B = 1 s; C = 1 s, f = 1 hides all of it.
+    A host pushing H = 1 GB/s spends T_host = 0.1 s of the core on it: step = C + T_host +
+    max(0, T_ar - T_host - f C) = 1.1 s. A host slower than the link (H = 50 MB/s) makes the
+    exchange all host time: step = C + 2 s."""
+    workload = Workload(gradient_numel=25_000_000, compute_s=1.0, overlap=1.0)
+    wire_bound = Network(world_size=2, bandwidth=1e8)
+    (dense,) = predict(workload, wire_bound, [])
+    assert dense.comm_s == pytest.approx(1.0) and dense.host_s == 0.0 and dense.step_s == pytest.approx(1.0)
+    (dense,) = predict(workload, Network(world_size=2, bandwidth=1e8, host_bandwidth=1e9), [])
+    assert dense.host_s == pytest.approx(0.1) and dense.exposed_s == 0.0 and dense.step_s == pytest.approx(1.1)
+    (dense,) = predict(workload, Network(world_size=2, bandwidth=1e8, host_bandwidth=5e7), [])
+    assert dense.host_s == pytest.approx(2.0) and dense.step_s == pytest.approx(3.0)
+    assert Network.from_bits(2, 8e8, host_bits_per_second=8e9).host_bandwidth == pytest.approx(1e9)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"world_size": 0, "bandwidth": 1.0}, "`world_size` must be an integer >= 1, got 0"),
         ({"world_size": 2, "bandwidth": 0.0}, "`bandwidth` must be in (0, inf], got 0.0"),
         ({"world_size": 2, "bandwidth": 1.0, "latency": -1.0}, "`latency` must be in [0, inf], got -1.0"),
+        ({"world_size": 2, "bandwidth": 1.0, "host_bandwidth": 0.0}, "`host_bandwidth` must be in (0, inf], got 0.0"),
     ],
 )
 def test_network_rejects_nonsense(kwargs, message):
@@ -121,7 +138,7 @@ def test_cli_in_a_subprocess_rejects_nonsense_and_predicts():
     stdout, stderr = good.communicate(timeout=120)
     assert good.returncode == 0, stderr
     # 4 MB at 100 Mbit/s on 2 workers: dense exposes 320 ms - 50 ms; dgc costs 6 ms of codec
-    assert "| dense | 4.000 | 1.0 | 320.1 | 0.0 | 270.1 | 370.1 | 1.00 |" in stdout
+    assert "| dense | 4.000 | 1.0 | 320.1 | 0.0 | 0.0 | 270.1 | 370.1 | 1.00 |" in stdout
     assert "use: dgc (expected speedup" in stdout
 
 
@@ -131,6 +148,7 @@ def test_cli_in_a_subprocess_rejects_nonsense_and_predicts():
         (["--bandwidth=-5mbit"], "`--bandwidth (bits/s)` must be in (0, inf], got -5000000.0"),
         (["--bandwidth", "fast"], "`--bandwidth` must look like 1gbit, 100mbit or 2.5e9 (bits/s), got 'fast'"),
         (["--latency-us", "-1"], "`--latency-us` must be in [0, inf], got -1.0"),
+        (["--host-bandwidth", "0"], "`--host-bandwidth (bits/s)` must be in (0, inf], got 0.0"),
         (["--compressor", "zip"], "`--compressor` must be 'all' or one of ['bf16', 'dgc'"),
         (["--overlap", "1.5"], "`--overlap` must be in [0, 1], got 1.5"),
         (["--params", "0.5"], "`--params` must be an integer >= 1, got 0.5"),

@@ -130,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.records is None:
         records = measure(args)
     link_bps = {r["rate"]: r["link_bps"] for r in records}
+    # One core per node runs both training and the transport: what that core pushes through TCP
+    # (the unshaped link's socket test) is the host-bound part of every exchange.
+    host_bps = link_bps.get(UNSHAPED)
     predicted = {}
     for rate in args.rates:
         for model in args.models:
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             numel = next(r["gradient_numel"] for r in records if r["model"] == model)
             modelled = predict_modes(
-                costs[model], numel, statistics.median(floor), link_bps[rate], overlap=args.overlap
+                costs[model], numel, statistics.median(floor), link_bps[rate], overlap=args.overlap, host_bps=host_bps
             )
             predicted.update({(rate, model, mode): p.step_s for mode, p in modelled.items()})
     rows = report.summarize(records, predicted)
@@ -153,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         f"batch {records[0]['batch_size']} per node; {steps} timed steps after warm-up, "
         f"{repeats} interleaved repeat(s). Links: {rates}. Predictions: `lightning_gc.perfmodel` from the "
         f"measured `noop` step, the socket-test rate, codec costs calibrated on both cores at once, "
-        f"overlap {args.overlap}.\n\n"
+        f"overlap {args.overlap}"
+        + ("" if host_bps is None else f", host-bound transport at the unshaped rate {host_bps / 1e9:.3f} Gbit/s")
+        + ".\n\n"
     )
     table = header + report.markdown(rows) + "\n"
     print(table)

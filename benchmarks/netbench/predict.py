@@ -130,10 +130,17 @@ def mode_cost(
 
 
 def predict_modes(
-    costs: dict[str, CodecCost], gradient_numel: int, compute_s: float, bits_per_s: float, *, overlap: float = 0.5
+    costs: dict[str, CodecCost],
+    gradient_numel: int,
+    compute_s: float,
+    bits_per_s: float,
+    *,
+    overlap: float = 0.5,
+    host_bps: float | None = None,
 ) -> dict[str, Prediction]:
-    """Predicted step per mode on two nodes joined by a ``bits_per_s`` link, from compute time ``C``."""
-    network = Network.from_bits(2, bits_per_s, latency=50e-6)
+    """Predicted step per mode on two nodes joined by a ``bits_per_s`` link, from compute time ``C``;
+    ``host_bps``: the rate at which a node's one core drives the transport (``None``: free)."""
+    network = Network.from_bits(2, bits_per_s, latency=50e-6, host_bits_per_second=host_bps)
     dense_bytes = gradient_numel * ELEMENT_SIZE
     buckets = 1 + math.ceil(dense_bytes / DDP_BUCKET_BYTES)
     out = {}

@@ -22,6 +22,18 @@ resource inside the hook, so they are never hidden::
     step(compressor) = C + T_enc + T_dec + max(0, T_comm - f C)
     speedup          = step(dense) / step(compressor)
 
+Host-bound transports (optional): where the transport's own work (TCP, the collective's copies and
+reductions) runs on the core that also computes, the fraction of the exchange spent on it cannot
+overlap with backward. With ``H`` the bytes per second that core can push through the transport
+(``Network.host_bandwidth``; e.g. a socket test on an unshaped link), ``T_host`` is ``T_comm``'s
+byte term with ``B`` replaced by ``H`` and every step gains it::
+
+    step = C + T_enc + T_dec + T_host + max(0, T_comm - T_host - f C)
+
+On a slow link ``T_host`` is a small part of ``T_comm`` and changes little; on a fast one the
+exchange is all host time and nothing of it is hidden. ``H = None`` (the default) means the
+transport has resources of its own (NCCL on a GPU, a spare core): ``T_host = 0``.
+
 Compression pays exactly when ``T_enc + T_dec + max(0, T_comm - f C) < max(0, T_ar(M) - f C)``.
 The world of one rank exchanges nothing: every ``T`` is 0 for ``p = 1``.
 
@@ -53,22 +65,37 @@ class Network:
         world_size: number of workers ``p`` (>= 1).
         bandwidth: link bandwidth ``B`` in bytes per second (> 0).
         latency: per-message latency ``a`` in seconds (>= 0).
+        host_bandwidth: bytes per second ``H`` a worker's compute core can push through the
+            transport when the transport runs on it (> 0), or ``None``: the transport does not
+            take compute time (see the module docstring).
     """
 
     world_size: int
     bandwidth: float
     latency: float = 0.0
+    host_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, 1)
         check_range("bandwidth", self.bandwidth, 0.0, None, low_inclusive=False)
         check_range("latency", self.latency, 0.0, None)
+        if self.host_bandwidth is not None:
+            check_range("host_bandwidth", self.host_bandwidth, 0.0, None, low_inclusive=False)
 
     @classmethod
-    def from_bits(cls, world_size: int, bits_per_second: float, latency: float = 0.0) -> Network:
-        """A network whose bandwidth is given in bits per second (``1e9`` for 1 Gbit/s)."""
+    def from_bits(
+        cls,
+        world_size: int,
+        bits_per_second: float,
+        latency: float = 0.0,
+        host_bits_per_second: float | None = None,
+    ) -> Network:
+        """A network whose bandwidths are given in bits per second (``1e9`` for 1 Gbit/s)."""
         check_range("bandwidth", bits_per_second, 0.0, None, low_inclusive=False)
-        return cls(world_size, bits_per_second / BITS_PER_BYTE, latency)
+        host = None
+        if host_bits_per_second is not None:
+            host = check_range("host_bandwidth", host_bits_per_second, 0.0, None, low_inclusive=False) / BITS_PER_BYTE
+        return cls(world_size, bits_per_second / BITS_PER_BYTE, latency, host)
 
 
 @dataclass(frozen=True)
@@ -150,8 +177,10 @@ class Prediction:
         name: compressor name or ``"dense"``.
         comm_s: ``T_comm``, the collectives alone.
         codec_s: ``T_enc + T_dec``.
-        exposed_s: ``max(0, T_comm - f C)``, the communication backward cannot hide.
-        step_s: ``C + codec_s + exposed_s``.
+        host_s: ``T_host``, the transport's time on the compute core (0 without ``host_bandwidth``).
+        exposed_s: ``max(0, T_comm - T_host - f C)``, the rest of the exchange backward cannot hide
+            (a host slower than the link, ``T_host > T_comm``, makes the exchange all host time).
+        step_s: ``C + codec_s + host_s + exposed_s``.
         speedup: dense step time / this step time (> 1: faster than dense).
         bytes_sent: bytes this rank hands to the collectives per step.
         wire_ratio: dense bytes / bytes sent.
@@ -160,6 +189,7 @@ class Prediction:
     name: str
     comm_s: float
     codec_s: float
+    host_s: float
     exposed_s: float
     step_s: float
     speedup: float
@@ -188,6 +218,14 @@ def comm_s(cost: CodecCost, network: Network, rounds: int = 1) -> float:
     return ring_allreduce_s(cost.summed_bytes, network, rounds) + allgather_s(cost.gathered_bytes, network, rounds)
 
 
+def host_s(cost: CodecCost, network: Network) -> float:
+    """``T_host``: ``T_comm``'s byte terms at the host bandwidth ``H``; 0 without one."""
+    if network.host_bandwidth is None:
+        return 0.0
+    host = Network(network.world_size, network.host_bandwidth)
+    return comm_s(cost, host)
+
+
 def exposed_s(communication_s: float, hidden_s: float) -> float:
     """``max(0, T_comm - f C)``: what overlap with backward cannot hide."""
     return max(0.0, communication_s - hidden_s)
@@ -199,22 +237,24 @@ def predict(workload: Workload, network: Network, costs: Sequence[CodecCost]) ->
     rows = []
     for cost in [dense_cost, *[c for c in costs if c.name != DENSE]]:
         t_comm = comm_s(cost, network, workload.rounds)
+        t_host = host_s(cost, network)
         codec = cost.encode_s + cost.decode_s
-        exposed = exposed_s(t_comm, workload.hidden_s)
-        rows.append((cost, t_comm, codec, exposed, workload.compute_s + codec + exposed))
-    dense_step = rows[0][4]
+        exposed = exposed_s(max(0.0, t_comm - t_host), workload.hidden_s)
+        rows.append((cost, t_comm, codec, t_host, exposed, workload.compute_s + codec + t_host + exposed))
+    dense_step = rows[0][5]
     return [
         Prediction(
             name=cost.name,
             comm_s=t_comm,
             codec_s=codec,
+            host_s=t_host,
             exposed_s=exposed,
             step_s=step,
             speedup=dense_step / step if step > 0 else 1.0,
             bytes_sent=cost.bytes_sent,
             wire_ratio=workload.dense_bytes / cost.bytes_sent if cost.bytes_sent else math.inf,
         )
-        for cost, t_comm, codec, exposed, step in rows
+        for cost, t_comm, codec, t_host, exposed, step in rows
     ]
 
 
