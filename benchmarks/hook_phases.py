@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.netbench.models import gradient_shapes
 from benchmarks.netbench.predict import real_gradients
-from lightning_gc.calibration import layout_of_shapes
+from lightning_gc.calibration import exchange_locally, layout_of_shapes
 from lightning_gc.compressors import DGCCompressor
 from lightning_gc.hook import all_finite, commit
 from lightning_gc.kernels import reference
@@ -90,8 +90,7 @@ def measure(model: str, repeats: int, ratio: float, world_size: int = 2) -> dict
         encoded = compressor.encode(velocity, grad, layout, step=step, world_size=world_size)
         sample["encode"] = time.perf_counter() - started
         sample["commit"] = _timed(commit, memory, bucket, encoded)
-        assert encoded.gathered is not None and encoded.gathered_out is not None
-        encoded.gathered_out.view(world_size, -1).copy_(encoded.gathered.view(1, -1).expand(world_size, -1))
+        exchange_locally(encoded, world_size)
         sample["decode"] = _timed(compressor.decode, encoded, grad, world_size=world_size)
         if step >= 2:
             for name, seconds in sample.items():

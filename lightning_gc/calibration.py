@@ -94,7 +94,7 @@ def _payload_bytes(payload: torch.Tensor | None) -> int:
     return 0 if payload is None else payload.numel() * payload.element_size()
 
 
-def _exchange_locally(encoded: Encoded, world_size: int) -> None:
+def exchange_locally(encoded: Encoded, world_size: int) -> None:
     """Stand-in for one round's collectives when every rank sends what this rank sends: the
     all-reduce sums ``world_size`` equal payloads, the all-gather repeats this one."""
     if encoded.summed is not None:
@@ -137,8 +137,8 @@ def time_codec(
     momentum update it replaces (``buf <- m*buf + g`` over the gradient) is timed alongside and
     subtracted: ``encode_s`` is the step's net added cost, which is what the model adds to ``C``.
     ``gradients``: flat gradients of the real model, used in turn (default: one standard normal
-    gradient). Real gradients matter for data-dependent compressors: DGC's sampled threshold
-    needs extra passes when the sample misses the heavy tail, which Gaussian data never shows.
+    gradient). Real gradients matter for data-dependent compressors: how DGC's candidates spread
+    over the tensor, and whether the sampled threshold needs a retry, depend on the data.
     """
     device = torch.device(device)
     layout = layout_of_shapes(shapes)
@@ -169,13 +169,13 @@ def time_codec(
             gathered += _payload_bytes(encoded.gathered)
             if encoded.next_round is None:
                 break
-            _exchange_locally(encoded, world_size)
+            exchange_locally(encoded, world_size)
             encoded = encoded.next_round()
         if not encoded.commit_after_decode:
             commit(memory, bucket, encoded)
         _sync(device)
         encoded_at = time.perf_counter()
-        _exchange_locally(encoded, world_size)
+        exchange_locally(encoded, world_size)
         _sync(device)
         decode_started = time.perf_counter()
         compressor.decode(encoded, grad, world_size=world_size)

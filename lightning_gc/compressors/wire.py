@@ -33,10 +33,6 @@ _INDEX_BYTES = 4
 _ALIGN = 4
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _aligned(size: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
@@ -52,7 +48,7 @@ class SparseWireFormat(ABC):
 
     def __init__(self, value_dtype: torch.dtype) -> None:
         self.value_dtype = value_dtype
-        self.value_bytes = _element_size(value_dtype)
+        self.value_bytes = value_dtype.itemsize
 
     @abstractmethod
     def payload_bytes(self, n: int, universe: int) -> int:
