@@ -11,6 +11,7 @@ memory, logging ``gc/*`` statistics, and saving/restoring every rank's memory in
 
 from __future__ import annotations
 
+import atexit
 import inspect
 from collections.abc import Callable
 from datetime import timedelta
@@ -73,6 +74,12 @@ def resolve_compressor(compressor: str | Compressor, kwargs: dict[str, Any], *, 
             f"{sorted(argument_names(type(compressor)))}, DDP takes {sorted(_ddp_argument_names())}"
         )
     return compressor
+
+
+def shut_down_process_group() -> None:
+    """Destroy the default process group if one is up (run at exit; a no-op after the user's own)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _SkippedStep(Exception):
@@ -210,6 +217,15 @@ class GradientCompressionStrategy(DDPStrategy):
         return self._hook_state
 
     # ------------------------------------------------------------------ wiring
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        # Lightning shuts NCCL groups down at exit but leaves gloo's to interpreter finalization. Our
+        # hook's futures carry Python callbacks; a gloo worker thread that drops one then needs the
+        # GIL, which finalization no longer grants, and the process dies with SIGABRT ("terminate
+        # called without an active exception"). Shutting the group down first joins those threads.
+        atexit.unregister(shut_down_process_group)  # once per process, however many fits
+        atexit.register(shut_down_process_group)
+
     def _register_ddp_hooks(self) -> None:
         # Replaces DDPStrategy's, which registers comm hooks on CUDA only.
         assert isinstance(self.model, DistributedDataParallel)

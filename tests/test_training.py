@@ -163,6 +163,34 @@ def test_spawn_preset_trains_through_lightnings_own_launcher() -> None:
     assert float(trainer.callback_metrics["val/acc"]) > 0.8
 
 
+_EXIT_PROBE = """
+import atexit
+import torch.distributed as dist
+atexit.register(lambda: print("process group up at exit:", dist.is_initialized()))  # runs last
+import lightning as L
+import lightning_gc  # noqa: F401
+from lightning.pytorch.demos.boring_classes import BoringModel
+trainer = L.Trainer(accelerator="cpu", devices=1, strategy="dgc_ddp", max_steps=2, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(BoringModel())
+print("process group up after fit:", dist.is_initialized())
+"""
+
+
+def test_the_gloo_process_group_is_shut_down_before_interpreter_exit(tmp_path: Path) -> None:
+    """Lightning leaves gloo groups to interpreter finalization, where a gloo thread dropping one of
+    our hook's Python callbacks aborts the process; the strategy shuts the group down at exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(_EXIT_PROBE)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "process group up after fit: True" in done.stdout  # later fits and tests reuse it
+    assert "process group up at exit: False" in done.stdout
+
+
 def test_powersgd_resumes_exactly_with_its_warm_start_factors(run_ranks, tmp_path: Path) -> None:
     """PowerSGD's Q is state: without it in the checkpoint a resumed run would restart the power iteration."""
     ckpt_dir = tmp_path / "ckpts"
