@@ -256,6 +256,36 @@ def test_elias_fano_decodes_exactly_what_int32_decodes(cls: type, value_dtype: s
     assert results["elias_fano"][0][1].bytes_sent < results["int32"][0][1].bytes_sent
 
 
+@pytest.mark.parametrize("encoding", sorted(INDEX_ENCODINGS))
+def test_one_pair_per_rank_decodes_the_same_through_the_triton_kernels(encoding: str) -> None:
+    """With one pair per rank every field of the gathered rows is a strided column; the Triton
+    decode reads its inputs as flat arrays, so unpack must hand it contiguous ones."""
+    pytest.importorskip("triton")
+    from lightning_gc import kernels
+
+    layout, world = _layout([(64, 64)]), 3  # k = ceil(1e-4 * 4096) = 1
+    velocities = [torch.zeros(layout.numel) for _ in range(world)]
+    for rank, velocity in enumerate(velocities):
+        velocity[100 + rank] = 1.0 + rank
+    outs = {}
+    for backend in ("torch", "triton"):
+        with kernels.use_backend(backend):
+            compressors = [DGCCompressor(1e-4, index_encoding=encoding) for _ in range(world)]
+            outs[backend] = _exchange(compressors, [v.clone() for v in velocities], layout)[0][0]
+    want = torch.zeros(layout.numel)
+    want[100:103] = torch.tensor([1.0, 2.0, 3.0]) / world
+    assert torch.equal(outs["torch"], want)
+    assert torch.equal(outs["triton"], want)
+
+
+def test_triton_kernels_refuse_strided_tensors() -> None:
+    pytest.importorskip("triton")
+    from lightning_gc.kernels import triton_kernels
+
+    with pytest.raises(ValueError, match="not contiguous"):
+        triton_kernels.pack_signs(torch.randn(64)[::2])
+
+
 @pytest.mark.parametrize("dense_dtype", ["float16", "bfloat16"])
 def test_narrow_dense_tensors_keep_their_rounding_error_in_memory(dense_dtype: str) -> None:
     """Dense tensors of a partly compressed bucket go out in ``dense_dtype``: the all-reduce sums

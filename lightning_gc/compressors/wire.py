@@ -69,13 +69,13 @@ class SparseWireFormat(ABC):
     def unpack(
         self, gathered: torch.Tensor, world_size: int, n: int, universe: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All ranks' (indices, values) from the gathered ``world_size`` payloads, each flattened to
-        ``world_size * n``, rank after rank. The values are in the wire dtype."""
+        """All ranks' (indices, values) from the gathered ``world_size`` payloads, each a contiguous
+        ``world_size * n`` tensor, rank after rank (kernels read them flat). Values in the wire dtype."""
 
     def _value_rows(self, gathered: torch.Tensor, world_size: int, start: int, n: int) -> torch.Tensor:
         """The values of every rank: ``n`` of the wire dtype at byte ``start`` of each row."""
         rows = gathered.view(world_size, -1)
-        return rows[:, start : start + n * self.value_bytes].view(self.value_dtype).reshape(-1)
+        return rows[:, start : start + n * self.value_bytes].view(self.value_dtype).reshape(-1).contiguous()
 
     def _as_decoded(self, values: torch.Tensor, wire_values: torch.Tensor) -> torch.Tensor:
         """``values`` as receivers decode them, given their copy in the wire dtype."""
@@ -101,7 +101,7 @@ class Int32Indices(SparseWireFormat):
         self, gathered: torch.Tensor, world_size: int, n: int, universe: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = gathered.view(world_size, -1)
-        indices = rows[:, : n * _INDEX_BYTES].view(INDEX_DTYPE).reshape(-1)
+        indices = rows[:, : n * _INDEX_BYTES].view(INDEX_DTYPE).reshape(-1).contiguous()
         return indices, self._value_rows(gathered, world_size, n * _INDEX_BYTES, n)
 
 
@@ -171,7 +171,7 @@ class EliasFanoIndices(SparseWireFormat):
         value_end = n * self.value_bytes
         code_bytes = -(-elias_fano_bits(n, universe) // 8)
         rows = gathered.view(world_size, -1)
-        codes = rows[:, value_end : value_end + code_bytes].reshape(-1)
+        codes = rows[:, value_end : value_end + code_bytes].reshape(-1).contiguous()
         bits = kernels.unpack_codes(codes, 1, codes.numel() * 8).view(world_size, code_bytes * 8)
 
         low_end = n * width

@@ -21,7 +21,12 @@ _INTERPRETER_LOCK = threading.Lock()
 
 def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     """Launch ``kernel``; serialised under TRITON_INTERPRET=1, whose interpreter keeps global grid
-    state (DDP runs hooks and communication callbacks on different threads)."""
+    state (DDP runs hooks and communication callbacks on different threads). The kernels index
+    their tensors as flat arrays, so a strided view would be read or written wrongly: refused."""
+    strided = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not a.is_contiguous()]
+    if strided:
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
+        raise ValueError(f"{name}: tensor arguments {strided} are not contiguous")
     if interpreting():
         with _INTERPRETER_LOCK:
             kernel[grid](*args, **meta)
@@ -260,6 +265,7 @@ def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Ten
     pairs = indices.numel()
     if pairs == 0:
         return
+    indices, values = indices.contiguous(), values.contiguous()  # e.g. one pair per rank's row
     _launch(
         _scatter_average_kernel,
         (triton.cdiv(pairs, BLOCK),),
@@ -358,6 +364,7 @@ def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     from lightning_gc.kernels.reference import packed_bytes
 
     n_bytes = packed_bytes(codes.numel(), width)
+    codes = codes.contiguous()
     out = torch.empty(n_bytes, dtype=torch.uint8, device=codes.device)
     if n_bytes:
         _launch(_pack_codes_kernel, _byte_grid(n_bytes), codes, out, codes.numel(), n_bytes,
@@ -368,6 +375,7 @@ def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
     """Fused :func:`lightning_gc.kernels.reference.unpack_codes`."""
     out = torch.empty(numel, dtype=torch.uint8, device=packed.device)
+    packed = packed.contiguous()
     if numel:
         _launch(_unpack_codes_kernel, _byte_grid(packed.numel()), packed, out, numel, packed.numel(),
                 WIDTH=width, PER_BYTE=8 // width, BLOCK=PACK_BLOCK)  # fmt: skip
