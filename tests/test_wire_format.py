@@ -423,6 +423,34 @@ def test_saturating_copy_clamps_to_what_a_sum_of_summands_can_hold() -> None:
     assert torch.equal(saturating_copy_(torch.empty(2), huge, summands=2), huge)  # same dtype: a plain copy
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_saturated_values_summed_over_any_world_size_stay_finite(dtype: torch.dtype) -> None:
+    """max / N rounded to nearest can lie above max / N (fp16, N = 3: 21840, and 3 * 21840 = inf);
+    the limit is rounded down, so N saturated values summed one by one in the wire dtype stay finite."""
+    from lightning_gc.compressors.base import saturating_copy_, saturation_limit
+
+    huge = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max])
+    for world in range(1, 65):
+        wire = saturating_copy_(torch.empty(2, dtype=dtype), huge, summands=world)
+        total = torch.zeros(2, dtype=dtype)
+        for _ in range(world):
+            total = total + wire
+        assert total.isfinite().all(), (world, wire)
+        assert wire[0].item() == saturation_limit(dtype, world) == -wire[1].item()
+        # not needlessly low: within the rounding the N partial sums can accumulate
+        assert saturation_limit(dtype, world) >= (1 - world * torch.finfo(dtype).eps) * torch.finfo(dtype).max / world
+
+
+def test_a_dense_part_wider_than_the_gradient_divides_before_narrowing() -> None:
+    """fp16 gradients, dense parts on an fp32 wire: two ranks at 40000 sum to 80000, which fp16
+    cannot hold; the mean (40000) can, so the division happens in the wire dtype first."""
+    layout = _layout([(8, 8), (4,)])
+    compressors = [DGCCompressor(0.1, min_compress_numel=1, dense_dtype="float32") for _ in range(2)]
+    velocities = [torch.full((layout.numel,), 40_000.0, dtype=torch.float16) for _ in range(2)]
+    for out, _ in _exchange(compressors, velocities, layout):
+        assert torch.equal(out[64:], torch.full((4,), 40_000.0, dtype=torch.float16))
+
+
 @pytest.mark.parametrize("encoding", ["int32", "elias_fano"])
 def test_values_beyond_fp16_range_saturate_and_the_excess_stays_in_memory(encoding: str) -> None:
     """A velocity of 1e6 (fp16 holds at most 65504) goes out as 65504 on a float16 wire; memory

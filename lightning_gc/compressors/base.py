@@ -21,6 +21,7 @@ asking for the next, so every rank issues every collective in the same order (se
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,8 +73,26 @@ class Encoded:
     commit_after_decode: bool = False
 
 
+@functools.lru_cache(maxsize=None)
+def saturation_limit(dtype: torch.dtype, summands: int) -> float:
+    """The largest value of ``dtype`` whose ``summands``-fold sum, accumulated in ``dtype`` one term
+    at a time (as a ring all-reduce adds), stays finite: ``finfo(dtype).max / summands`` rounded
+    toward zero in ``dtype`` (rounding to nearest can land above it: fp16 at 3 ranks gives 21840,
+    and 3 * 21840 overflows), then lowered while the accumulated sum still overflows."""
+    limit = torch.tensor(torch.finfo(dtype).max / summands, dtype=torch.float64).to(dtype)
+    toward_zero = torch.zeros((), dtype=dtype)
+    while True:
+        total = torch.zeros((), dtype=dtype)
+        for _ in range(summands):
+            total = total + limit
+        if limit.double() * summands <= torch.finfo(dtype).max and torch.isfinite(total):
+            return float(limit)
+        limit = torch.nextafter(limit, toward_zero)
+
+
 def saturating_copy_(wire: torch.Tensor, values: torch.Tensor, summands: int = 1) -> torch.Tensor:
-    """``wire <- values``, clamped to ``+-finfo(wire.dtype).max / summands``; returns ``wire``.
+    """``wire <- values``, clamped to ``+-saturation_limit(wire.dtype, summands)`` (about
+    ``finfo(wire.dtype).max / summands``); returns ``wire``.
 
     A narrow wire dtype (fp16: largest finite 65504) turns large values into ``inf``, and a
     collective summing ``summands`` of them can overflow even when each is finite. Clamping
@@ -83,7 +102,7 @@ def saturating_copy_(wire: torch.Tensor, values: torch.Tensor, summands: int = 1
     """
     wire.copy_(values)
     if torch.finfo(wire.dtype).max < torch.finfo(values.dtype).max:
-        limit = torch.finfo(wire.dtype).max / summands
+        limit = saturation_limit(wire.dtype, summands)
         wire.clamp_(-limit, limit)
     return wire
 
@@ -139,8 +158,13 @@ class DensePart:
 
     def write_mean(self, out: torch.Tensor, world_size: int) -> None:
         """After the all-reduce: ``out[positions] = summed values / world_size``."""
-        mean = self.values if self.staging is None else self.staging.copy_(self.values)
-        out.index_copy_(0, self.positions, mean.div_(world_size))
+        if self.staging is None:
+            mean = self.values.div_(world_size)
+        elif torch.finfo(self.values.dtype).max > torch.finfo(self.staging.dtype).max:
+            mean = self.staging.copy_(self.values.div_(world_size))  # the sum may not fit the staging dtype
+        else:
+            mean = self.staging.copy_(self.values).div_(world_size)
+        out.index_copy_(0, self.positions, mean)
 
 
 def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor) -> Encoded:

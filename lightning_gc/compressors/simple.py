@@ -53,7 +53,8 @@ class _CastCompressor(Compressor):
     """All-reduce of the velocity cast to ``wire_dtype``; the rounding stays in memory.
 
     The sum over ranks is accumulated in ``wire_dtype`` by the collective. 2 bytes per element.
-    Values saturate at ``finfo(wire_dtype).max / world_size`` (see :func:`saturating_copy_`).
+    Values saturate at ``finfo(wire_dtype).max / world_size``, rounded down so the sum stays finite
+    (see :func:`saturation_limit`).
     """
 
     wire_dtype: torch.dtype
