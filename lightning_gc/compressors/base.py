@@ -73,7 +73,7 @@ class Encoded:
     commit_after_decode: bool = False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def saturation_limit(dtype: torch.dtype, summands: int) -> float:
     """The largest value of ``dtype`` whose ``summands``-fold sum, accumulated in ``dtype`` one term
     at a time (as a ring all-reduce adds), stays finite: ``finfo(dtype).max / summands`` rounded
