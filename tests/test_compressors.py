@@ -267,3 +267,15 @@ def test_buckets_below_the_threshold_go_through_exact_all_reduce(run_ranks) -> N
     (plain, selective), _ = run_ranks({"fits": fits})
     assert selective["epoch_metrics"][-1]["gc/wire_ratio"] == 1.0
     assert torch.equal(selective["params"], plain["params"])  # exactly DDP: nothing compressed
+
+
+@pytest.mark.parametrize("ratio", ["0.07", "0.1", "0.3", "0.001", "0.0625"])
+def test_k_is_the_ceiling_of_the_decimal_ratio_times_the_size(ratio: str) -> None:
+    """0.07 is not exact in binary (0.07 * 100 = 7.000000000000001): k must still be 7, not 8."""
+    import math
+    from fractions import Fraction
+
+    topk, fft = create("topk", compress_ratio=float(ratio)), create("fft", compress_ratio=float(ratio))
+    for numel in range(1, 3001):
+        assert topk.k_for(numel) == math.ceil(Fraction(ratio) * numel), numel
+        assert fft.k_for(numel) == min(numel // 2 + 1, math.ceil(Fraction(ratio) * numel / 2)), numel

@@ -22,6 +22,7 @@ asking for the next, so every rank issues every collective in the same order (se
 from __future__ import annotations
 
 import functools
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -201,6 +202,14 @@ class AdjustableRatio:
     @compress_ratio.setter
     def compress_ratio(self, value: float) -> None:
         self._compress_ratio = check_range("compress_ratio", value, 0.0, 1.0, low_inclusive=False)
+
+    def ratio_of(self, count: float) -> int:
+        """``ceil(compress_ratio * count)``, where a product within ``1e-9`` (relative) of an integer
+        is that integer: a decimal ratio is not exact in binary (``0.07 * 100 = 7.000000000000001``),
+        and the user meant 7, not 8."""
+        product = self._compress_ratio * count
+        nearest = round(product)
+        return nearest if abs(product - nearest) <= 1e-9 * max(1.0, abs(product)) else math.ceil(product)
 
 
 class Compressor(ABC):

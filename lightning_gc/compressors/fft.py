@@ -21,7 +21,6 @@ Payload per rank and bucket (all-gathered, the same size on every rank)::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +94,7 @@ class FFTCompressor(AdjustableRatio, Compressor):
 
     def k_for(self, numel: int) -> int:
         """Coefficients kept of a tensor of ``numel`` elements."""
-        return min(numel // 2 + 1, math.ceil(self._compress_ratio * numel / 2))
+        return min(numel // 2 + 1, self.ratio_of(numel / 2))
 
     def compresses(self, segment: Segment) -> bool:
         return len(segment.shape) > 1 and segment.numel >= self.min_compress_numel

@@ -21,7 +21,6 @@ per (layout, ratio) and reused every step.
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -79,8 +78,8 @@ class SparseCompressor(AdjustableRatio, Compressor):
             ``"bfloat16"``. What a narrower dtype rounds away stays in the velocity (error
             feedback).
         index_encoding: ``"int32"`` (4 bytes per index) or ``"elias_fano"`` (the bucket's
-            indices sorted and Elias--Fano coded: ``2 + floor(log2(bucket numel / k))`` bits per
-            index or less; same decoded result). See :mod:`lightning_gc.compressors.wire`.
+            indices sorted and Elias--Fano coded: between ``l + 2`` and ``l + 3`` bits per index,
+            ``l = floor(log2(bucket numel / k))``; same decoded result). See :mod:`lightning_gc.compressors.wire`.
         dense_dtype: dtype in which the dense tensors of a partly compressed bucket are
             all-reduced (``"float32"``, ``"float16"``, ``"bfloat16"``); ``None``: the gradient's.
             The sum over ranks is accumulated in that dtype, and what rounding drops stays in the
@@ -110,7 +109,7 @@ class SparseCompressor(AdjustableRatio, Compressor):
 
     def k_for(self, numel: int) -> int:
         """Elements sent of a compressed tensor of ``numel`` elements: ``ceil(ratio * numel)``."""
-        return min(numel, math.ceil(self._compress_ratio * numel))
+        return min(numel, self.ratio_of(numel))
 
     @abstractmethod
     def select(
