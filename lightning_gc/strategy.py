@@ -76,10 +76,22 @@ def resolve_compressor(compressor: str | Compressor, kwargs: dict[str, Any], *, 
     return compressor
 
 
+_SHUTDOWN_REGISTERED = False
+
+
 def shut_down_process_group() -> None:
     """Destroy the default process group if one is up (run at exit; a no-op after the user's own)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def shut_down_process_group_at_exit() -> None:
+    """Run :func:`shut_down_process_group` at interpreter exit (registered once per process, so
+    exit handlers registered later, which run earlier, still find the group)."""
+    global _SHUTDOWN_REGISTERED
+    if not _SHUTDOWN_REGISTERED:
+        atexit.register(shut_down_process_group)
+        _SHUTDOWN_REGISTERED = True
 
 
 class _SkippedStep(Exception):
@@ -217,14 +229,15 @@ class GradientCompressionStrategy(DDPStrategy):
         return self._hook_state
 
     # ------------------------------------------------------------------ wiring
-    def setup_distributed(self) -> None:
-        super().setup_distributed()
+    def on_train_end(self) -> None:
+        super().on_train_end()
         # Lightning shuts NCCL groups down at exit but leaves gloo's to interpreter finalization. Our
         # hook's futures carry Python callbacks; a gloo worker thread that drops one then needs the
         # GIL, which finalization no longer grants, and the process dies with SIGABRT ("terminate
         # called without an active exception"). Shutting the group down first joins those threads.
-        atexit.unregister(shut_down_process_group)  # once per process, however many fits
-        atexit.register(shut_down_process_group)
+        # Only after training ended normally: nothing is in flight then, whereas a rank failing
+        # mid-step could wait in the shutdown for its pending collectives until the timeout.
+        shut_down_process_group_at_exit()
 
     def _register_ddp_hooks(self) -> None:
         # Replaces DDPStrategy's, which registers comm hooks on CUDA only.
