@@ -44,7 +44,10 @@ def all_finite(values: torch.Tensor) -> torch.Tensor:
     Read from ``aminmax``: a NaN anywhere makes both extremes NaN, and ``+-inf`` is an extreme.
     One vectorised read-only pass; ``isfinite(values).all()`` writes a bool per element first and
     costs about 30x more on one CPU core (62 ms per step on ResNet-18's 11 M parameters).
+    An empty tensor (e.g. a zero-size parameter) is finite.
     """
+    if values.numel() == 0:  # aminmax refuses empty input
+        return torch.ones((), dtype=torch.bool, device=values.device)
     low, high = torch.aminmax(values)
     return torch.isfinite(low) & torch.isfinite(high)
 

@@ -114,6 +114,44 @@ def test_the_finiteness_screen_sees_any_single_bad_element(dtype: torch.dtype, b
         assert not bool(all_finite(spoiled)), (dtype, bad, position)
 
 
+def test_a_zero_size_parameter_passes_the_screen_and_a_nan_is_still_named(tmp_path: Path) -> None:
+    """A zero-size parameter (in a bucket with others, or alone in its own float64 bucket) is
+    finite; a NaN elsewhere still raises naming its parameter."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_gc.compressors import DGCCompressor
+    from lightning_gc.hook import CompressionHookState, compression_hook
+    from lightning_gc.memory import CompensationMemory
+
+    class WithEmpty(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.empty = torch.nn.Parameter(torch.zeros(0))
+            self.empty64 = torch.nn.Parameter(torch.zeros(0, dtype=torch.float64))  # a bucket of its own
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + self.empty.sum() + self.empty64.sum().float()
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = WithEmpty()
+        ddp = DistributedDataParallel(model)
+        names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
+        memory = CompensationMemory(momentum_correction=False, momentum_masking=True, clip_norm=None)
+        ddp.register_comm_hook(CompressionHookState(DGCCompressor(0.5), memory, names), compression_hook)
+        x = torch.randn(2, 4)
+        for _ in range(2):
+            ddp(x).sum().backward()
+        assert model.lin.weight.grad.isfinite().all()
+        x[0, 0] = float("nan")
+        with pytest.raises(FloatingPointError, match=r"\['lin.weight'\]"):
+            ddp(x).sum().backward()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_non_finite_steps_are_skipped_on_every_rank_and_rolled_back(run_ranks) -> None:
     common = {"model": SMALL, "epochs": 2}
     faults = [{"rank": 1, "step": 4, "kind": "nan"}, {"rank": 0, "step": 30, "kind": "nan"}]
