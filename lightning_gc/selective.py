@@ -4,12 +4,14 @@ For a bucket of ``n`` elements (``M_b = n * element_size`` bytes) the policy com
 bucket adds to the step (:mod:`lightning_gc.perfmodel`, per bucket, with ``h`` the communication
 time backward hides for it)::
 
-    dense       max(0, T_ar(M_b) - h)
-    compressed  c * n + max(0, T_ar(s W) + T_ag((1 - s) W) - h)
+    dense       T_host + max(0, T_comm - T_host - h)            T_comm = T_ar(M_b)
+    compressed  c * n + T_host + max(0, T_comm - T_host - h)    T_comm = T_ar(s W) + T_ag((1 - s) W)
 
 where ``W = compressor.wire_bytes(layout, element_size)``, ``s`` the fraction of the wire bytes
-the compressor all-reduces (the rest is all-gathered) and ``c`` the calibrated encode + decode
-time per element. The bucket is compressed iff the compressed line is strictly smaller.
+the compressor all-reduces (the rest is all-gathered), ``c`` the calibrated encode + decode
+time per element, and ``T_host`` the byte terms of ``T_comm`` at the network's host bandwidth (0
+without one; see :mod:`lightning_gc.perfmodel`). The bucket is compressed iff the compressed line
+is strictly smaller.
 
 Every input is either the bucket layout, the compressor's settings, or a number of the policy,
 so ranks holding the same policy decide the same. Calibrating in each process would give each
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from lightning_gc._validation import check_range
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.layout import BucketLayout
-from lightning_gc.perfmodel import Network, allgather_s, exposed_s, ring_allreduce_s
+from lightning_gc.perfmodel import DENSE, CodecCost, Network, exchange_cost_s
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,13 @@ class CompressWhenFaster:
     def step_cost_s(self, layout: BucketLayout, element_size: int, wire_bytes: int | None) -> float:
         """What the bucket adds to the step: dense when ``wire_bytes`` is None, else compressed."""
         if wire_bytes is None:
-            return exposed_s(ring_allreduce_s(layout.numel * element_size, self.network), self.hidden_s)
-        summed = self.summed_fraction * wire_bytes
-        comm = ring_allreduce_s(summed, self.network) + allgather_s(wire_bytes - summed, self.network)
-        return self.codec_s_per_element * layout.numel + exposed_s(comm, self.hidden_s)
+            cost, codec_s = CodecCost(DENSE, summed_bytes=layout.numel * element_size, gathered_bytes=0), 0.0
+        else:
+            summed = round(self.summed_fraction * wire_bytes)
+            cost = CodecCost("compressed", summed_bytes=summed, gathered_bytes=wire_bytes - summed)
+            codec_s = self.codec_s_per_element * layout.numel
+        _, host, exposed = exchange_cost_s(cost, self.network, self.hidden_s)
+        return codec_s + host + exposed
 
     def __call__(self, compressor: Compressor, layout: BucketLayout, element_size: int) -> bool:
         """Whether to compress this bucket (the hook's ``pays`` predicate)."""

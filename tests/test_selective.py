@@ -31,6 +31,25 @@ def test_decision_follows_the_model():
     assert dense == pytest.approx(0.032)
 
 
+def test_a_host_bound_transport_counts_as_the_perfmodel_counts_it():
+    """With the transport on the compute core (host 1 GB/s, link 10 GB/s, 2 workers), all-reducing
+    the 4 MB bucket costs T_host = 4 ms that backward cannot hide, however much it hides (10 ms)."""
+    from lightning_gc.perfmodel import CodecCost, Workload, pays
+
+    network = Network(2, bandwidth=10e9, host_bandwidth=1e9)
+    host_bound = CompressWhenFaster(network, codec_s_per_element=2e-3 / 1e6, hidden_s=0.010)
+    assert host_bound.step_cost_s(LAYOUT, 4, None) == pytest.approx(4e-3)
+    wire = DGC.wire_bytes(LAYOUT, 4)
+    assert host_bound.step_cost_s(LAYOUT, 4, wire) == pytest.approx(2e-3 + wire / 1e9)
+    assert host_bound(DGC, LAYOUT, 4)  # 2 ms + 8 us < 4 ms
+    # the same decision as the performance model on a one-bucket workload
+    workload = Workload(LAYOUT.numel, compute_s=0.020, overlap=0.5)
+    assert pays(CodecCost("dgc", summed_bytes=0, gathered_bytes=wire, encode_s=2e-3), workload, network)
+    assert not CompressWhenFaster(Network(2, bandwidth=10e9), codec_s_per_element=2e-3 / 1e6, hidden_s=0.010)(
+        DGC, LAYOUT, 4
+    )  # without the host term everything is hidden and the 2 ms codec is pure loss
+
+
 def test_summed_payloads_cost_an_allreduce():
     fp16 = create("fp16")
     network = Network.from_bits(8, 1e9)

@@ -34,7 +34,8 @@ On a slow link ``T_host`` is a small part of ``T_comm`` and changes little; on a
 exchange is all host time and nothing of it is hidden. ``H = None`` (the default) means the
 transport has resources of its own (NCCL on a GPU, a spare core): ``T_host = 0``.
 
-Compression pays exactly when ``T_enc + T_dec + max(0, T_comm - f C) < max(0, T_ar(M) - f C)``.
+Compression pays exactly when ``T_enc + T_dec + T_host + max(0, T_comm - T_host - f C)`` is
+below the same sum for dense DDP (``T_enc = T_dec = 0``, ``T_comm = T_ar(M)``).
 The world of one rank exchanges nothing: every ``T`` is 0 for ``p = 1``.
 
 ``T_enc`` and ``T_dec`` come from :mod:`lightning_gc.calibration` (the real compressor timed on
@@ -231,15 +232,21 @@ def exposed_s(communication_s: float, hidden_s: float) -> float:
     return max(0.0, communication_s - hidden_s)
 
 
+def exchange_cost_s(cost: CodecCost, network: Network, hidden_s: float, rounds: int = 1) -> tuple[float, float, float]:
+    """``(T_comm, T_host, exposed)`` with ``exposed = max(0, T_comm - T_host - h)``: the exchange
+    adds ``T_host + exposed`` to the step, where ``h`` is what backward hides."""
+    t_comm = comm_s(cost, network, rounds)
+    t_host = host_s(cost, network)
+    return t_comm, t_host, exposed_s(max(0.0, t_comm - t_host), hidden_s)
+
+
 def predict(workload: Workload, network: Network, costs: Sequence[CodecCost]) -> list[Prediction]:
     """Predictions for dense DDP (always first) and each of ``costs``; see the module docstring."""
     dense_cost = CodecCost.dense(workload)
     rows = []
     for cost in [dense_cost, *[c for c in costs if c.name != DENSE]]:
-        t_comm = comm_s(cost, network, workload.rounds)
-        t_host = host_s(cost, network)
+        t_comm, t_host, exposed = exchange_cost_s(cost, network, workload.hidden_s, workload.rounds)
         codec = cost.encode_s + cost.decode_s
-        exposed = exposed_s(max(0.0, t_comm - t_host), workload.hidden_s)
         rows.append((cost, t_comm, codec, t_host, exposed, workload.compute_s + codec + t_host + exposed))
     dense_step = rows[0][5]
     return [
