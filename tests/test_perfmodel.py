@@ -156,11 +156,29 @@ def test_cli_in_a_subprocess_rejects_nonsense_and_predicts():
         (["--cost", "dgc=5,x"], "`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got 'dgc=5,x'"),
         (["--cost", "gzip=5,1"], "`--cost compressor` must be one of ['bf16', 'dgc'"),
         (["--cost", "dgc=5,-1"], "`--cost dgc` must be in [0, inf], got -1.0"),
+        (["--compressor", "dgc", "--cost", "topk=1,1"], "`--cost` names ['topk'], which `--compressor dgc` does not"),
+        (["--compressor", "dgc", "--arg", "compress_ratio=2"], "`compress_ratio` must be in (0, 1], got 2"),
+        (["--compressor", "dgc", "--arg", "sample_ratio=abc"], "`sample_ratio` must be a finite number in (0, 1]"),
     ],
 )
 def test_cli_rejects_nonsense(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--params", "1e6", "--compute-ms", "100", "--world-size", "2", *args])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "module, message",
+    [
+        ("no_such_package.models:Net", "cannot import 'no_such_package.models'"),
+        ("lightning_gc.perfmodel:NoSuchModel", "module 'lightning_gc.perfmodel' has no 'NoSuchModel'"),
+        ("torch.nn:Linear", "must build with no arguments"),
+    ],
+)
+def test_cli_rejects_a_module_it_cannot_build(module, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--module", module, "--compute-ms", "100", "--world-size", "2"])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_gc._validation import check_choice, check_int, check_range
-from lightning_gc.compressors.registry import available
+from lightning_gc.compressors.registry import available, create
 from lightning_gc.perfmodel import BITS_PER_BYTE, DENSE, Network, Prediction, Workload, best, parse_rate, predict
 
 
@@ -30,8 +30,17 @@ def _count_from_module(path: str) -> int:
     module_name, _, class_name = path.partition(":")
     if not class_name:
         raise ValueError(f"`--module` must look like package.module:ClassName, got {path!r}")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    model = cls()
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"`--module` {path!r}: cannot import {module_name!r} ({error})") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"`--module` {path!r}: module {module_name!r} has no {class_name!r}")
+    try:
+        model = cls()
+    except TypeError as error:
+        raise ValueError(f"`--module` {path!r} must build with no arguments: {error}") from None
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -127,7 +136,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload = Workload(numel, args.compute_ms / 1e3, args.overlap, rounds=args.rounds)
         measured = _parse_costs(args.cost)
         names = available() if args.compressor == "all" else [args.compressor]
+        unselected = sorted(set(measured) - set(names))
+        if unselected:
+            raise ValueError(f"`--cost` names {unselected}, which `--compressor {args.compressor}` does not select")
         arguments = calibration.parse_arguments(args.arg)
+        for name in names:  # bad values fail here, with the option's message, not mid-calibration
+            create(name, **arguments.get(name, {}))
     except ValueError as error:
         parser.error(str(error))
     costs = [
