@@ -73,6 +73,20 @@ def test_gathered_payloads_unpack_to_every_ranks_pairs(encoding: str, dtype: tor
         assert torch.equal(decoded, decoded.to(dtype).float())  # already rounded: memory keeps the rest
 
 
+@pytest.mark.parametrize("encoding", sorted(INDEX_ENCODINGS))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_payload_byte_is_written_including_the_padding(encoding: str, dtype: torch.dtype) -> None:
+    """Whatever the buffer held before, the same pairs give the same bytes (n = 3 leaves padding)."""
+    wire = INDEX_ENCODINGS[encoding](dtype)
+    indices, values = torch.tensor([7, 900, 31]), torch.tensor([0.5, -1.25, 3.0])
+    payloads = []
+    for garbage in (0x00, 0xAB, 0xFF):
+        payload = torch.full((wire.payload_bytes(3, 1000),), garbage, dtype=torch.uint8)
+        wire.pack(payload, indices, values, 1000)
+        payloads.append(payload)
+    assert torch.equal(payloads[0], payloads[1]) and torch.equal(payloads[0], payloads[2])
+
+
 def _edge_cases() -> list[tuple[str, torch.Tensor, int]]:
     cases = [
         ("n=1 u=1", torch.tensor([0]), 1),

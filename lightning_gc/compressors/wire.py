@@ -93,8 +93,10 @@ class Int32Indices(SparseWireFormat):
     def pack(self, payload: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, universe: int) -> torch.Tensor:
         n = indices.numel()
         payload[: n * _INDEX_BYTES].view(INDEX_DTYPE).copy_(indices)
-        value_view = payload[n * _INDEX_BYTES : n * (_INDEX_BYTES + self.value_bytes)].view(self.value_dtype)
+        value_end = n * (_INDEX_BYTES + self.value_bytes)
+        value_view = payload[n * _INDEX_BYTES : value_end].view(self.value_dtype)
         saturating_copy_(value_view, values)
+        payload[value_end:].zero_()  # padding: sent, so keep it deterministic
         return self._as_decoded(values, value_view)
 
     def unpack(
