@@ -1,29 +1,34 @@
-"""Moving SGD momentum (and the weight decay inside it) from the optimizer into compression memory.
+"""SGD momentum (and the weight decay inside it) applied by compression memory instead of the optimizer.
 
 DGC's momentum correction accumulates *momentum*, not raw gradients, in the residual. The user
-keeps writing ``torch.optim.SGD(params, lr, momentum=m, nesterov=..., weight_decay=wd)``; this
-module takes ``m``, ``nesterov`` and ``wd`` out of every SGD param group so that the optimizer
-performs a momentum-free, decay-free step on the aggregated update, and the memory applies
-them instead (see :mod:`lightning_gc.memory`).
+keeps writing ``torch.optim.SGD(params, lr, momentum=m, nesterov=..., weight_decay=wd)``; the
+memory applies ``m``, ``nesterov`` and ``wd`` of every SGD param group with momentum (see
+:mod:`lightning_gc.memory`), and the optimizer takes a momentum-free, decay-free step on the
+aggregated update.
 
 torch's SGD adds weight decay *before* momentum (``buf = m*buf + g + wd*p``), so decay must move
 together with momentum for the dense limit to equal ordinary SGD. Groups without momentum keep
 their weight decay: it is then applied densely by the optimizer, which is exact and cheaper.
 
-The moved values are stored in the param group itself under :data:`GROUP_KEY`. Param groups are
-part of ``optimizer.state_dict()``, so they survive checkpoints, and a scheduler that rewrites
-``group["momentum"]`` (e.g. ``OneCycleLR(cycle_momentum=True)``) is picked up the next time
-:func:`absorb_sgd_momentum` runs.
+The param groups always hold the user's values: :func:`sgd_momentum_specs` reads them (every
+batch, so a scheduler that rewrites ``momentum``, ``weight_decay`` or ``nesterov``, including to
+0, is followed), and :func:`momentum_free` zeroes them only for the duration of the optimizer's
+step. Checkpoints, schedulers and loggers therefore see the values the user set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-GROUP_KEY = "lightning_gc"
+LEGACY_GROUP_KEY = "lightning_gc"
+"""Where checkpoints written before 2026-11-23 kept the values, with the group's own zeroed."""
+
+_MOVED = ("momentum", "nesterov", "weight_decay")
 
 
 @dataclass(frozen=True)
@@ -47,40 +52,58 @@ def _unwrap(optimizer: object) -> object:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-def absorb_sgd_momentum(optimizers: Iterable[object]) -> dict[int, MomentumSpec]:
-    """Move momentum/Nesterov/weight decay out of every SGD param group; return ``id(param) -> spec``.
-
-    Idempotent: a group already absorbed keeps its stored values unless something (a scheduler)
-    has written a non-zero momentum into it again, in which case the new value is taken.
-    Optimizers other than SGD are left alone and their parameters get :data:`NO_MOMENTUM`.
-
-    Raises:
-        ValueError: an SGD group uses ``dampening != 0`` or ``maximize=True``, which momentum
-            correction cannot reproduce.
-    """
-    specs: dict[int, MomentumSpec] = {}
+def _sgd_groups(optimizers: Iterable[object]) -> Iterator[dict[str, Any]]:
     for optimizer in optimizers:
         inner = _unwrap(optimizer)
-        if not isinstance(inner, torch.optim.SGD):
+        if isinstance(inner, torch.optim.SGD):
+            for group in inner.param_groups:
+                legacy = group.pop(LEGACY_GROUP_KEY, None)
+                if legacy is not None and group.get("momentum", 0.0) == 0.0:
+                    group.update(legacy)  # an older checkpoint: put the moved values back
+                yield group
+
+
+def sgd_momentum_specs(optimizers: Iterable[object]) -> dict[int, MomentumSpec]:
+    """``id(param) -> spec`` for every parameter of an SGD group with momentum, from the group's
+    current values; other parameters (other optimizers, SGD without momentum) are absent.
+
+    Raises:
+        ValueError: an SGD group with momentum uses ``dampening != 0`` or ``maximize=True``,
+            which momentum correction cannot reproduce.
+    """
+    specs: dict[int, MomentumSpec] = {}
+    for group in _sgd_groups(optimizers):
+        if group.get("momentum", 0.0) == 0.0:
             continue
-        for group in inner.param_groups:
-            if group.get("momentum", 0.0) != 0.0:
-                if group.get("dampening", 0.0) != 0.0:
-                    raise ValueError(
-                        f"momentum correction needs SGD `dampening=0`, got dampening={group['dampening']!r}; "
-                        "set dampening=0 or pass momentum_correction=False"
-                    )
-                if group.get("maximize", False):
-                    raise ValueError("momentum correction does not support SGD `maximize=True`")
-                # On re-absorption only momentum was rewritten; nesterov/decay were zeroed by us.
-                stored = group.get(GROUP_KEY, {})
-                group[GROUP_KEY] = {
-                    "momentum": float(group["momentum"]),
-                    "nesterov": bool(group.get("nesterov", False) or stored.get("nesterov", False)),
-                    "weight_decay": float(group.get("weight_decay", 0.0) or stored.get("weight_decay", 0.0)),
-                }
-                group["momentum"], group["nesterov"], group["weight_decay"] = 0.0, False, 0.0
-            spec = MomentumSpec(**group[GROUP_KEY]) if GROUP_KEY in group else NO_MOMENTUM
-            for param in group["params"]:
-                specs[id(param)] = spec
+        if group.get("dampening", 0.0) != 0.0:
+            raise ValueError(
+                f"momentum correction needs SGD `dampening=0`, got dampening={group['dampening']!r}; "
+                "set dampening=0 or pass momentum_correction=False"
+            )
+        if group.get("maximize", False):
+            raise ValueError("momentum correction does not support SGD `maximize=True`")
+        spec = MomentumSpec(
+            momentum=float(group["momentum"]),
+            nesterov=bool(group.get("nesterov", False)),
+            weight_decay=float(group.get("weight_decay", 0.0)),
+        )
+        for param in group["params"]:
+            specs[id(param)] = spec
     return specs
+
+
+@contextmanager
+def momentum_free(optimizers: Iterable[object]) -> Iterator[None]:
+    """Within the block, every SGD group with momentum has ``momentum``, ``nesterov`` and
+    ``weight_decay`` set to 0 (the memory applied them); afterwards they are restored, also when
+    the block raises. Wrap exactly the optimizer's step in it."""
+    saved = [
+        (group, {key: group[key] for key in _MOVED}) for group in _sgd_groups(optimizers) if group["momentum"] != 0.0
+    ]
+    for group, _ in saved:
+        group.update(momentum=0.0, nesterov=False, weight_decay=0.0)
+    try:
+        yield
+    finally:
+        for group, values in saved:
+            group.update(values)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import inspect
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +35,7 @@ from lightning_gc.compressors.registry import create as create_compressor
 from lightning_gc.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.hook import NONFINITE_POLICIES, CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec, absorb_sgd_momentum
+from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_momentum_specs
 from lightning_gc.selective import CompressWhenFaster, agreed
 
 CHECKPOINT_KEY = "lightning_gc"
@@ -293,7 +294,7 @@ class GradientCompressionStrategy(DDPStrategy):
     def _hand_over_momentum(self, *, announce: bool) -> None:
         if not self.memory.momentum_correction or self._hook_state is None:
             return
-        from_sgd = absorb_sgd_momentum(self.optimizers)
+        from_sgd = sgd_momentum_specs(self.optimizers)
         if self.explicit_momentum is not None:
             conflicting = sorted({s.momentum for s in from_sgd.values() if s.momentum != 0.0})
             if conflicting:
@@ -316,8 +317,10 @@ class GradientCompressionStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ stats
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        moves_momentum = self.memory.momentum_correction and self._hook_state is not None
         try:
-            output = super().optimizer_step(optimizer, self._settling(closure, optimizer), model, **kwargs)
+            with momentum_free([optimizer]) if moves_momentum else nullcontext():
+                output = super().optimizer_step(optimizer, self._settling(closure, optimizer), model, **kwargs)
         except _SkippedStep:
             output = None
             rank_zero_warn(f"lightning_gc: non-finite gradient; step {self.lightning_module.global_step} skipped")

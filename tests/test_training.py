@@ -36,6 +36,25 @@ def test_dense_limit_equals_ddp_with_the_same_sgd(run_ranks) -> None:
     assert torch.equal(rank0[1]["params"], rank1[1]["params"])
 
 
+def test_schedules_that_rewrite_momentum_and_decay_are_followed(run_ranks) -> None:
+    """Weight decay raised mid-run, then momentum set to 0: DGC at ratio 1 still equals DDP, so
+    the memory followed both (and the optimizer applied neither a second time)."""
+    model = {"hidden": [64], **SGD}
+    fits = [
+        {"strategy": {"kind": "ddp"}, "model": model, "variant": "rewrites_optimizer", "epochs": 2},
+        {
+            "strategy": {"kind": "dgc", "compress_ratio": 1.0},
+            "model": model,
+            "variant": "rewrites_optimizer",
+            "epochs": 2,
+        },
+    ]
+    rank0, _ = run_ranks({"fits": fits})
+    ddp, dgc = rank0
+    assert ddp["global_step"] == dgc["global_step"] >= 20
+    assert _relative_difference(dgc["params"], ddp["params"]) < 1e-5
+
+
 def test_dgc_at_0_1_percent_on_a_million_parameters(run_ranks) -> None:
     """ratio 0.001, 1.1 M params: ranks stay identical, <= 1/250 of dense bytes, loss falls."""
     hidden = [1024, 1024]

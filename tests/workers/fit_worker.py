@@ -6,7 +6,8 @@ as they are (no re-launch). Each fit of the plan is a dict::
 
     {"strategy": {"kind": "ddp" | "dgc" | "gc", ...strategy kwargs},
      "rank_strategy": {"<rank>": {...strategy kwargs overriding "strategy" on that rank}},
-     "model": {...DigitsClassifier kwargs}, "variant": "groups" | "unused" | "evaluable" | None,
+     "model": {...DigitsClassifier kwargs},
+     "variant": "groups" | "unused" | "evaluable" | "rewrites_optimizer" | None,
      "data": {...DigitsDataModule kwargs},
      "epochs": int, "seed": int, "warmup": {...SparsityWarmup kwargs} | None,
      "checkpoint_dir": str | None, "resume_from": str | None, "csv_dir": str | None,
@@ -118,7 +119,25 @@ class Evaluable(DigitsClassifier):
         return self(batch[0]).argmax(dim=1)
 
 
-VARIANTS = {None: DigitsClassifier, "groups": GroupsAndScheduler, "unused": WithUnusedLayer, "evaluable": Evaluable}
+class RewritesItsOptimizer(DigitsClassifier):
+    """What hand-written schedules do to SGD's groups: weight decay raised to 1e-2 from global step
+    5, momentum set to 0 from step 12."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        for group in self.trainer.optimizers[0].param_groups:
+            if self.trainer.global_step >= 5:
+                group["weight_decay"] = 1e-2
+            if self.trainer.global_step >= 12:
+                group["momentum"] = 0.0
+
+
+VARIANTS = {
+    None: DigitsClassifier,
+    "groups": GroupsAndScheduler,
+    "unused": WithUnusedLayer,
+    "evaluable": Evaluable,
+    "rewrites_optimizer": RewritesItsOptimizer,
+}
 
 
 def make_strategy(spec: dict[str, Any]) -> DDPStrategy:
