@@ -386,6 +386,9 @@ class GradientCompressionStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         entry = checkpoint.get(CHECKPOINT_KEY)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint  # validate/test/predict exchange no gradients: any world size will do
         if entry is None:
             rank_zero_info("lightning_gc: checkpoint holds no compression state; memory starts empty")
             return checkpoint
@@ -395,11 +398,9 @@ class GradientCompressionStrategy(DDPStrategy):
                 f"has world_size={self.world_size}; residuals are per rank, so resume with "
                 f"{entry['world_size']} processes"
             )
-        state = entry["ranks"][self.global_rank]
-        if self._hook_state is None:
-            self._pending_state = state
-        else:
-            self._hook_state.load_state_dict(state)
+        # Lightning loads checkpoints before setup, and every fit's setup builds a new hook state
+        # (a second fit on the same Trainer too), which takes this over.
+        self._pending_state = entry["ranks"][self.global_rank]
         return checkpoint
 
 
