@@ -159,13 +159,14 @@ def test_the_finiteness_screen_sees_any_single_bad_element(dtype: torch.dtype, b
         assert not bool(all_finite(spoiled)), (dtype, bad, position)
 
 
-def test_a_zero_size_parameter_passes_the_screen_and_a_nan_is_still_named(tmp_path: Path) -> None:
-    """A zero-size parameter (in a bucket with others, or alone in its own float64 bucket) is
-    finite; a NaN elsewhere still raises naming its parameter."""
+@pytest.mark.parametrize("name", available())
+def test_zero_size_parameters_pass_every_compressor_and_a_nan_is_still_named(tmp_path: Path, name: str) -> None:
+    """Zero-size parameters (1-D and 2-D in a bucket with others, or alone in their own float64
+    bucket) are exchanged as nothing; a NaN elsewhere still raises naming its parameter."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_gc.compressors import DGCCompressor
+    from lightning_gc.compressors import create
     from lightning_gc.hook import CompressionHookState, compression_hook
     from lightning_gc.memory import CompensationMemory
 
@@ -174,10 +175,11 @@ def test_a_zero_size_parameter_passes_the_screen_and_a_nan_is_still_named(tmp_pa
             super().__init__()
             self.lin = torch.nn.Linear(4, 4)
             self.empty = torch.nn.Parameter(torch.zeros(0))
+            self.empty_matrix = torch.nn.Parameter(torch.zeros(0, 8))
             self.empty64 = torch.nn.Parameter(torch.zeros(0, dtype=torch.float64))  # a bucket of its own
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.lin(x) + self.empty.sum() + self.empty64.sum().float()
+            return self.lin(x) + self.empty.sum() + self.empty_matrix.sum() + self.empty64.sum().float()
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -185,7 +187,8 @@ def test_a_zero_size_parameter_passes_the_screen_and_a_nan_is_still_named(tmp_pa
         ddp = DistributedDataParallel(model)
         names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
         memory = CompensationMemory(momentum_correction=False, momentum_masking=True, clip_norm=None)
-        ddp.register_comm_hook(CompressionHookState(DGCCompressor(0.5), memory, names), compression_hook)
+        compressor = create(name, **COMPRESSOR_ARGUMENTS.get(name, {}))
+        ddp.register_comm_hook(CompressionHookState(compressor, memory, names), compression_hook)
         x = torch.randn(2, 4)
         for _ in range(2):
             ddp(x).sum().backward()

@@ -120,7 +120,7 @@ class PowerSGDCompressor(Compressor):
     # ------------------------------------------------------------------ planning
     def factor_shape(self, segment: Segment) -> tuple[int, int, int] | None:
         """``(n, m, r)`` if ``segment`` is compressed, else ``None`` (it is sent dense)."""
-        if len(segment.shape) < 2:
+        if len(segment.shape) < 2 or segment.numel == 0:
             return None
         rows = segment.shape[0]
         cols = segment.numel // rows

@@ -67,8 +67,8 @@ class _BlockQuantizer(Compressor):
         self._plans: dict[int, _QuantPlan] = {}
 
     def scale_count(self, numel: int) -> int:
-        """Scales stored for a tensor of ``numel`` elements."""
-        blocks = 1 if self.chunk_size is None else -(-numel // self.chunk_size)
+        """Scales stored for a tensor of ``numel`` elements (none for an empty tensor)."""
+        blocks = min(1, numel) if self.chunk_size is None else -(-numel // self.chunk_size)
         return blocks * self.scales_per_block
 
     @abstractmethod
@@ -131,6 +131,8 @@ class _BlockQuantizer(Compressor):
         plan = self._plan(layout, velocity, world_size)
         all_scales = plan.payload[: 4 * plan.scale_starts[-1]].view(torch.float32)
         for position, segment in enumerate(layout.segments):
+            if segment.numel == 0:  # nothing to scale or send (a zero-size parameter)
+                continue
             values = segment.of(velocity)
             scales = all_scales[plan.scale_starts[position] : plan.scale_starts[position + 1]]
             scales.copy_(self.scales_of(values))
@@ -156,6 +158,8 @@ class _BlockQuantizer(Compressor):
         for row in rows:
             all_scales = row[: 4 * plan.scale_starts[-1]].view(torch.float32)
             for position, segment in enumerate(plan.layout.segments):
+                if segment.numel == 0:
+                    continue
                 start = plan.code_offsets[position]
                 codes = row[start : start + plan.code_sizes[position]]
                 scales = all_scales[plan.scale_starts[position] : plan.scale_starts[position + 1]]
