@@ -47,6 +47,13 @@ def check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
     return value
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """Return ``value`` if it is ``True`` or ``False`` (not a truthy string such as ``"no"``)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}")
+    return value
+
+
 def check_choice(name: str, value: T, choices: Iterable[T]) -> T:
     """Return ``value`` if it is one of ``choices``."""
     options = list(choices)

@@ -75,7 +75,8 @@ def verify_same_parameters(module: torch.nn.Module, group: dist.ProcessGroup | N
     gathered = local.new_empty((world_size * local.shape[0], *local.shape[1:]))
     dist.all_gather_into_tensor(gathered, local, group=group)
     gathered = gathered.view(world_size, *local.shape)
-    differs = (gathered != gathered[0]).any(dim=2).any(dim=0)
+    bits = gathered.view(torch.int64)  # bitwise: identical NaN parameters are not a divergence
+    differs = (bits != bits[0]).any(dim=2).any(dim=0)
     if bool(differs.any()):
         names = [name for name, _ in module.named_parameters()]
         first = int(differs.nonzero()[0])

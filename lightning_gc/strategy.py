@@ -26,7 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gc._validation import check_choice, check_int, check_range
+from lightning_gc._validation import check_bool, check_choice, check_int, check_range
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
@@ -116,7 +116,7 @@ class GradientCompressionStrategy(DDPStrategy):
         clip_norm: local gradient clipping before accumulation: each tensor's local gradient is
             clipped to L2 norm ``clip_norm / sqrt(world_size)`` (DGC §3.2). ``None``: off.
         error_feedback: keep what was not sent (the residual) for later steps; ``None`` (default)
-            turns it on exactly for biased compressors. Momentum correction requires it.
+            turns it on for biased compressors and with momentum correction, which requires it.
         min_wire_ratio: selective compression: a bucket whose wire ratio under the compressor
             (dense bytes / bytes sent) would be below this is sent exactly by one all-reduce.
             The default 1.0 never sends more bytes than plain DDP.
@@ -164,6 +164,14 @@ class GradientCompressionStrategy(DDPStrategy):
                 "(use DDPStrategy directly for a custom hook)"
             )
         compressor = resolve_compressor(compressor, kwargs, owner=type(self).__name__)
+        for flag, value in (
+            ("momentum_correction", momentum_correction),
+            ("momentum_masking", momentum_masking),
+            ("log_stats", log_stats),
+        ):
+            check_bool(flag, value)
+        if error_feedback is not None:
+            check_bool("error_feedback", error_feedback)
         if "timeout" in kwargs and not isinstance(kwargs["timeout"], timedelta):
             seconds = check_range("timeout", kwargs["timeout"], 0.0, None, low_inclusive=False)
             kwargs["timeout"] = timedelta(seconds=seconds)  # seconds, as configs write it
@@ -184,7 +192,7 @@ class GradientCompressionStrategy(DDPStrategy):
         self.compressor = compressor
         self.explicit_momentum = momentum
         if error_feedback is None:
-            error_feedback = compressor.biased
+            error_feedback = compressor.biased or momentum_correction  # momentum correction needs it
         elif momentum_correction and not error_feedback:
             raise ValueError(
                 "`error_feedback=False` drops what was not sent, which momentum correction needs; "
@@ -381,6 +389,7 @@ class GradientCompressionStrategy(DDPStrategy):
             "world_size": self.world_size,
             "compressor": self.compressor.config(),
             "ranks": ranks,
+            "totals": dict(self.totals),
         }
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -392,6 +401,11 @@ class GradientCompressionStrategy(DDPStrategy):
         if entry is None:
             rank_zero_info("lightning_gc: checkpoint holds no compression state; memory starts empty")
             return checkpoint
+        if entry.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"checkpoint {checkpoint_path} holds compression state in format {entry.get('format')!r}; this "
+                f"version of lightning_gc reads format {CHECKPOINT_FORMAT}"
+            )
         if entry["world_size"] != self.world_size:
             raise ValueError(
                 f"checkpoint {checkpoint_path} holds compression state of {entry['world_size']} ranks but this run "
@@ -401,6 +415,7 @@ class GradientCompressionStrategy(DDPStrategy):
         # Lightning loads checkpoints before setup, and every fit's setup builds a new hook state
         # (a second fit on the same Trainer too), which takes this over.
         self._pending_state = entry["ranks"][self.global_rank]
+        self.totals.update(entry.get("totals", {}))  # the running sums continue where they were
         return checkpoint
 
 

@@ -64,6 +64,7 @@ def test_every_compressor_resumes_exactly(tmp_path: Path) -> None:
         for rank in range(2):
             assert torch.equal(resumed[rank][index]["params"], straight[rank][index]["params"]), name
         assert resumed[0][index]["hook_step"] == straight[0][index]["hook_step"] == 2 * STEPS_PER_EPOCH
+        assert resumed[0][index]["totals"] == straight[0][index]["totals"], name
 
 
 _VALIDATE_ON_ONE_PROCESS = """
@@ -97,6 +98,7 @@ def test_a_second_fit_on_the_same_trainer_resumes_exactly_and_evaluation_takes_a
     )[0][0]
     assert refit["hook_step"] == straight["hook_step"] == 2 * STEPS_PER_EPOCH
     assert torch.equal(refit["params"], straight["params"])
+    assert refit["totals"] == straight["totals"]  # the running byte counts continue too
 
     script = tmp_path / "validate.py"
     script.write_text(_VALIDATE_ON_ONE_PROCESS)
@@ -256,6 +258,31 @@ def test_ranks_set_up_differently_fail_at_setup_naming_the_difference(tmp_path: 
     assert all(code not in (0, None) for code in codes)  # 1, or SIGABRT from gloo's teardown
     message = "rank 0 and rank 1 are set up differently at compressor.compress_ratio: 0.001 vs 0.01"
     assert message in logs[0] and message in logs[1]
+
+
+def test_a_checkpoint_of_another_format_is_refused_naming_both(tmp_path: Path) -> None:
+    from lightning_gc import GradientCompressionStrategy
+    from lightning_gc.strategy import CHECKPOINT_FORMAT
+
+    path = tmp_path / "future.ckpt"
+    torch.save({CHECKPOINT_KEY: {"format": CHECKPOINT_FORMAT + 1, "world_size": 1, "ranks": [{}]}}, path)
+    with pytest.raises(ValueError, match=f"format {CHECKPOINT_FORMAT + 1}.*reads format {CHECKPOINT_FORMAT}"):
+        GradientCompressionStrategy("topk").load_checkpoint(path)
+
+
+def test_identical_non_finite_parameters_are_not_called_a_divergence(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    from lightning_gc.consistency import verify_same_parameters
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        module = torch.nn.Linear(3, 2)
+        with torch.no_grad():
+            module.weight[0, 0] = float("nan")
+        verify_same_parameters(module)  # NaN != NaN, but the bits are the same
+    finally:
+        dist.destroy_process_group()
 
 
 def test_periodic_check_catches_ranks_that_diverged(tmp_path: Path) -> None:

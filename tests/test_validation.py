@@ -42,6 +42,11 @@ CASES: list[tuple[type, dict[str, Any], str, str]] = [
     (DGCStrategy, {"verify_every_n_steps": 0}, "verify_every_n_steps", ">= 1"),
     (DGCStrategy, {"timeout": -5}, "timeout", "(0, inf]"),
     (GradientCompressionStrategy, {"compressor": "zstd"}, "compressor", "'powersgd'"),
+    (DGCStrategy, {"momentum_masking": "no"}, "momentum_masking", "True or False"),
+    (GradientCompressionStrategy, {"momentum_correction": 1}, "momentum_correction", "True or False"),
+    (GradientCompressionStrategy, {"log_stats": "yes"}, "log_stats", "True or False"),
+    (GradientCompressionStrategy, {"error_feedback": 0}, "error_feedback", "True or False"),
+    (PowerSGDCompressor, {"warm_start": "false"}, "warm_start", "True or False"),
     (
         GradientCompressionStrategy,
         {"compressor": "qsgd", "error_feedback": False, "momentum_correction": True},
@@ -92,6 +97,12 @@ def test_bad_argument_is_rejected_at_construction(constructor: type, kwargs: dic
     assert allowed in message
     if shown is not None:
         assert shown in message
+
+
+def test_momentum_correction_turns_error_feedback_on_for_unbiased_compressors() -> None:
+    """It needs error feedback (refused when set False), so by default it gets it, not silently off."""
+    assert GradientCompressionStrategy("qsgd").memory.error_feedback is False  # unbiased: off by default
+    assert GradientCompressionStrategy("qsgd", momentum_correction=True).memory.error_feedback is True
 
 
 def test_good_arguments_are_kept() -> None:

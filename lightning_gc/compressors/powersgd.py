@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from lightning_gc._validation import check_int, check_range
+from lightning_gc._validation import check_bool, check_int, check_range
 from lightning_gc.compressors.base import Compressor, DensePart, Encoded, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.registry import register
 from lightning_gc.layout import BucketLayout, Segment
@@ -110,9 +110,7 @@ class PowerSGDCompressor(Compressor):
             "min_compression_rate", min_compression_rate, 0.0, None, low_inclusive=False
         )
         self.start_iter = check_int("start_iter", start_iter, 0)
-        if not isinstance(warm_start, bool):
-            raise ValueError(f"`warm_start` must be True or False, got {warm_start!r}")
-        self.warm_start = warm_start
+        self.warm_start = check_bool("warm_start", warm_start)
         self.seed = check_int("seed", seed, 0)
         self._plans: dict[int, _PowerPlan] = {}
         self._q: dict[str, torch.Tensor] = {}
