@@ -31,7 +31,7 @@ from lightning_gc import comm
 from lightning_gc._validation import check_choice
 from lightning_gc.compressors.base import Compressor, Encoded
 from lightning_gc.compressors.simple import NoCompressor
-from lightning_gc.layout import BucketLayout
+from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.memory import BucketMemory, CompensationMemory
 from lightning_gc.stats import CompressionStats
 
@@ -76,6 +76,12 @@ class CompressionHookState:
             ``"skip"``: every rank skips the step, and memory, compressor state and step counter
             are rolled back to before it (each bucket's state is copied aside once per step; one
             4-byte all-reduce per step in :meth:`settle_step` makes every rank agree).
+        find_unused_parameters: the DDP setting of the same name. Then a parameter without a
+            gradient on this rank may still have one on another: each bucket first all-reduces
+            which of its parameters got a gradient (a few bytes). One unused on every rank keeps
+            its residual and momentum untouched and sends nothing (DDP leaves its ``grad`` alone);
+            one unused here only enters memory with a zero local gradient, as DDP averages a zero
+            from this rank into its gradient.
 
     Attributes:
         grad_scale: the loss scale of a mixed-precision grad scaler, set by the strategy before
@@ -93,8 +99,10 @@ class CompressionHookState:
         min_wire_ratio: float = 1.0,
         pays: Callable[[Compressor, BucketLayout, int], bool] | None = None,
         nonfinite: str = "raise",
+        find_unused_parameters: bool = False,
     ) -> None:
         self.compressor = compressor
+        self.find_unused_parameters = find_unused_parameters
         self.min_wire_ratio = min_wire_ratio
         self.pays = pays
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
@@ -112,6 +120,18 @@ class CompressionHookState:
         self.stats = CompressionStats()
         self.layouts: dict[int, BucketLayout] = {}
         self.layouts_built = 0
+
+    def unused_everywhere(
+        self, layout: BucketLayout, params: list[torch.Tensor], device: torch.device
+    ) -> list[Segment]:
+        """The segments of ``layout`` whose parameter got a gradient on no rank. DDP zeroes the
+        bucket's slot of a parameter unused here, so one used elsewhere needs nothing more."""
+        used_here = [param.grad is not None for param in params]
+        if not self.find_unused_parameters:
+            return [segment for segment, used in zip(layout.segments, used_here) if not used]
+        counts = torch.tensor(used_here, dtype=torch.int32, device=device)
+        dist.all_reduce(counts, group=self.process_group)  # every rank, every bucket: same order
+        return [segment for segment, count in zip(layout.segments, counts.tolist()) if count == 0]
 
     def layout_for(self, bucket: dist.GradBucket) -> BucketLayout:
         """The layout of ``bucket``, rebuilt when DDP re-bucketed its parameters."""
@@ -225,7 +245,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     if state.grad_scale is not None:
         grad.div_(state.grad_scale)  # memory keeps unscaled gradients; the scale is a power of 2: exact
     params = bucket.parameters()
-    absent = [segment for segment, param in zip(layout.segments, params) if param.grad is None]
+    absent = state.unused_everywhere(layout, params, grad.device)
     aside = state.memory.set_aside(memory, absent) if absent else []
     velocity = state.memory.compensate(memory, grad, params, state.world_size)
     for segment in absent:

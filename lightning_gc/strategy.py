@@ -261,6 +261,7 @@ class GradientCompressionStrategy(DDPStrategy):
             min_wire_ratio=self.min_wire_ratio,
             pays=pays,
             nonfinite=self.nonfinite,
+            find_unused_parameters=bool(self._ddp_kwargs.get("find_unused_parameters", False)),
         )
         verify_same_setup(self._setup_description(), self.model.process_group)
         if self._pending_state is not None:

@@ -55,6 +55,27 @@ def test_schedules_that_rewrite_momentum_and_decay_are_followed(run_ranks) -> No
     assert _relative_difference(dgc["params"], ddp["params"]) < 1e-5
 
 
+def test_a_parameter_unused_on_one_rank_only_still_equals_ddp(run_ranks) -> None:
+    """find_unused_parameters=True with a layer each rank skips on alternate batches: where it is
+    unused locally but used globally, DDP averages a zero from this rank, so memory must take a
+    zero local gradient (momentum decays, weight decay applies) rather than set it aside."""
+    model = {"hidden": [64], **SGD}
+    fits = [
+        {
+            "strategy": {**kind, "find_unused_parameters": True},
+            "model": model,
+            "variant": "used_on_one_rank",
+            "epochs": 2,
+        }
+        for kind in ({"kind": "ddp"}, {"kind": "dgc", "compress_ratio": 1.0})
+    ]
+    rank0, rank1 = run_ranks({"fits": fits})
+    ddp, dgc = rank0
+    assert ddp["global_step"] == dgc["global_step"] >= 20
+    assert _relative_difference(dgc["params"], ddp["params"]) < 1e-5
+    assert torch.equal(rank0[1]["params"], rank1[1]["params"])
+
+
 def test_dgc_at_0_1_percent_on_a_million_parameters(run_ranks) -> None:
     """ratio 0.001, 1.1 M params: ranks stay identical, <= 1/250 of dense bytes, loss falls."""
     hidden = [1024, 1024]

@@ -7,7 +7,7 @@ as they are (no re-launch). Each fit of the plan is a dict::
     {"strategy": {"kind": "ddp" | "dgc" | "gc", ...strategy kwargs},
      "rank_strategy": {"<rank>": {...strategy kwargs overriding "strategy" on that rank}},
      "model": {...DigitsClassifier kwargs},
-     "variant": "groups" | "unused" | "evaluable" | "rewrites_optimizer" | None,
+     "variant": "groups" | "unused" | "used_on_one_rank" | "evaluable" | "rewrites_optimizer" | None,
      "data": {...DigitsDataModule kwargs},
      "epochs": int, "seed": int, "warmup": {...SparsityWarmup kwargs} | None,
      "checkpoint_dir": str | None, "resume_from": str | None, "csv_dir": str | None,
@@ -41,7 +41,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy, SparsityWarmup
-from recipes.quickstart import DigitsClassifier, DigitsDataModule
+from recipes.quickstart import NUM_CLASSES, DigitsClassifier, DigitsDataModule
 
 
 def flat_parameters(module: torch.nn.Module) -> torch.Tensor:
@@ -109,6 +109,24 @@ class WithUnusedLayer(DigitsClassifier):
         self.unused = torch.nn.Linear(64, 64)
 
 
+class UsedOnOneRankAtATime(DigitsClassifier):
+    """An extra layer each rank uses on alternate batches: every step it is unused on one rank
+    (its gradient there is None) and used on the other (needs ``find_unused_parameters=True``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.extra = torch.nn.Linear(NUM_CLASSES, NUM_CLASSES)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self(x)
+        if (batch_idx + self.global_rank) % 2 == 1:
+            out = self.extra(out)
+        loss = torch.nn.functional.cross_entropy(out, y)
+        self.log("train/loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
 class Evaluable(DigitsClassifier):
     """Adds test and predict steps, for ``Trainer.test``/``predict`` after a compressed fit."""
 
@@ -138,6 +156,7 @@ VARIANTS = {
     "unused": WithUnusedLayer,
     "evaluable": Evaluable,
     "rewrites_optimizer": RewritesItsOptimizer,
+    "used_on_one_rank": UsedOnOneRankAtATime,
 }
 
 
