@@ -4,8 +4,10 @@
 
 - ``metric`` / ``metric_name`` / ``metric_mode``: the task's final validation metric and whether
   higher (``"max"``) or lower (``"min"``) is better; ``null`` when validation never ran;
+- ``strategy`` / ``compressor``: the strategy's class and the compressor's name (``null`` for
+  dense DDP);
 - ``compress_ratio``: the strategy's configured ratio (the target after any warm-up), ``null`` for
-  strategies without one (dense DDP);
+  strategies without one (dense DDP, quantisers, PowerSGD);
 - ``bytes_sent`` / ``dense_bytes``: per-rank sums over the fit of the bytes handed to collectives
   and of the bytes plain DDP would have all-reduced; ``wire_compression = dense_bytes / bytes_sent``
   (1 for dense DDP, whose ``bytes_sent`` is the dense gradient bytes times the steps), and
@@ -131,15 +133,21 @@ def write_result(out_dir: Path, result: dict[str, Any]) -> None:
         writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in result.items()})
 
 
+def scheme(result: dict[str, Any]) -> str:
+    """What exchanged the gradients: ``"dense DDP"`` or the compressor's name."""
+    return "dense DDP" if result.get("compressor") is None else str(result["compressor"])
+
+
 def summary_line(result: dict[str, Any], out_dir: Path) -> str:
-    """``[name] val/acc 0.9120 | ratio 0.001 | wire 270x | 0.123 s/step, 1040 samples/s | <dir>``."""
+    """``[name] val/acc 0.9120 | dgc 0.001 | wire 270x | 0.123 s/step, 1040 samples/s | <dir>``."""
     metric = "n/a" if result["metric"] is None else f"{result['metric']:.4f}"
-    ratio = "dense" if result["compress_ratio"] is None else f"{result['compress_ratio']:g}"
+    ratio = "" if result["compress_ratio"] is None else f" {result['compress_ratio']:g}"
+    wire = "n/a" if result["wire_compression"] is None else f"{result['wire_compression']:.0f}x"
     step = "n/a" if result["step_time_s"] is None else f"{result['step_time_s']:.3f} s/step"
     rate = "" if result["samples_per_s"] is None else f", {result['samples_per_s']:.0f} samples/s"
     return (
-        f"[{result.get('name', 'run')}] {result['metric_name']} {metric} | ratio {ratio} | "
-        f"wire {result['wire_compression'] or float('nan'):.0f}x | {step}{rate} | {out_dir}"
+        f"[{result.get('name', 'run')}] {result['metric_name']} {metric} | {scheme(result)}{ratio} | "
+        f"wire {wire} | {step}{rate} | {out_dir}"
     )
 
 

@@ -156,3 +156,71 @@ def test_bad_config_values_fail_at_construction_naming_option_value_and_choices(
         else:
             build(node, cfg[node])
     assert str(error.value).startswith(f"bad `{node}` config") and message in str(error.value)
+
+
+def _result(compressor: str | None, ratio: float | None, overrides: list[str], metric: float) -> dict:
+    return {
+        "name": "quickstart",
+        "overrides": ["trainer.max_epochs=1", *overrides],
+        "strategy": "DDPStrategy" if compressor is None else "GradientCompressionStrategy",
+        "compressor": compressor,
+        "compress_ratio": ratio,
+        "metric_name": "val/acc",
+        "metric": metric,
+        "wire_compression": 1.0,
+        "step_time_s": 0.1,
+        "samples_per_s": 100.0,
+    }
+
+
+def test_report_tells_schemes_apart_and_skips_stale_and_failed_jobs(tmp_path: Path) -> None:
+    """Quantisers have no ratio but are not dense DDP; topk and randomk sweeps are separate lines;
+    a result left by an earlier sweep into the same directory is not reported; a failed job is named."""
+    import json
+    import os
+
+    from lightning_gc.report import series, sweep_runs
+
+    sweep = tmp_path / "sweep"
+    old = sweep / "7"
+    old.mkdir(parents=True)
+    (old / "result.json").write_text(json.dumps(_result("dgc", 0.5, ["strategy=dgc"], 0.1)))
+    os.utime(old / "result.json", (1, 1))  # long before this sweep started
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    jobs = [
+        _result(None, None, ["strategy=dense"], 0.90),
+        _result("qsgd", None, ["strategy=qsgd"], 0.88),
+        _result("topk", 0.01, ["strategy=topk", "strategy.compress_ratio=0.01"], 0.85),
+        _result("topk", 0.1, ["strategy=topk", "strategy.compress_ratio=0.1"], 0.87),
+        _result("randomk", 0.01, ["strategy=randomk", "strategy.compress_ratio=0.01"], 0.60),
+        _result("randomk", 0.1, ["strategy=randomk", "strategy.compress_ratio=0.1"], 0.80),
+    ]
+    for index, result in enumerate(jobs):
+        (sweep / str(index) / ".hydra").mkdir(parents=True)
+        (sweep / str(index) / "result.json").write_text(json.dumps(result))
+    (sweep / "6" / ".hydra").mkdir(parents=True)  # a job of this sweep that failed
+
+    rows, stale, missing = sweep_runs(sweep)
+    assert len(rows) == 6 and stale == [old] and missing == [sweep / "6"]
+    lines = series(rows)
+    assert sorted(lines) == ["randomk strategy=randomk", "topk strategy=topk"]
+    assert sorted(r["compress_ratio"] for r in lines["topk strategy=topk"]) == [0.01, 0.1]
+
+    console = Console(file=io.StringIO(), width=250)
+    report(sweep, console)
+    text = console.file.getvalue()
+    assert "6 run(s)" in text and "trainer.max_epochs" not in text  # only what the sweep varied
+    qsgd_line = next(line for line in text.splitlines() if "strategy=qsgd" in line)
+    assert "qsgd" in qsgd_line.split("strategy=qsgd")[1] and "dense" not in qsgd_line
+    assert "job 6: no result (failed or still running)" in text
+    assert "not reported: 1 result(s) older than multirun.yaml" in text
+
+
+def test_summary_line_names_the_scheme() -> None:
+    from lightning_gc.results import summary_line
+
+    line = summary_line({**_result("qsgd", None, [], 0.5), "wire_compression": 8.0}, Path("run"))
+    assert "| qsgd | wire 8x |" in line
+    assert "| dense DDP |" in summary_line(_result(None, None, [], 0.5), Path("run"))
+    assert "| dgc 0.001 |" in summary_line(_result("dgc", 0.001, [], 0.5), Path("run"))
+    assert "wire n/a" in summary_line({**_result("dgc", 0.001, [], 0.5), "wire_compression": None}, Path("run"))
