@@ -70,7 +70,14 @@ def fit_once(cfg: DictConfig, strategy: Strategy, out_dir: Path, info: dict[str,
     trainer.fit(model, datamodule=data)
     if not trainer.is_global_zero or not (out_dir / RESULT_FILE).is_file():
         return None
-    return json.loads((out_dir / RESULT_FILE).read_text())
+    result: dict[str, Any] = json.loads((out_dir / RESULT_FILE).read_text())
+    if result["steps"] == 0:
+        raise ValueError(
+            f"the run made no training step: each of the {result['world_size']} processes got fewer samples than "
+            f"data.batch_size={cfg.data.get('batch_size')} (incomplete batches are dropped), or "
+            "trainer.limit_train_batches / trainer.max_steps is 0; lower data.batch_size"
+        )
+    return result
 
 
 def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any]) -> str:
@@ -79,6 +86,8 @@ def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any
     metric = compressed["metric_name"].replace("/", " ")
     per_step = compressed.get("last_step_wire_compression")
     after = f", {per_step:.0f}x per step after it" if per_step else ""
+    overall = compressed.get("wire_compression")
+    wire = "n/a" if overall is None else f"{overall:.0f}x"
 
     def value(result: dict[str, Any]) -> str:
         return "n/a" if result["metric"] is None else f"{result['metric']:.3f}"
@@ -88,7 +97,7 @@ def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any
         f"{compressed['epochs']} epochs\n"
         f"  dense DDP  {metric} {value(dense)}   sent {dense['bytes_sent'] / 1e6:8.2f} MB per rank\n"
         f"  {label:<9}  {metric} {value(compressed)}   sent {compressed['bytes_sent'] / 1e6:8.2f} MB per rank "
-        f"(wire compression {compressed['wire_compression']:.0f}x over the run with warm-up{after})"
+        f"(wire compression {wire} over the run with warm-up{after})"
     )
 
 

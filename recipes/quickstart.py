@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_gc._validation import check_choice
+from lightning_gc._validation import check_bool, check_choice, check_int, check_range
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10
@@ -37,10 +37,12 @@ class DigitsDataModule(L.LightningDataModule):
         self, batch_size: int = 32, val_fraction: float = 0.2, split_seed: int = 0, synthetic: bool = False
     ) -> None:
         super().__init__()
-        self.batch_size = batch_size
-        self.val_fraction = val_fraction
-        self.split_seed = split_seed
-        self.synthetic = synthetic
+        self.batch_size = check_int("data.batch_size", batch_size, 1)
+        self.val_fraction = check_range(
+            "data.val_fraction", val_fraction, 0.0, 1.0, low_inclusive=False, high_inclusive=False
+        )
+        self.split_seed = check_int("data.split_seed", split_seed, 0)
+        self.synthetic = check_bool("data.synthetic", synthetic)
 
     def setup(self, stage: str | None = None) -> None:
         if self.synthetic:  # same on every rank: seeded by split_seed
@@ -89,7 +91,13 @@ class DigitsClassifier(L.LightningModule):
         optimizer: str = "sgd",
     ) -> None:
         super().__init__()
-        check_choice("optimizer", optimizer, ("sgd", "adam"))
+        check_choice("model.optimizer", optimizer, ("sgd", "adam"))
+        for width in hidden:
+            check_int("model.hidden[]", width, 1)
+        check_range("model.lr", lr, 0.0, None, low_inclusive=False)
+        check_range("model.momentum", momentum, 0.0, 1.0, high_inclusive=False)
+        check_bool("model.nesterov", nesterov)
+        check_range("model.weight_decay", weight_decay, 0.0, None)
         self.save_hyperparameters()
         widths = [NUM_FEATURES, *hidden]
         layers: list[nn.Module] = []

@@ -66,6 +66,13 @@ def test_unknown_recipe_lists_the_recipes() -> None:
     assert "Initializing distributed" not in done.stdout + done.stderr
 
 
+def test_a_run_that_makes_no_training_step_fails_naming_the_batch_size(tmp_path: Path) -> None:
+    """1,438 training digits over 2 processes is 719 each: a batch of 1000 never fills (and is dropped)."""
+    done = train("data.batch_size=1000", "trainer.max_epochs=1", "compare_dense=false", f"hydra.run.dir={tmp_path}")
+    assert done.returncode != 0
+    assert "the run made no training step" in done.stderr and "data.batch_size=1000" in done.stderr, output(done)
+
+
 def test_zero_ratio_fails_before_training_naming_the_option() -> None:
     done = train("+recipe=resnet20_cifar10_dgc", "strategy.compress_ratio=0", "data.synthetic=true")
     assert done.returncode != 0
@@ -140,6 +147,10 @@ BAD_OVERRIDES = [
     (["+recipe=resnet20_cifar10_dgc", "model.lr_gamma=0"], "model", "`model.lr_gamma` must be in (0, 1], got 0"),
     (["+recipe=lstm_ptb_dgc", "data.batch_size=0"], "data", "`data.batch_size` must be an integer >= 1, got 0"),
     (["+recipe=deepspeech_librispeech_dgc", "data.corpus=timit"], "data", "`data.corpus` must be one of"),
+    (["data.batch_size=0"], "data", "`data.batch_size` must be an integer >= 1, got 0"),  # the quickstart
+    (["model.lr=-1"], "model", "`model.lr` must be in (0, inf], got -1"),
+    (["model.momentum=1.5"], "model", "`model.momentum` must be in [0, 1), got 1.5"),
+    (["model.hidden=[64,0]"], "model", "`model.hidden[]` must be an integer >= 1, got 0"),
 ]
 
 
