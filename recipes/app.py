@@ -8,17 +8,21 @@ two are printed side by side.
 Launching: a single run uses Lightning's default launcher (it re-runs ``train.py`` with the same
 overrides and Hydra's run directory for the other ranks). Inside a Hydra multirun that launcher
 would re-run ``-m`` and start a second sweep, so jobs there use the ``spawn`` start method: the
-workers are forked from the job in fresh interpreters and never see ``sys.argv``.
+workers are forked from the job in fresh interpreters and never see ``sys.argv``. Processes
+started externally (torchrun, srun) launch nothing: every one runs the sweep's jobs in order, and
+the start method is left as configured.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,17 +30,31 @@ from lightning_gc import GradientCompressionStrategy
 from lightning_gc.results import RESULT_FILE, RunRecorder
 
 
+def processes_started_externally() -> bool:
+    """Whether a launcher (torchrun, srun) started this process as one rank of several: Lightning
+    then launches nothing, whatever the start method."""
+    slurm_tasks = os.environ.get("SLURM_NTASKS", "1")
+    return (
+        "LOCAL_RANK" in os.environ
+        or TorchElasticEnvironment.detect()
+        or (slurm_tasks.isdigit() and int(slurm_tasks) > 1)
+    )
+
+
 def build_strategy(cfg: DictConfig, *, multirun: bool) -> Strategy:
-    """The configured strategy; ``start_method="spawn"`` inside a multirun unless set explicitly.
+    """The configured strategy; ``start_method="spawn"`` inside a multirun unless set explicitly
+    or the processes are started externally (then every process runs the sweep's jobs in order).
 
     Bad arguments (unknown compressor, ``compress_ratio=0``, ...) raise here, before any process starts.
     """
-    if multirun and cfg.get("start_method") == "popen":
+    if not multirun or processes_started_externally():
+        return build("strategy", cfg)
+    if cfg.get("start_method") == "popen":
         raise ValueError(
             "`strategy.start_method=popen` cannot run inside a multirun: it re-runs the command line, `-m` "
             "included, in every extra process; use spawn (the default in sweeps), fork or forkserver"
         )
-    extra = {"start_method": "spawn"} if multirun and "start_method" not in cfg else {}
+    extra = {"start_method": "spawn"} if "start_method" not in cfg else {}
     return build("strategy", cfg, **extra)
 
 
@@ -119,7 +137,9 @@ def run(cfg: DictConfig, run_dir: Path, *, multirun: bool, overrides: list[str])
     if first is not None:
         results.append(first)
     if cfg.compare_dense:
-        dense_strategy = DDPStrategy(start_method="spawn") if multirun else DDPStrategy()
+        dense_strategy = (
+            DDPStrategy(start_method="spawn") if multirun and not processes_started_externally() else DDPStrategy()
+        )
         dense = fit_once(cfg, dense_strategy, run_dir / "dense", {**info, "name": f"{cfg.name}_dense"})
         if first is not None and dense is not None:
             results.append(dense)

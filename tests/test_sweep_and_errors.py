@@ -113,6 +113,37 @@ def test_strategy_arguments_are_checked_at_build_time() -> None:
         build_strategy(_compose("+strategy.start_method=popen").strategy, multirun=True)
 
 
+def test_externally_started_processes_keep_their_start_method_in_a_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as torchrun sets it
+    assert build_strategy(_compose().strategy, multirun=True)._start_method == "popen"
+    build_strategy(_compose("+strategy.start_method=popen").strategy, multirun=True)  # launches nothing: fine
+
+
+def test_a_sweep_under_torchrun_runs_every_job_once_on_both_ranks(tmp_path: Path) -> None:
+    """The README's multi-node path, on one machine: torchrun starts both ranks, each runs the jobs."""
+    import os
+    import subprocess
+    import sys
+
+    sweep = tmp_path / "sweep"
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", "-m"]
+    overrides = ["strategy.compress_ratio=0.01,0.1", "compare_dense=false", "warmup=null", "trainer.max_epochs=1"]
+    done = subprocess.run(
+        [*command, *overrides, "model.hidden=[64]", f"hydra.sweep.dir={sweep}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, output(done)
+    runs = results(sweep)
+    assert sorted(r["compress_ratio"] for r in runs) == [0.01, 0.1]
+    assert all(r["world_size"] == 2 and r["steps"] > 0 for r in runs), runs
+
+
 BAD_OVERRIDES = [
     # (overrides, config node built, text the error must contain: the option, the value, what is allowed)
     (["strategy.compress_ratio=1.5"], "strategy", "`compress_ratio` must be in (0, 1], got 1.5"),
