@@ -9,6 +9,7 @@ Perplexity = exp(mean token cross-entropy).
 
 from __future__ import annotations
 
+import tarfile
 from pathlib import Path
 
 import torch
@@ -43,6 +44,20 @@ def windows(ids: torch.Tensor, bptt: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def safe_extract(archive: tarfile.TarFile, destination: Path) -> None:
+    """Extract ``archive`` into ``destination``, refusing members that would land outside it or
+    are links/devices (``filter="data"`` where this Python has it: 3.10.12+, 3.11.4+)."""
+    if hasattr(tarfile, "data_filter"):
+        archive.extractall(destination, filter="data")
+        return
+    root = destination.resolve()
+    for member in archive.getmembers():
+        target = (destination / member.name).resolve()
+        if not (member.isfile() or member.isdir()) or (target != root and root not in target.parents):
+            raise ValueError(f"refusing to extract {member.name!r} from {archive.name}: not a plain file inside it")
+    archive.extractall(destination)
+
+
 class PTBDataModule(RecipeDataModule):
     """Penn Treebank from ``<root>/ptb.{train,valid}.txt``; downloaded (Mikolov's
     simple-examples.tgz) when ``download=true``.
@@ -75,7 +90,6 @@ class PTBDataModule(RecipeDataModule):
         if self.synthetic or not self.download or (self.root / PTB_SPLITS["train"]).is_file():
             return
         import shutil
-        import tarfile
         import tempfile
 
         from torchvision.datasets.utils import download_url
@@ -83,7 +97,7 @@ class PTBDataModule(RecipeDataModule):
         with tempfile.TemporaryDirectory() as tmp:
             download_url(PTB_URL, tmp)
             with tarfile.open(Path(tmp) / Path(PTB_URL).name) as archive:
-                archive.extractall(tmp, filter="data")
+                safe_extract(archive, Path(tmp))
             self.root.mkdir(parents=True, exist_ok=True)
             for name in PTB_SPLITS.values():
                 shutil.copy(Path(tmp) / "simple-examples" / "data" / name, self.root / name)

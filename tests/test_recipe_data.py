@@ -200,3 +200,34 @@ def test_digits_synthetic_is_identical_on_every_rank() -> None:
 def test_bad_task_options_name_the_option_and_the_choices(build, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize("has_data_filter", [True, False])
+def test_archives_extract_only_plain_files_inside_the_destination(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, has_data_filter: bool
+) -> None:
+    """Where tarfile has no ``filter="data"`` (Python before 3.10.12), members are checked by hand."""
+    import io
+    import tarfile
+
+    from recipes.language import safe_extract
+
+    if not has_data_filter:
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+
+    def archive(name: str) -> Path:
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.tar"
+        with tarfile.open(path, "w") as tar:
+            info = tarfile.TarInfo(name)
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"words"))
+        return path
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with tarfile.open(archive("simple-examples/data/ptb.train.txt")) as tar:
+        safe_extract(tar, out)
+    assert (out / "simple-examples" / "data" / "ptb.train.txt").read_text() == "words"
+    with tarfile.open(archive("../escaped.txt")) as tar, pytest.raises(Exception, match="escaped.txt"):
+        safe_extract(tar, out)
+    assert not (tmp_path / "escaped.txt").exists()
