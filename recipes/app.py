@@ -68,8 +68,11 @@ def build(group: str, cfg: DictConfig, **extra: Any) -> Any:
         raise ValueError(f"bad `{group}` config ({cfg.get('_target_')}): {cause}") from err
 
 
-def fit_once(cfg: DictConfig, strategy: Strategy, out_dir: Path, info: dict[str, Any]) -> dict[str, Any] | None:
-    """Fit ``cfg.model`` on ``cfg.data`` with ``strategy``; rank 0 returns the run's result."""
+def fit_once(
+    cfg: DictConfig, strategy: Strategy, out_dir: Path, info: dict[str, Any], ckpt_path: str | None = None
+) -> dict[str, Any] | None:
+    """Fit ``cfg.model`` on ``cfg.data`` with ``strategy`` (resuming ``ckpt_path`` if given); rank 0
+    returns the run's result."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     model = build("model", cfg.model)
     data = build("data", cfg.data)
@@ -85,7 +88,7 @@ def fit_once(cfg: DictConfig, strategy: Strategy, out_dir: Path, info: dict[str,
         callbacks=callbacks,
         default_root_dir=str(out_dir),
     )
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     if not trainer.is_global_zero or not (out_dir / RESULT_FILE).is_file():
         return None
     result: dict[str, Any] = json.loads((out_dir / RESULT_FILE).read_text())
@@ -96,6 +99,18 @@ def fit_once(cfg: DictConfig, strategy: Strategy, out_dir: Path, info: dict[str,
             "trainer.limit_train_batches / trainer.max_steps is 0; lower data.batch_size"
         )
     return result
+
+
+def dense_twin(strategy: Strategy, *, spawn: bool) -> DDPStrategy:
+    """Plain DDP with ``strategy``'s DDP settings (``bucket_cap_mb``, ``find_unused_parameters``,
+    timeout, backend, ...), so the comparison differs in the gradient exchange only."""
+    ddp_kwargs = dict(getattr(strategy, "_ddp_kwargs", {}))
+    return DDPStrategy(
+        process_group_backend=getattr(strategy, "_process_group_backend", None),
+        timeout=getattr(strategy, "_timeout", None),
+        **({"start_method": "spawn"} if spawn else {}),
+        **ddp_kwargs,
+    )
 
 
 def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any]) -> str:
@@ -121,6 +136,14 @@ def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any
 
 def run(cfg: DictConfig, run_dir: Path, *, multirun: bool, overrides: list[str]) -> list[dict[str, Any]]:
     """Fit the configured run (and its dense twin with ``compare_dense``); return rank 0's results."""
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None:
+        if not Path(ckpt_path).is_file():
+            raise ValueError(f"`ckpt_path` must be a Lightning checkpoint file, got {ckpt_path!r} (no such file)")
+        if cfg.compare_dense:
+            raise ValueError(
+                f"`ckpt_path={ckpt_path}` resumes one run, but compare_dense=true fits two; add compare_dense=false"
+            )
     strategy = build_strategy(cfg.strategy, multirun=multirun)
     if cfg.compare_dense and not isinstance(strategy, GradientCompressionStrategy):
         raise ValueError(
@@ -133,13 +156,11 @@ def run(cfg: DictConfig, run_dir: Path, *, multirun: bool, overrides: list[str])
         "paper": OmegaConf.to_container(cfg.paper) if cfg.paper is not None else None,
     }
     results = []
-    first = fit_once(cfg, strategy, run_dir, info)
+    first = fit_once(cfg, strategy, run_dir, info, ckpt_path)
     if first is not None:
         results.append(first)
     if cfg.compare_dense:
-        dense_strategy = (
-            DDPStrategy(start_method="spawn") if multirun and not processes_started_externally() else DDPStrategy()
-        )
+        dense_strategy = dense_twin(strategy, spawn=multirun and not processes_started_externally())
         dense = fit_once(cfg, dense_strategy, run_dir / "dense", {**info, "name": f"{cfg.name}_dense"})
         if first is not None and dense is not None:
             results.append(dense)

@@ -266,3 +266,34 @@ def test_summary_line_names_the_scheme() -> None:
     assert "| dense DDP |" in summary_line(_result(None, None, [], 0.5), Path("run"))
     assert "| dgc 0.001 |" in summary_line(_result("dgc", 0.001, [], 0.5), Path("run"))
     assert "wire n/a" in summary_line({**_result("dgc", 0.001, [], 0.5), "wire_compression": None}, Path("run"))
+
+
+def test_the_dense_twin_shares_the_ddp_settings() -> None:
+    from recipes.app import dense_twin
+
+    compressed = build_strategy(
+        _compose("+strategy.bucket_cap_mb=4", "+strategy.find_unused_parameters=true", "+strategy.timeout=60").strategy,
+        multirun=False,
+    )
+    twin = dense_twin(compressed, spawn=True)
+    assert twin._ddp_kwargs == {"bucket_cap_mb": 4, "find_unused_parameters": True}
+    assert twin._timeout.total_seconds() == 60 and twin._start_method == "spawn"
+
+
+def test_train_py_resumes_a_checkpoint_and_refuses_a_missing_one(tmp_path: Path) -> None:
+    common = ["compare_dense=false", "trainer.enable_checkpointing=true", "model.hidden=[64]"]
+    first = train(*common, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'first'}")
+    assert first.returncode == 0, output(first)
+    (checkpoint,) = (tmp_path / "first").rglob("*.ckpt")
+    quoted = f'ckpt_path="{checkpoint}"'  # Lightning's file names hold "=", which Hydra's grammar needs quoted
+    resumed = train(*common, "trainer.max_epochs=2", quoted, f"hydra.run.dir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, output(resumed)
+    (one_epoch,) = results(tmp_path / "first")
+    (two_epochs,) = results(tmp_path / "resumed")
+    assert two_epochs["steps"] == 2 * one_epoch["steps"] > 0  # continued from step 11, not from 0
+
+    missing = train(*common, f"ckpt_path={tmp_path / 'nothing.ckpt'}", f"hydra.run.dir={tmp_path / 'missing'}")
+    assert missing.returncode != 0 and "`ckpt_path` must be a Lightning checkpoint file" in missing.stderr
+    assert "Initializing distributed" not in missing.stdout + missing.stderr
+    both = train(quoted, f"hydra.run.dir={tmp_path / 'both'}")
+    assert both.returncode != 0 and "add compare_dense=false" in both.stderr
