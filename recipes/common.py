@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Sequence
+import urllib.error
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +174,18 @@ class SyntheticDataset(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         return self.make(torch.Generator().manual_seed(self.seed * 1_000_003 + index))
+
+
+@contextmanager
+def fetching(name: str, url: str, root: Path) -> Iterator[None]:
+    """Run a download, turning a network failure into an error that says what to do offline."""
+    try:
+        yield
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+        raise RuntimeError(
+            f"downloading {name} from {url} failed ({error}). Without network access, put the files under "
+            f"data.root={str(root)!r} and set data.download=false, or use data.synthetic=true for a smoke test."
+        ) from error
 
 
 def dataset_missing(name: str, root: Path, expected: str, how: str) -> FileNotFoundError:

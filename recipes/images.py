@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
 from lightning_gc._validation import check_int
-from recipes.common import RecipeDataModule, SyntheticDataset, dataset_missing
+from recipes.common import RecipeDataModule, SyntheticDataset, dataset_missing, fetching
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -105,7 +105,8 @@ class CIFAR10DataModule(ImageDataModule):
 
     def prepare_data(self) -> None:
         if self.download and not self.synthetic:
-            _CIFAR10Files(str(self.root), train=True, download=True)
+            with fetching("CIFAR-10", _CIFAR10Files.url, self.root):
+                _CIFAR10Files(str(self.root), train=True, download=True)
 
     def require_files(self) -> None:
         folder = self.root / _CIFAR10Files.base_folder

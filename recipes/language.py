@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, TensorDataset
 from torchmetrics.text import Perplexity
 
 from lightning_gc._validation import check_int, check_range
-from recipes.common import RecipeDataModule, SGDTask, SyntheticDataset, dataset_missing
+from recipes.common import RecipeDataModule, SGDTask, SyntheticDataset, dataset_missing, fetching
 
 PTB_SPLITS = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}
 PTB_URL = "http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz"
@@ -95,7 +95,8 @@ class PTBDataModule(RecipeDataModule):
         from torchvision.datasets.utils import download_url
 
         with tempfile.TemporaryDirectory() as tmp:
-            download_url(PTB_URL, tmp)
+            with fetching("Penn Treebank", PTB_URL, self.root):
+                download_url(PTB_URL, tmp)
             with tarfile.open(Path(tmp) / Path(PTB_URL).name) as archive:
                 safe_extract(archive, Path(tmp))
             self.root.mkdir(parents=True, exist_ok=True)

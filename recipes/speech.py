@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from torchmetrics.text import WordErrorRate
 
 from lightning_gc._validation import check_choice, check_int
-from recipes.common import RecipeDataModule, SGDTask, SyntheticDataset, dataset_missing
+from recipes.common import RecipeDataModule, SGDTask, SyntheticDataset, dataset_missing, fetching
 
 ALPHABET = "_ '" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """Output classes: ``_`` is the CTC blank (class 0)."""
@@ -158,7 +158,9 @@ class SpeechDataModule(RecipeDataModule):
 
         for subset in self.train_subsets + self.val_subsets:
             if not (self.root / "LibriSpeech" / subset).is_dir():
-                download_and_extract_archive(LIBRISPEECH_URL.format(subset=subset), str(self.root))
+                url = LIBRISPEECH_URL.format(subset=subset)
+                with fetching(f"LibriSpeech {subset}", url, self.root):
+                    download_and_extract_archive(url, str(self.root))
 
     def _items(self, subsets: list[str]) -> list[tuple[Path, str]]:
         items = [item for subset in subsets for item in librispeech_items(self.root, subset)]

@@ -231,3 +231,19 @@ def test_archives_extract_only_plain_files_inside_the_destination(
     with tarfile.open(archive("../escaped.txt")) as tar, pytest.raises(Exception, match="escaped.txt"):
         safe_extract(tar, out)
     assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_a_failed_download_says_what_to_do_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import urllib.error
+
+    import torchvision.datasets.utils
+
+    from recipes.language import PTBDataModule
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(torchvision.datasets.utils, "download_url", no_network)
+    with pytest.raises(RuntimeError, match="downloading Penn Treebank from .* failed") as error:
+        PTBDataModule(root=str(tmp_path), download=True).prepare_data()
+    assert f"data.root={str(tmp_path)!r} and set data.download=false" in str(error.value)
