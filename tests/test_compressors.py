@@ -198,6 +198,20 @@ def test_randomk_with_rescaling_is_unbiased_and_ranks_agree_on_indices() -> None
     assert first.unique().numel() == first.numel() == 123  # one per block of 10 (1230 elements), distinct
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_randomk_draws_the_same_indices_in_half_precision_buckets(dtype: torch.dtype) -> None:
+    """Block sizes such as 3333 are not representable in bf16 (3328) or fp16 (3332): kept exact,
+    the draw covers every block's whole range and never leaves it, whatever the bucket's dtype."""
+    layout, _ = _layout_and_params([(100, 100)])  # blocks of 3333, 3333, 3333 and 1
+    wide_codec, narrow_codec = create("randomk", compress_ratio=0.0003), create("randomk", compress_ratio=0.0003)
+    x = torch.randn(layout.numel)
+    for step in range(300):
+        wide = wide_codec.encode(x, torch.empty_like(x), layout, step=step, world_size=1).sent_indices
+        narrow = narrow_codec.encode(x.to(dtype), x.to(dtype), layout, step=step, world_size=1)
+        assert torch.equal(narrow.sent_indices, wide)
+        assert (wide[:3] >= torch.tensor([0, 3333, 6666])).all() and (wide[:3] < torch.tensor([3333, 6666, 9999])).all()
+
+
 def test_randomk_wire_ratio_on_a_large_tensor() -> None:
     layout, _ = _layout_and_params([(1000, 1000)])
     _, encoded, _ = _round_trip(create("randomk", compress_ratio=0.01), torch.randn(layout.numel), layout, 0)

@@ -34,7 +34,7 @@ class _RandomKPlan:
     ratio: float
     compressed: tuple[tuple[Segment, int, int], ...]  # (segment, first slot, blocks)
     block_starts: torch.Tensor  # bucket position of each block's first element
-    block_sizes: torch.Tensor  # float, elements per block
+    block_sizes: torch.Tensor  # float64, elements per block (exact: a bf16 copy would round 3333 to 3328)
     dense_positions: torch.Tensor
     indices: torch.Tensor
     summed: torch.Tensor  # [dense values | sampled values]
@@ -109,7 +109,7 @@ class RandomKCompressor(Compressor):
             ratio=self.compress_ratio,
             compressed=tuple(compressed),
             block_starts=cat(starts, torch.int64),
-            block_sizes=cat(sizes, torch.int64).to(like.dtype),
+            block_sizes=cat(sizes, torch.int64).to(torch.float64),
             dense_positions=dense_positions,
             indices=torch.empty(slots, dtype=torch.int64, device=device),
             summed=like.new_empty(dense_positions.numel() + slots),
@@ -132,12 +132,15 @@ class RandomKCompressor(Compressor):
         for segment, first, blocks in plan.compressed:  # the same draw on every rank: seed has no rank
             chosen = slice(first, first + blocks)
             uniform = counter_uniform(step * _SEED_STEP + segment.order, torch.arange(blocks, device=velocity.device))
-            offsets = (uniform * plan.block_sizes[chosen]).to(torch.int64)
+            offsets = (uniform.double() * plan.block_sizes[chosen]).to(torch.int64)  # < size: uniform < 1
             torch.add(plan.block_starts[chosen], offsets, out=plan.indices[chosen])
         dense_count = plan.dense_positions.numel()
         torch.index_select(velocity, 0, plan.dense_positions, out=plan.summed[:dense_count])
         torch.index_select(velocity, 0, plan.indices, out=plan.summed[dense_count:])
-        torch.mul(plan.summed[dense_count:], plan.block_sizes if self.rescale else 1.0, out=plan.sent)
+        if self.rescale:  # in float64, then rounded once into the bucket's dtype
+            plan.sent.copy_(plan.summed[dense_count:].double() * plan.block_sizes)
+        else:
+            plan.sent.copy_(plan.summed[dense_count:])
         return Encoded(
             summed=plan.summed,
             sent_indices=plan.indices,
@@ -155,7 +158,8 @@ class RandomKCompressor(Compressor):
         out.zero_()
         out.index_copy_(0, plan.dense_positions, mean[:dense_count])
         sampled = mean[dense_count:]
-        out.index_copy_(0, plan.indices, sampled * plan.block_sizes if self.rescale else sampled)
+        rescaled = (sampled.double() * plan.block_sizes).to(out.dtype) if self.rescale else sampled
+        out.index_copy_(0, plan.indices, rescaled)
 
     def config(self) -> dict[str, Any]:
         return {
