@@ -293,3 +293,30 @@ def test_k_is_the_ceiling_of_the_decimal_ratio_times_the_size(ratio: str) -> Non
     for numel in range(1, 3001):
         assert topk.k_for(numel) == math.ceil(Fraction(ratio) * numel), numel
         assert fft.k_for(numel) == min(numel // 2 + 1, math.ceil(Fraction(ratio) * numel / 2)), numel
+
+
+@pytest.mark.parametrize("name", ["bf16", "terngrad", "signsgd", "onebit", "qsgd"])
+def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> None:
+    """fp16 bucket, 2 ranks at 40000: the sum (80000) does not fit fp16, the mean does; what this
+    rank sent (for memory) is finite too, though QSGD's decoded values can reach the norm (80000)."""
+    from lightning_gc.calibration import exchange_locally
+
+    layout, _ = _layout_and_params([(4, 4)])
+    velocity = torch.full((layout.numel,), 40_000.0, dtype=torch.float16)
+    compressor = create(name)
+    out = torch.empty_like(velocity)
+    encoded = compressor.encode(velocity, out, layout, step=0, world_size=2, rank=0)
+    assert encoded.dense_sent is None or encoded.dense_sent.isfinite().all()
+    exchange_locally(encoded, 2)
+    compressor.decode(encoded, out, world_size=2)
+    assert out.isfinite().all()
+    if name != "qsgd":  # QSGD is stochastic: unbiased, not exact
+        assert torch.allclose(out.float(), torch.full((layout.numel,), 40_000.0), rtol=1e-2)
+
+
+def test_qsgd_scales_by_a_norm_beyond_float32_without_decoding_nan() -> None:
+    layout, _ = _layout_and_params([(2, 2)])
+    velocity = torch.tensor([3e19, 3e19, -1.5e19, 0.0])  # ||x||^2 overflows float32
+    out, encoded, _ = _round_trip(create("qsgd"), velocity, layout, 0)
+    assert out.isfinite().all() and encoded.dense_sent.isfinite().all()
+    assert (out[:3].sign() == velocity[:3].sign()).all()

@@ -32,7 +32,7 @@ import torch
 
 from lightning_gc import kernels
 from lightning_gc._validation import check_int
-from lightning_gc.compressors.base import Compressor, Encoded
+from lightning_gc.compressors.base import Compressor, Encoded, write_mean
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.reference import packed_bytes
 from lightning_gc.layout import BucketLayout
@@ -50,6 +50,7 @@ class _QuantPlan:
     payload: torch.Tensor
     gathered: torch.Tensor
     decoded: torch.Tensor  # this rank's values as receivers decode them (for error feedback)
+    total: torch.Tensor  # float32 sum of every rank's decoded values (fp16 could overflow before /N)
 
 
 class _BlockQuantizer(Compressor):
@@ -114,6 +115,7 @@ class _BlockQuantizer(Compressor):
             payload=torch.zeros(payload_bytes, dtype=torch.uint8, device=like.device),
             gathered=torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=like.device),
             decoded=like.new_empty(layout.numel),
+            total=torch.empty(layout.numel, dtype=torch.float32, device=like.device),
         )
         self._plans[layout.index] = plan
         return plan
@@ -140,7 +142,7 @@ class _BlockQuantizer(Compressor):
             start = plan.code_offsets[position]
             codes = self.encode_codes(values, scales, seed)
             plan.payload[start : start + plan.code_sizes[position]].copy_(codes)
-            segment.of(plan.decoded).copy_(self.decode_codes(codes, scales, segment.numel))
+            segment.of(plan.decoded).copy_(self._decoded(codes, scales, segment.numel, plan.decoded.dtype))
         return Encoded(
             gathered=plan.payload,
             gathered_out=plan.gathered,
@@ -154,7 +156,8 @@ class _BlockQuantizer(Compressor):
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         plan: _QuantPlan = encoded.context
         rows = plan.gathered.view(world_size, -1)
-        out.zero_()
+        total = out if out.dtype == torch.float32 else plan.total
+        total.zero_()
         for row in rows:
             all_scales = row[: 4 * plan.scale_starts[-1]].view(torch.float32)
             for position, segment in enumerate(plan.layout.segments):
@@ -163,8 +166,15 @@ class _BlockQuantizer(Compressor):
                 start = plan.code_offsets[position]
                 codes = row[start : start + plan.code_sizes[position]]
                 scales = all_scales[plan.scale_starts[position] : plan.scale_starts[position + 1]]
-                segment.of(out).add_(self.decode_codes(codes, scales, segment.numel))
-        out.div_(world_size)
+                segment.of(total).add_(self._decoded(codes, scales, segment.numel, out.dtype))
+        write_mean(out, total, world_size) if total is not out else out.div_(world_size)
+
+    def _decoded(self, codes: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The decoded float32 values, clamped to ``dtype``'s finite range: a decoded QSGD value can
+        reach ``||x||``, beyond fp16's 65504 even when every element fits. Memory keeps the excess."""
+        values = self.decode_codes(codes, scales, numel)
+        limit = torch.finfo(dtype).max
+        return values.clamp_(-limit, limit) if limit < torch.finfo(torch.float32).max else values
 
 
 class _StochasticLevels(_BlockQuantizer):
@@ -204,7 +214,10 @@ class QSGDCompressor(_StochasticLevels):
         self.code_bits = kernels.code_width(levels)
 
     def scale_of(self, values: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.vector_norm(values.float())
+        # ||x|| of finite float32 values can exceed float32 (3e19 squared): summed in float64,
+        # clamped to the largest float32 so the factor levels / scale stays non-zero and finite.
+        norm = torch.linalg.vector_norm(values, dtype=torch.float64)
+        return norm.clamp(max=torch.finfo(torch.float32).max).float()
 
     def config(self) -> dict[str, Any]:
         return {"name": self.name, "levels": self.levels}
