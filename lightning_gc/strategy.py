@@ -12,6 +12,7 @@ memory, logging ``gc/*`` statistics, and saving/restoring every rank's memory in
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -77,22 +78,17 @@ def resolve_compressor(compressor: str | Compressor, kwargs: dict[str, Any], *, 
     return compressor
 
 
-_SHUTDOWN_REGISTERED = False
-
-
 def shut_down_process_group() -> None:
     """Destroy the default process group if one is up (run at exit; a no-op after the user's own)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
+@functools.cache
 def shut_down_process_group_at_exit() -> None:
     """Run :func:`shut_down_process_group` at interpreter exit (registered once per process, so
     exit handlers registered later, which run earlier, still find the group)."""
-    global _SHUTDOWN_REGISTERED
-    if not _SHUTDOWN_REGISTERED:
-        atexit.register(shut_down_process_group)
-        _SHUTDOWN_REGISTERED = True
+    atexit.register(shut_down_process_group)
 
 
 class _SkippedStep(Exception):
@@ -300,8 +296,13 @@ class GradientCompressionStrategy(DDPStrategy):
             scaler = getattr(self.precision_plugin, "scaler", None)
             self._hook_state.grad_scale = None if scaler is None else float(scaler.get_scale())
 
+    @property
+    def _moves_momentum(self) -> bool:
+        """Whether the memory applies SGD's momentum (and the optimizer must step without it)."""
+        return self.memory.momentum_correction and self._hook_state is not None
+
     def _hand_over_momentum(self, *, announce: bool) -> None:
-        if not self.memory.momentum_correction or self._hook_state is None:
+        if not self._moves_momentum:
             return
         from_sgd = sgd_momentum_specs(self.optimizers)
         if self.explicit_momentum is not None:
@@ -326,9 +327,8 @@ class GradientCompressionStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ stats
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        moves_momentum = self.memory.momentum_correction and self._hook_state is not None
         try:
-            with momentum_free([optimizer]) if moves_momentum else nullcontext():
+            with momentum_free([optimizer]) if self._moves_momentum else nullcontext():
                 output = super().optimizer_step(optimizer, self._settling(closure, optimizer), model, **kwargs)
         except _SkippedStep:
             output = None

@@ -101,15 +101,14 @@ def fit_once(
     return result
 
 
-def dense_twin(strategy: Strategy, *, spawn: bool) -> DDPStrategy:
+def dense_twin(strategy: DDPStrategy) -> DDPStrategy:
     """Plain DDP with ``strategy``'s DDP settings (``bucket_cap_mb``, ``find_unused_parameters``,
-    timeout, backend, ...), so the comparison differs in the gradient exchange only."""
-    ddp_kwargs = dict(getattr(strategy, "_ddp_kwargs", {}))
+    timeout, backend, start method), so the comparison differs in the gradient exchange only."""
     return DDPStrategy(
-        process_group_backend=getattr(strategy, "_process_group_backend", None),
-        timeout=getattr(strategy, "_timeout", None),
-        **({"start_method": "spawn"} if spawn else {}),
-        **ddp_kwargs,
+        process_group_backend=strategy._process_group_backend,
+        timeout=strategy._timeout,
+        start_method=strategy._start_method,
+        **strategy._ddp_kwargs,
     )
 
 
@@ -160,7 +159,7 @@ def run(cfg: DictConfig, run_dir: Path, *, multirun: bool, overrides: list[str])
     if first is not None:
         results.append(first)
     if cfg.compare_dense:
-        dense_strategy = dense_twin(strategy, spawn=multirun and not processes_started_externally())
+        dense_strategy = dense_twin(strategy)
         dense = fit_once(cfg, dense_strategy, run_dir / "dense", {**info, "name": f"{cfg.name}_dense"})
         if first is not None and dense is not None:
             results.append(dense)

@@ -273,9 +273,9 @@ def test_the_dense_twin_shares_the_ddp_settings() -> None:
 
     compressed = build_strategy(
         _compose("+strategy.bucket_cap_mb=4", "+strategy.find_unused_parameters=true", "+strategy.timeout=60").strategy,
-        multirun=False,
+        multirun=True,
     )
-    twin = dense_twin(compressed, spawn=True)
+    twin = dense_twin(compressed)
     assert twin._ddp_kwargs == {"bucket_cap_mb": 4, "find_unused_parameters": True}
     assert twin._timeout.total_seconds() == 60 and twin._start_method == "spawn"
 

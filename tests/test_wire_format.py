@@ -273,7 +273,7 @@ def test_elias_fano_decodes_exactly_what_int32_decodes(cls: type, value_dtype: s
 @pytest.mark.parametrize("encoding", sorted(INDEX_ENCODINGS))
 def test_one_pair_per_rank_decodes_the_same_through_the_triton_kernels(encoding: str) -> None:
     """With one pair per rank every field of the gathered rows is a strided column; the Triton
-    decode reads its inputs as flat arrays, so unpack must hand it contiguous ones."""
+    decode reads its inputs as flat arrays, so they must reach it contiguous."""
     pytest.importorskip("triton")
     from lightning_gc import kernels
 

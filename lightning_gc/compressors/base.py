@@ -108,11 +108,13 @@ def saturating_copy_(wire: torch.Tensor, values: torch.Tensor, summands: int = 1
     return wire
 
 
-def write_mean(out: torch.Tensor, summed: torch.Tensor, world_size: int) -> torch.Tensor:
+def mean_into(out: torch.Tensor, summed: torch.Tensor, world_size: int) -> torch.Tensor:
     """``out <- summed / world_size``, divided in the wider of the two dtypes: a sum over ranks
-    that ``out``'s dtype cannot hold (fp16: 2 x 40000) can still have a mean that it can. May
-    overwrite ``summed``; returns ``out``."""
-    if summed.dtype != out.dtype and torch.finfo(summed.dtype).max > torch.finfo(out.dtype).max:
+    that ``out``'s dtype cannot hold (fp16: 2 x 40000) can still have a mean that it can.
+    ``summed`` may be ``out`` itself, and may be overwritten; returns ``out``."""
+    if summed is out:
+        return out.div_(world_size)
+    if torch.finfo(summed.dtype).max > torch.finfo(out.dtype).max:
         return out.copy_(summed.div_(world_size))
     return out.copy_(summed).div_(world_size)
 
@@ -168,9 +170,7 @@ class DensePart:
 
     def write_mean(self, out: torch.Tensor, world_size: int) -> None:
         """After the all-reduce: ``out[positions] = summed values / world_size``."""
-        mean = (
-            self.values.div_(world_size) if self.staging is None else write_mean(self.staging, self.values, world_size)
-        )
+        mean = mean_into(self.values if self.staging is None else self.staging, self.values, world_size)
         out.index_copy_(0, self.positions, mean)
 
 

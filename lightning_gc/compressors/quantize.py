@@ -32,7 +32,7 @@ import torch
 
 from lightning_gc import kernels
 from lightning_gc._validation import check_int
-from lightning_gc.compressors.base import Compressor, Encoded, write_mean
+from lightning_gc.compressors.base import Compressor, Encoded, mean_into
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.reference import packed_bytes
 from lightning_gc.layout import BucketLayout
@@ -167,7 +167,7 @@ class _BlockQuantizer(Compressor):
                 codes = row[start : start + plan.code_sizes[position]]
                 scales = all_scales[plan.scale_starts[position] : plan.scale_starts[position + 1]]
                 segment.of(total).add_(self._decoded(codes, scales, segment.numel, out.dtype))
-        write_mean(out, total, world_size) if total is not out else out.div_(world_size)
+        mean_into(out, total, world_size)
 
     def _decoded(self, codes: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The decoded float32 values, clamped to ``dtype``'s finite range: a decoded QSGD value can

@@ -11,8 +11,8 @@ from lightning_gc.compressors.base import (
     Encoded,
     decode_whole_bucket,
     encode_whole_bucket,
+    mean_into,
     saturating_copy_,
-    write_mean,
 )
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
@@ -89,7 +89,7 @@ class _CastCompressor(Compressor):
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         assert encoded.summed is not None
-        write_mean(out, encoded.summed, world_size)
+        mean_into(out, encoded.summed, world_size)
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         return layout.numel * self.wire_dtype.itemsize

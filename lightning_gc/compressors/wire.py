@@ -37,6 +37,12 @@ def _aligned(size: int) -> int:
     return -(-size // _ALIGN) * _ALIGN
 
 
+def _field_rows(gathered: torch.Tensor, world_size: int, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's ``count`` elements of ``dtype`` at byte ``start`` of its row, flattened rank after rank."""
+    rows = gathered.view(world_size, -1)
+    return rows[:, start : start + count * dtype.itemsize].view(dtype).reshape(-1)
+
+
 class SparseWireFormat(ABC):
     """Packs one bucket's (index, value) pairs into bytes and reads all ranks' pairs back.
 
@@ -69,13 +75,12 @@ class SparseWireFormat(ABC):
     def unpack(
         self, gathered: torch.Tensor, world_size: int, n: int, universe: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All ranks' (indices, values) from the gathered ``world_size`` payloads, each a contiguous
-        ``world_size * n`` tensor, rank after rank (kernels read them flat). Values in the wire dtype."""
+        """All ranks' (indices, values) from the gathered ``world_size`` payloads, each flattened to
+        ``world_size * n``, rank after rank. The values are in the wire dtype."""
 
     def _value_rows(self, gathered: torch.Tensor, world_size: int, start: int, n: int) -> torch.Tensor:
         """The values of every rank: ``n`` of the wire dtype at byte ``start`` of each row."""
-        rows = gathered.view(world_size, -1)
-        return rows[:, start : start + n * self.value_bytes].view(self.value_dtype).reshape(-1).contiguous()
+        return _field_rows(gathered, world_size, start, n, self.value_dtype)
 
     def _as_decoded(self, values: torch.Tensor, wire_values: torch.Tensor) -> torch.Tensor:
         """``values`` as receivers decode them, given their copy in the wire dtype."""
@@ -102,8 +107,7 @@ class Int32Indices(SparseWireFormat):
     def unpack(
         self, gathered: torch.Tensor, world_size: int, n: int, universe: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = gathered.view(world_size, -1)
-        indices = rows[:, : n * _INDEX_BYTES].view(INDEX_DTYPE).reshape(-1).contiguous()
+        indices = _field_rows(gathered, world_size, 0, n, INDEX_DTYPE)
         return indices, self._value_rows(gathered, world_size, n * _INDEX_BYTES, n)
 
 
@@ -173,7 +177,7 @@ class EliasFanoIndices(SparseWireFormat):
         value_end = n * self.value_bytes
         code_bytes = -(-elias_fano_bits(n, universe) // 8)
         rows = gathered.view(world_size, -1)
-        codes = rows[:, value_end : value_end + code_bytes].reshape(-1).contiguous()
+        codes = rows[:, value_end : value_end + code_bytes].reshape(-1)
         bits = kernels.unpack_codes(codes, 1, codes.numel() * 8).view(world_size, code_bytes * 8)
 
         low_end = n * width

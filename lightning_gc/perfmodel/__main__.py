@@ -44,6 +44,11 @@ def _count_from_module(path: str) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def _positive_rate(text: str, option: str) -> float:
+    """Bits per second of ``option``'s value (``1gbit``, ``2.5e9``), which must be > 0."""
+    return check_range(f"{option} (bits/s)", parse_rate(text, option), 0.0, None, low_inclusive=False)
+
+
 def _parse_costs(items: Sequence[str]) -> dict[str, tuple[float, float]]:
     """``NAME=ENCODE_MS,DECODE_MS`` -> {name: (encode_s, decode_s)}."""
     costs = {}
@@ -112,19 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_int("--world-size", args.world_size, 1)
-        bits = check_range(
-            "--bandwidth (bits/s)", parse_rate(args.bandwidth, "--bandwidth"), 0.0, None, low_inclusive=False
-        )
+        bits = _positive_rate(args.bandwidth, "--bandwidth")
         check_range("--latency-us", args.latency_us, 0.0, None)
-        host_bits = None
-        if args.host_bandwidth is not None:
-            host_bits = check_range(
-                "--host-bandwidth (bits/s)",
-                parse_rate(args.host_bandwidth, "--host-bandwidth"),
-                0.0,
-                None,
-                low_inclusive=False,
-            )
+        host_bits = None if args.host_bandwidth is None else _positive_rate(args.host_bandwidth, "--host-bandwidth")
         check_range("--compute-ms", args.compute_ms, 0.0, None)
         check_range("--overlap", args.overlap, 0.0, 1.0)
         check_int("--rounds", args.rounds, 1)
