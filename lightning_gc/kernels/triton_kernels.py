@@ -339,7 +339,9 @@ def _counter_uniform(key, offsets):
     return (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
-@triton.jit
+# Triton specialises integer arguments equal to 1 into compile-time constants, which have no
+# ``.to``: ``levels`` is 1 for TernGrad and ``key`` can be 1, so neither is specialised.
+@triton.jit(do_not_specialize=["key", "levels"])
 def _stochastic_quantize_kernel(
     values_ptr, factor_ptr, out_ptr, numel, n_bytes, key, levels,
     WIDTH: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
