@@ -1,6 +1,6 @@
 """Where the comm hook's time goes on one CPU core: DGC's per-step phases on a model's real gradients.
 
-The hook runs, per bucket (see lightning_gc/hook.py)::
+The hook runs, per bucket (lightning_gc/pipeline.py, timed here by its own Timeline)::
 
     screen      all_finite(grad)                  the default nonfinite="raise" check
     compensate  u <- m*u + g;  v <- v + u          memory.compensate
@@ -30,12 +30,14 @@ import torch
 
 from benchmarks.netbench.models import gradient_shapes
 from benchmarks.netbench.predict import real_gradients
-from lightning_gc.calibration import exchange_locally, layout_of_shapes
+from lightning_gc.calibration import layout_of_shapes
 from lightning_gc.compressors import DGCCompressor
-from lightning_gc.hook import all_finite, commit
+from lightning_gc.exchange import LocalExchange
+from lightning_gc.guard import StepGuard
 from lightning_gc.kernels import reference
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
+from lightning_gc.pipeline import Timeline, run_bucket
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 PHASES = ("screen", "compensate", "encode", "commit", "decode")
@@ -46,6 +48,11 @@ def _timed(work: Callable[..., object], *args: object, **kwargs: object) -> floa
     started = time.perf_counter()
     work(*args, **kwargs)
     return time.perf_counter() - started
+
+
+def _screen_by_isfinite(values: torch.Tensor) -> bool:
+    """The previous screen: ``isfinite`` writes a bool per element before reducing."""
+    return bool(torch.isfinite(values).all())
 
 
 def _search_by_row_maxima(values: torch.Tensor, threshold: torch.Tensor, scratch: reference.SelectionScratch) -> object:
@@ -69,29 +76,26 @@ def measure(model: str, repeats: int, ratio: float, world_size: int = 2) -> dict
     memory.set_specs({s.name: MomentumSpec(momentum=0.9) for s in layout.segments})
     grad = torch.empty(layout.numel)
     bucket = memory.bucket(layout, grad)
+    guard = StepGuard("raise", memory, compressor)
     largest = max(layout.segments, key=lambda s: s.numel)
     threshold = torch.tensor(0.0)
     magnitude, mask = torch.empty(largest.numel), torch.empty(largest.numel, dtype=torch.bool)
     scratch = reference.SelectionScratch()
     times: dict[str, list[float]] = {name: [] for name in PHASES + REFERENCES}
     for step in range(repeats + 2):  # two warm-up steps fill buffers and plans
-        grad.copy_(gradients[step % len(gradients)])
-        sample: dict[str, float] = {}
-        sample["screen"] = _timed(lambda: bool(all_finite(grad)))
-        sample["screen: isfinite().all()"] = _timed(lambda: bool(torch.isfinite(grad).all()))
-        started = time.perf_counter()
-        velocity = memory.compensate(bucket, grad, [], world_size)
-        sample["compensate"] = time.perf_counter() - started
-        values = largest.of(velocity)
+        gradient = gradients[step % len(gradients)]
+        grad.copy_(gradient)
+        timeline = Timeline()
+        run_bucket(
+            compressor, memory, bucket, grad, layout, LocalExchange(world_size), step=step, world_size=world_size,
+            guard=guard, timeline=timeline,
+        ).averaged.wait()  # fmt: skip
+        sample = {phase: timeline.seconds(phase) for phase in PHASES}
+        sample["screen: isfinite().all()"] = _timed(_screen_by_isfinite, gradient)
+        values = largest.of(bucket.velocity)  # after the commit: differs from encode's input in k places
         threshold.fill_(torch.quantile(values[:: max(1, values.numel() // 100_000)].abs(), 0.998).item())
         sample["search: row maxima"] = _timed(_search_by_row_maxima, values, threshold, scratch)
         sample["search: abs+ge+nonzero"] = _timed(_search_by_mask, values, threshold, magnitude, mask)
-        started = time.perf_counter()
-        encoded = compressor.encode(velocity, grad, layout, step=step, world_size=world_size)
-        sample["encode"] = time.perf_counter() - started
-        sample["commit"] = _timed(commit, memory, bucket, encoded)
-        exchange_locally(encoded, world_size)
-        sample["decode"] = _timed(compressor.decode, encoded, grad, world_size=world_size)
         if step >= 2:
             for name, seconds in sample.items():
                 times[name].append(seconds)

@@ -28,13 +28,15 @@ from typing import Any
 
 import torch
 
-from lightning_gc.compressors.base import Compressor, Encoded
+from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import argument_names, available, create
-from lightning_gc.hook import all_finite, commit
+from lightning_gc.exchange import LocalExchange
+from lightning_gc.guard import StepGuard
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
 from lightning_gc.perfmodel import CodecCost
+from lightning_gc.pipeline import DECODE_SIDE, ENCODE_SIDE, Timeline, run_bucket
 
 COLUMNS = 1024
 STEADY_STEP = 1_000_000
@@ -90,20 +92,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _payload_bytes(payload: torch.Tensor | None) -> int:
-    return 0 if payload is None else payload.numel() * payload.element_size()
-
-
-def exchange_locally(encoded: Encoded, world_size: int) -> None:
-    """Stand-in for one round's collectives when every rank sends what this rank sends: the
-    all-reduce sums ``world_size`` equal payloads, the all-gather repeats this one."""
-    if encoded.summed is not None:
-        encoded.summed.mul_(world_size)
-    if encoded.gathered is not None:
-        assert encoded.gathered_out is not None
-        encoded.gathered_out.view(world_size, -1).copy_(encoded.gathered.view(1, -1).expand(world_size, -1))
-
-
 class _OptimizerMomentum:
     """``torch.optim.SGD``'s momentum update over a gradient (``buf <- m*buf + g``), the
     work DGC's momentum correction takes out of the optimizer."""
@@ -154,43 +142,24 @@ def time_codec(
         gradients = [torch.randn(layout.numel, device=device, generator=generator)]
     grad = torch.empty(layout.numel, device=device)
     bucket = memory.bucket(layout, grad)
+    guard = StepGuard("raise", memory, compressor)  # the hook's default screen, host sync included
     encode_times, decode_times = [], []
     moved = _OptimizerMomentum(grad, momentum) if momentum > 0 else None
     for step in range(repeats + 1):  # step 0 warms up buffers and plans
         grad.copy_(gradients[step % len(gradients)].reshape(-1))
-        _sync(device)
-        started = time.perf_counter()
-        bool(all_finite(grad))  # the hook's default screen (nonfinite="raise"), host sync included
-        velocity = memory.compensate(bucket, grad, [], world_size)
-        encoded = compressor.encode(velocity, grad, layout, step=STEADY_STEP + step, world_size=world_size, rank=0)
-        summed = gathered = 0
-        while True:  # the hook's multi-round protocol (PowerSGD: P, then Q)
-            summed += _payload_bytes(encoded.summed)
-            gathered += _payload_bytes(encoded.gathered)
-            if encoded.next_round is None:
-                break
-            exchange_locally(encoded, world_size)
-            encoded = encoded.next_round()
-        if not encoded.commit_after_decode:
-            commit(memory, bucket, encoded)
-        _sync(device)
-        encoded_at = time.perf_counter()
-        exchange_locally(encoded, world_size)
-        _sync(device)
-        decode_started = time.perf_counter()
-        compressor.decode(encoded, grad, world_size=world_size)
-        if encoded.commit_after_decode:
-            commit(memory, bucket, encoded)
-        _sync(device)
-        decoded_at = time.perf_counter()
+        timeline, exchange = Timeline(sync=lambda: _sync(device)), LocalExchange(world_size)
+        run_bucket(
+            compressor, memory, bucket, grad, layout, exchange, step=STEADY_STEP + step, world_size=world_size,
+            guard=guard, timeline=timeline,
+        ).averaged.wait()  # fmt: skip
         moved_s = 0.0 if moved is None else moved.time(device)
         if step:
-            encode_times.append(max(0.0, encoded_at - started - moved_s))
-            decode_times.append(decoded_at - decode_started)
+            encode_times.append(max(0.0, timeline.seconds(*ENCODE_SIDE) - moved_s))
+            decode_times.append(timeline.seconds(*DECODE_SIDE))
     return CodecCost(
         name=compressor.name,
-        summed_bytes=summed,
-        gathered_bytes=gathered,
+        summed_bytes=exchange.summed_bytes,
+        gathered_bytes=exchange.gathered_bytes,
         encode_s=statistics.median(encode_times),
         decode_s=statistics.median(decode_times),
     )

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_gc import kernels
+from lightning_gc.compressors.base import Encoded
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.momentum import NO_MOMENTUM, MomentumSpec
 
@@ -65,6 +66,11 @@ class BucketMemory:
     pieces: list[CompensationPiece] = field(default_factory=list)
     backup: list[torch.Tensor] = field(default_factory=list)  # copies of (velocity, momentum), reused
     backed_up: bool = False  # the backup holds the state before the current step
+    aside: list[tuple[Segment, list[torch.Tensor]]] = field(default_factory=list)  # see set_aside
+
+    def state(self) -> list[torch.Tensor]:
+        """The flat buffers that hold this bucket's state: velocity, and momentum if any."""
+        return [t for t in (self.velocity, self.momentum) if t is not None]
 
 
 class CompensationMemory:
@@ -78,7 +84,7 @@ class CompensationMemory:
         clip_norm: local gradient clipping threshold before accumulation; each tensor's gradient
             is clipped to L2 norm ``clip_norm / sqrt(world_size)``. ``None`` disables clipping.
         error_feedback: keep what was not sent for later steps. Without it the velocity is
-            dropped after every send (:meth:`end_step`): right for unbiased compressors, whose
+            dropped after every send (:meth:`commit`): right for unbiased compressors, whose
             errors average out, and the momentum recurrence is unaffected.
             Clipping is per tensor because a comm hook sees one bucket at a time, never the
             whole model's gradient.
@@ -190,9 +196,41 @@ class CompensationMemory:
 
     # ------------------------------------------------------------------ the update
     def compensate(
+        self,
+        memory: BucketMemory,
+        grad: torch.Tensor,
+        params: list[torch.Tensor],
+        world_size: int,
+        *,
+        absent: list[Segment] | None = None,
+        loss_scale: float | None = None,
+    ) -> torch.Tensor:
+        """Fold the local gradient ``grad`` into the velocity and return it (``grad`` may be overwritten).
+
+        ``loss_scale``: the gradient is ``s * g`` (mixed precision); memory works on ``g`` (exact:
+        ``s`` is a power of 2) and :meth:`restore_loss_scale` scales the decoded average back.
+        ``absent``: segments of parameters that got no gradient on any rank; their state is set
+        aside (:meth:`set_aside`) until :meth:`commit`, and nothing of them is sent.
+        """
+        if loss_scale is not None:
+            grad.div_(loss_scale)
+        memory.aside = self.set_aside(memory, absent) if absent else []
+        velocity = self._accumulate(memory, grad, params, world_size)
+        for segment, _ in memory.aside:
+            segment.of(velocity).zero_()
+        return velocity
+
+    @staticmethod
+    def restore_loss_scale(averaged: torch.Tensor, loss_scale: float | None) -> None:
+        """Undo :meth:`compensate`'s unscaling on the decoded average, so that a grad scaler's own
+        unscaling and overflow checks see the scaled gradient they expect."""
+        if loss_scale is not None:
+            averaged.mul_(loss_scale)
+
+    def _accumulate(
         self, memory: BucketMemory, grad: torch.Tensor, params: list[torch.Tensor], world_size: int
     ) -> torch.Tensor:
-        """Fold the local gradient ``grad`` into the velocity and return it (``grad`` may be overwritten)."""
+        """The DGC update (module docstring) of every piece of the bucket, in place on the velocity."""
         threshold = None if self.clip_norm is None else self.clip_norm / math.sqrt(world_size)
         for piece in memory.pieces:
             g = grad[piece.start : piece.stop]
@@ -215,6 +253,20 @@ class CompensationMemory:
                 param=param,
             )
         return memory.velocity
+
+    def commit(self, memory: BucketMemory, encoded: Encoded) -> None:
+        """Record what left this rank for one bucket, as ``encoded`` describes it, then end the
+        bucket's step: drop the residual without error feedback, restore set-aside state."""
+        if encoded.sent_indices is not None:
+            assert encoded.sent_values is not None
+            self.commit_sparse(memory, encoded.sent_indices, encoded.sent_values)
+        if encoded.dense_all or encoded.dense_positions is not None:
+            positions = None if encoded.dense_all else encoded.dense_positions
+            self.commit_dense(memory, positions, encoded.dense_sent)
+        if not self.error_feedback:
+            memory.velocity.zero_()
+        self.put_back(memory, memory.aside)
+        memory.aside = []
 
     def commit_sparse(self, memory: BucketMemory, indices: torch.Tensor, sent: torch.Tensor) -> None:
         """Record that the pairs ``(indices, sent)`` left: ``v[i] -= sent``, and with masking
@@ -239,25 +291,19 @@ class CompensationMemory:
         else:
             velocity.index_add_(0, positions, sent.to(velocity.dtype), alpha=-1)
 
-    def end_step(self, memory: BucketMemory) -> None:
-        """After the bucket's commits: without error feedback, forget the residual."""
-        if not self.error_feedback:
-            memory.velocity.zero_()
-
     # ------------------------------------------------------------------ parameters without a gradient
     def set_aside(self, memory: BucketMemory, segments: list[Segment]) -> list[tuple[Segment, list[torch.Tensor]]]:
         """Copies of the state of ``segments``: parameters that got no gradient this step (unused
-        in the forward pass). The hook zeroes their velocity before encoding, so nothing of them
-        is sent (DDP would drop it for a globally unused parameter), and :meth:`put_back` restores
-        them after the commit: like ``torch.optim.SGD`` skipping a parameter whose ``grad`` is
+        in the forward pass). :meth:`compensate` zeroes their velocity before encoding, so nothing
+        of them is sent (DDP would drop it for a globally unused parameter), and :meth:`put_back`
+        restores them in :meth:`commit`: like ``torch.optim.SGD`` skipping a parameter whose ``grad`` is
         ``None``, their residual and momentum are kept as they were, and no weight decay applies."""
-        return [(s, [s.of(t).clone() for t in (memory.velocity, memory.momentum) if t is not None]) for s in segments]
+        return [(s, [s.of(t).clone() for t in memory.state()]) for s in segments]
 
     def put_back(self, memory: BucketMemory, aside: list[tuple[Segment, list[torch.Tensor]]]) -> None:
         """Restore what :meth:`set_aside` copied."""
-        state = [t for t in (memory.velocity, memory.momentum) if t is not None]
         for segment, copies in aside:
-            for tensor, copy in zip(state, copies):
+            for tensor, copy in zip(memory.state(), copies):
                 segment.of(tensor).copy_(copy)
 
     # ------------------------------------------------------------------ rolling a step back
@@ -266,7 +312,7 @@ class CompensationMemory:
         (used when a step must be skipped, e.g. for non-finite gradients). Buffers are reused."""
         if memory.backed_up:
             return
-        state = [t for t in (memory.velocity, memory.momentum) if t is not None]
+        state = memory.state()
         if [b.shape for b in memory.backup] != [t.shape for t in state]:
             memory.backup = [torch.empty_like(t) for t in state]
         for copy, tensor in zip(memory.backup, state):
@@ -277,8 +323,7 @@ class CompensationMemory:
         """Restore every bucket backed up in this step to its state before the step."""
         for memory in self._buckets.values():
             if memory.backed_up:
-                state = [t for t in (memory.velocity, memory.momentum) if t is not None]
-                for tensor, copy in zip(state, memory.backup):
+                for tensor, copy in zip(memory.state(), memory.backup):
                     tensor.copy_(copy)
 
     def end_of_step(self) -> None:

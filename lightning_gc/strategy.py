@@ -34,7 +34,8 @@ from lightning_gc.compressors.registry import argument_names, compressor_class
 from lightning_gc.compressors.registry import available as available_compressors
 from lightning_gc.compressors.registry import create as create_compressor
 from lightning_gc.consistency import verify_same_parameters, verify_same_setup
-from lightning_gc.hook import NONFINITE_POLICIES, CompressionHookState, compression_hook
+from lightning_gc.guard import NONFINITE_POLICIES
+from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_momentum_specs
 from lightning_gc.selective import CompressWhenFaster, agreed

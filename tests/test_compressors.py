@@ -228,7 +228,6 @@ NARROW_WIRE = {"index_encoding": "elias_fano", "value_dtype": "float16", "dense_
 )
 def test_error_feedback_loses_nothing(name: str, wire: dict) -> None:
     """Over many steps: everything decoded + what memory still holds == every gradient fed in."""
-    from lightning_gc.hook import commit
     from lightning_gc.memory import CompensationMemory
 
     ratio = {"compress_ratio": 0.05} if name in ("topk", "dgc", "randomk", "fft") else {}
@@ -244,7 +243,7 @@ def test_error_feedback_loses_nothing(name: str, wire: dict) -> None:
         state = memory.bucket(layout, g)
         velocity = memory.compensate(state, g.clone(), params, world_size=1)
         decoded, encoded, _ = _round_trip(compressor, velocity, layout, step)
-        commit(memory, state, encoded)
+        memory.commit(state, encoded)
         received += decoded.double()
     torch.testing.assert_close(received + state.velocity.double(), fed, rtol=0, atol=1e-4)
 
@@ -299,7 +298,7 @@ def test_k_is_the_ceiling_of_the_decimal_ratio_times_the_size(ratio: str) -> Non
 def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> None:
     """fp16 bucket, 2 ranks at 40000: the sum (80000) does not fit fp16, the mean does; what this
     rank sent (for memory) is finite too, though QSGD's decoded values can reach the norm (80000)."""
-    from lightning_gc.calibration import exchange_locally
+    from lightning_gc.exchange import LocalExchange
 
     layout, _ = _layout_and_params([(4, 4)])
     velocity = torch.full((layout.numel,), 40_000.0, dtype=torch.float16)
@@ -307,7 +306,7 @@ def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> 
     out = torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, layout, step=0, world_size=2, rank=0)
     assert encoded.dense_sent is None or encoded.dense_sent.isfinite().all()
-    exchange_locally(encoded, 2)
+    LocalExchange(2).launch(encoded)
     compressor.decode(encoded, out, world_size=2)
     assert out.isfinite().all()
     if name != "qsgd":  # QSGD is stochastic: unbiased, not exact

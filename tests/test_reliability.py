@@ -150,7 +150,7 @@ def test_non_finite_gradient_raises_naming_the_parameter(tmp_path: Path) -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_the_finiteness_screen_sees_any_single_bad_element(dtype: torch.dtype, bad: float) -> None:
-    from lightning_gc.hook import all_finite
+    from lightning_gc.guard import all_finite
 
     values = torch.randn(10_001, generator=torch.Generator().manual_seed(0)).to(dtype) * 1e3
     values[0] = torch.finfo(dtype).max  # large but finite: no false alarm

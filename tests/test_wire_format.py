@@ -17,7 +17,6 @@ from lightning_gc.compressors.wire import (
     elias_fano_bits,
     low_bits,
 )
-from lightning_gc.hook import commit
 from lightning_gc.layout import BucketLayout
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
@@ -328,7 +327,7 @@ def test_narrow_dense_tensors_keep_their_rounding_error_in_memory(dense_dtype: s
     rounded = [v.to(wire_dtype) for v in velocities]
     for rank, ((out, encoded), memory, state) in enumerate(zip(exchanged, memories, states)):
         momentum_before = state.momentum.clone()
-        commit(memory, state, encoded)
+        memory.commit(state, encoded)
         for segment in dense:
             v = segment.of(velocities[rank])
             residual = v - segment.of(rounded[rank]).float()
@@ -491,7 +490,7 @@ def test_values_beyond_fp16_range_saturate_and_the_excess_stays_in_memory(encodi
         exchanged = _exchange(compressors, [state.velocity for state in states], layout, step=step)
         for (out, encoded), memory, state in zip(exchanged, memories, states):
             assert out.isfinite().all()
-            commit(memory, state, encoded)
+            memory.commit(state, encoded)
         delivered += exchanged[0][0]
     assert delivered[big] == pytest.approx(1e6) and delivered[dense_position] == pytest.approx(-1e6)
     assert all(state.velocity.abs().max() < 1 for state in states)  # nothing left behind, nothing lost

@@ -1,0 +1,110 @@
+"""The step guard: what a non-finite local gradient does to a step.
+
+Two policies:
+
+* ``"raise"``: ``FloatingPointError`` naming the parameters, before anything enters memory (one
+  host sync per bucket);
+* ``"skip"``: every rank skips the step, and memory, compressor state and step counter are rolled
+  back to before it. Each bucket's state is copied aside once per step (buffers reused), and one
+  4-byte all-reduce per step in :meth:`StepGuard.settle` makes every rank agree.
+
+Under a mixed-precision grad scaler steps are always guarded as with ``"skip"``: the scaler
+expects overflowing steps to be skipped and backs its scale off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_gc import comm
+from lightning_gc._validation import check_choice
+from lightning_gc.compressors.base import Compressor
+from lightning_gc.layout import BucketLayout
+from lightning_gc.memory import BucketMemory, CompensationMemory
+
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+def all_finite(values: torch.Tensor) -> torch.Tensor:
+    """Whether every element of ``values`` is finite, as a 0-d bool tensor on its device (no sync).
+
+    Read from ``aminmax``: a NaN anywhere makes both extremes NaN, and ``+-inf`` is an extreme.
+    One vectorised read-only pass; ``isfinite(values).all()`` writes a bool per element first and
+    costs about 30x more on one CPU core (62 ms per step on ResNet-18's 11 M parameters).
+    An empty tensor (e.g. a zero-size parameter) is finite.
+    """
+    if values.numel() == 0:  # aminmax refuses empty input
+        return torch.ones((), dtype=torch.bool, device=values.device)
+    low, high = torch.aminmax(values)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
+class StepGuard:
+    """Screens each bucket's local gradient and, when guarding, settles the step on every rank.
+
+    Args:
+        policy: ``"raise"`` or ``"skip"`` (module docstring).
+        memory: the rank's compensation memory, backed up per bucket while guarding.
+        compressor: its state is snapshot at the step's first bucket and restored on a skip.
+        rank: this rank, for error messages.
+        group: the process group :meth:`settle` agrees over.
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        memory: CompensationMemory,
+        compressor: Compressor,
+        *,
+        rank: int = 0,
+        group: comm.ProcessGroup = None,
+    ) -> None:
+        self.policy = check_choice("nonfinite", policy, NONFINITE_POLICIES)
+        self.memory = memory
+        self.compressor = compressor
+        self.rank = rank
+        self.group = group
+        self._seen: torch.Tensor | None = None  # any non-finite bucket in this step (device bool)
+        self._open_at: int | None = None  # the step counter when the step's first bucket was screened
+        self._compressor_state: dict[str, Any] = {}
+
+    def guarding(self, loss_scaled: bool) -> bool:
+        """Whether steps are backed up so that a non-finite one can be skipped on every rank."""
+        return self.policy == "skip" or loss_scaled
+
+    def screen(
+        self, grad: torch.Tensor, layout: BucketLayout, bucket: BucketMemory, *, step: int, loss_scaled: bool
+    ) -> None:
+        """Check the bucket's local gradient before it enters memory (see the module docstring)."""
+        finite = all_finite(grad)
+        if self.guarding(loss_scaled):
+            if self._open_at is None:
+                self._open_at = step
+                self._compressor_state = self.compressor.state_dict()
+            self.memory.back_up(bucket)
+            bad = finite.logical_not()
+            self._seen = bad if self._seen is None else self._seen | bad
+        elif not bool(finite):
+            names = [s.name for s in layout.segments if not bool(all_finite(s.of(grad)))]
+            raise FloatingPointError(
+                f"lightning_gc: non-finite gradient on rank {self.rank} in {names} (step {step}); "
+                "nothing of it entered the compression memory. Pass nonfinite='skip' to skip such steps instead"
+            )
+
+    def settle(self) -> int | None:
+        """After a synchronising backward pass, on every rank: ``None`` if the step stands, else the
+        step counter to return to, after memory and compressor state were rolled back because some
+        rank saw a non-finite gradient."""
+        if self._open_at is None:
+            return None
+        assert self._seen is not None
+        restored: int | None = None
+        if comm.any_rank(self._seen, self.group):
+            self.memory.roll_back()
+            self.compressor.load_state_dict(self._compressor_state)
+            restored = self._open_at
+        self.memory.end_of_step()
+        self._seen, self._open_at, self._compressor_state = None, None, {}
+        return restored

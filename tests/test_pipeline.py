@@ -1,0 +1,142 @@
+"""The per-bucket pipeline on one process, with the local stand-in exchange (lightning_gc.pipeline)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.futures import Future
+
+from lightning_gc.calibration import layout_of_shapes
+from lightning_gc.compressors import create
+from lightning_gc.exchange import Exchange, LocalExchange
+from lightning_gc.guard import StepGuard
+from lightning_gc.memory import CompensationMemory
+from lightning_gc.momentum import MomentumSpec
+from lightning_gc.pipeline import EXCHANGE, Timeline, run_bucket
+
+SHAPES = [(64, 50), (50,), (30, 40)]
+
+
+def _memory(momentum: float = 0.0, error_feedback: bool = True) -> CompensationMemory:
+    memory = CompensationMemory(
+        momentum_correction=momentum > 0, momentum_masking=True, clip_norm=None, error_feedback=error_feedback
+    )
+    memory.set_specs({f"t{i}": MomentumSpec(momentum=momentum) for i in range(len(SHAPES))})
+    return memory
+
+
+def _gradient(step: int) -> torch.Tensor:
+    layout = layout_of_shapes(SHAPES)
+    return torch.randn(layout.numel, generator=torch.Generator().manual_seed(step))
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_identity_codec_returns_the_average_and_keeps_nothing(world_size: int) -> None:
+    """With every rank sending the same gradient, the all-reduce average is that gradient."""
+    layout, memory = layout_of_shapes(SHAPES), _memory()
+    grad = _gradient(0)
+    expected = grad.clone()
+    bucket = memory.bucket(layout, grad)
+    sent = run_bucket(
+        create("none"), memory, bucket, grad, layout, LocalExchange(world_size), step=0, world_size=world_size
+    )
+    assert sent.averaged.wait() is grad
+    torch.testing.assert_close(grad, expected)
+    assert sent.bytes_sent == layout.numel * 4 and sent.elements_sent == layout.numel
+    assert torch.count_nonzero(bucket.velocity) == 0
+
+
+@pytest.mark.parametrize("name", ["dgc", "powersgd", "qsgd"])
+def test_nothing_is_lost_through_the_pipeline(name: str) -> None:
+    """Over several steps: everything decoded + what memory holds == every gradient fed in,
+    whichever phases the compressor needs (PowerSGD: two rounds and a commit after decode)."""
+    compressor = create(name, **({"compress_ratio": 0.05} if name == "dgc" else {}))
+    layout, memory = layout_of_shapes(SHAPES), _memory(error_feedback=True)
+    fed = torch.zeros(layout.numel, dtype=torch.float64)
+    received = torch.zeros_like(fed)
+    for step in range(6):
+        grad = _gradient(step)
+        fed += grad.double()
+        bucket = memory.bucket(layout, grad)
+        sent = run_bucket(compressor, memory, bucket, grad, layout, LocalExchange(1), step=step, world_size=1)
+        received += sent.averaged.wait().double()
+    torch.testing.assert_close(received + bucket.velocity.double(), fed, rtol=0, atol=1e-4)
+
+
+def test_timeline_records_every_phase_in_order_and_rounds_as_exchange_waits() -> None:
+    layout, memory = layout_of_shapes(SHAPES), _memory()
+    grad = _gradient(1)
+    bucket = memory.bucket(layout, grad)
+    guard = StepGuard("raise", memory, create("powersgd"))
+    seen: list[Timeline] = []
+    timeline = Timeline()
+    run_bucket(
+        create("powersgd"), memory, bucket, grad, layout, LocalExchange(2), step=0, world_size=2, guard=guard,
+        timeline=timeline, on_decoded=seen.append,
+    ).averaged.wait()  # fmt: skip
+    names = [name for name, _ in timeline.phases]
+    assert names == ["screen", "compensate", "encode", EXCHANGE, "encode", "launch", "decode", "commit after decode"]
+    assert seen == [timeline]
+    assert timeline.seconds() == pytest.approx(sum(s for n, s in timeline.phases if n != EXCHANGE))
+
+
+def test_loss_scale_is_taken_out_for_memory_and_put_back_on_the_average() -> None:
+    layout, memory = layout_of_shapes(SHAPES), _memory()
+    unscaled = _gradient(2)
+    grad = unscaled * 1024.0
+    bucket = memory.bucket(layout, grad)
+    run_bucket(
+        create("dgc", compress_ratio=0.05), memory, bucket, grad, layout, LocalExchange(1), step=0, world_size=1,
+        loss_scale=1024.0,
+    ).averaged.wait()  # fmt: skip
+    sent = grad / 1024.0
+    torch.testing.assert_close(sent + bucket.velocity, unscaled)  # memory kept the unscaled remainder
+    assert bucket.velocity.abs().max() <= unscaled.abs().max()
+
+
+def test_absent_parameters_send_nothing_and_keep_their_state() -> None:
+    layout, memory = layout_of_shapes(SHAPES), _memory(momentum=0.9)
+    first = _gradient(3)
+    bucket = memory.bucket(layout, first)
+    run_bucket(create("none"), memory, bucket, first, layout, LocalExchange(1), step=0, world_size=1).averaged.wait()
+    absent = [layout.segments[2]]
+    before = [absent[0].of(t).clone() for t in bucket.state()]
+    grad = _gradient(4)
+    run_bucket(
+        create("none"), memory, bucket, grad, layout, LocalExchange(1), step=1, world_size=1, absent=absent
+    ).averaged.wait()
+    assert torch.count_nonzero(absent[0].of(grad)) == 0  # nothing of it was sent
+    for after, kept in zip(bucket.state(), before):
+        assert torch.equal(absent[0].of(after), kept)
+    assert torch.count_nonzero(layout.segments[0].of(grad)) > 0
+    assert bucket.aside == []
+
+
+class _Failing(Exchange):
+    def launch(self, encoded):  # type: ignore[no-untyped-def]
+        future: Future[object] = Future()
+        future.set_exception(ConnectionError("peer gone"))
+        return future
+
+
+def test_a_failed_exchange_raises_the_error_the_caller_asked_for() -> None:
+    layout, memory = layout_of_shapes(SHAPES), _memory()
+    grad = _gradient(5)
+    bucket = memory.bucket(layout, grad)
+    sent = run_bucket(
+        create("none"), memory, bucket, grad, layout, _Failing(), step=7, world_size=2,
+        failure=lambda error: RuntimeError(f"bucket 0 failed: {error}"),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="bucket 0 failed: peer gone"):
+        sent.averaged.wait()
+
+
+def test_the_guard_stops_a_non_finite_gradient_before_memory_sees_it() -> None:
+    layout, memory = layout_of_shapes(SHAPES), _memory()
+    grad = _gradient(6)
+    grad[layout.segments[1].start] = float("nan")
+    bucket = memory.bucket(layout, grad)
+    guard = StepGuard("raise", memory, create("none"))
+    with pytest.raises(FloatingPointError, match=r"\['t1'\]"):
+        run_bucket(create("none"), memory, bucket, grad, layout, LocalExchange(1), step=0, world_size=1, guard=guard)
+    assert torch.count_nonzero(bucket.velocity) == 0
