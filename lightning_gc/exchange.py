@@ -3,10 +3,13 @@
 The per-bucket pipeline (:mod:`lightning_gc.pipeline`) is fixed; only the exchange varies. An
 exchange takes one round of :class:`~lightning_gc.compressors.base.Encoded` and launches its
 collectives *from the caller's thread* (the comm hook, in bucket order on every rank, see
-:mod:`lightning_gc.comm`), returning a future that completes when decode may read the result:
+:mod:`lightning_gc.comm`), returning a future of the round that decode is to read, whose
 
-* ``summed`` is replaced in place by its sum over ranks;
-* ``gathered_out`` receives every rank's ``gathered`` payload, in rank order.
+* ``summed`` holds the sum over ranks of what they put there;
+* ``gathered_out`` holds every rank's ``gathered`` payload, in rank order.
+
+The immediate exchanges below resolve to the round they were given; a delayed exchange resolves
+to a round launched earlier.
 
 Invariant for every exchange: with the identity codec (sending the bucket whole through
 ``summed``) it equals DDP's all-reduce. Delayed, hierarchical and two-phase exchanges are further
@@ -29,8 +32,8 @@ class Exchange(ABC):
     """Moves one round of a bucket's payload between ranks (see the module docstring)."""
 
     @abstractmethod
-    def launch(self, encoded: Encoded) -> Future[Any]:
-        """Start the collectives of ``encoded``; the future completes when all have."""
+    def launch(self, encoded: Encoded) -> Future[Encoded]:
+        """Start the collectives of ``encoded``; the future resolves to the round to decode."""
 
 
 def _payloads(encoded: Encoded) -> None:
@@ -50,15 +53,16 @@ class CollectiveExchange(Exchange):
     def __init__(self, group: comm.ProcessGroup = None) -> None:
         self.group = group
 
-    def launch(self, encoded: Encoded) -> Future[Any]:
+    def launch(self, encoded: Encoded) -> Future[Encoded]:
         _payloads(encoded)
-        futures = []
+        futures: list[Future[Any]] = []
         if encoded.summed is not None:
             futures.append(comm.allreduce_sum(encoded.summed, self.group))
         if encoded.gathered is not None:
             assert encoded.gathered_out is not None
             futures.append(comm.allgather_fixed(encoded.gathered, encoded.gathered_out, self.group))
-        return futures[0] if len(futures) == 1 else collect_all(futures)
+        joined = futures[0] if len(futures) == 1 else collect_all(futures).then(_raise_first_error)
+        return joined.then(lambda done: _completed(done, encoded))
 
 
 class LocalExchange(Exchange):
@@ -72,7 +76,7 @@ class LocalExchange(Exchange):
         self.summed_bytes = 0
         self.gathered_bytes = 0
 
-    def launch(self, encoded: Encoded) -> Future[Any]:
+    def launch(self, encoded: Encoded) -> Future[Encoded]:
         _payloads(encoded)
         self.summed_bytes += payload_bytes(encoded.summed)
         self.gathered_bytes += payload_bytes(encoded.gathered)
@@ -82,9 +86,19 @@ class LocalExchange(Exchange):
             assert encoded.gathered_out is not None
             rows = encoded.gathered_out.view(self.world_size, -1)
             rows.copy_(encoded.gathered.view(1, -1).expand(self.world_size, -1))
-        done: Future[Any] = Future()
-        done.set_result(None)
+        done: Future[Encoded] = Future()
+        done.set_result(encoded)
         return done
+
+
+def _raise_first_error(done: Future[list[Future[Any]]]) -> None:
+    for future in done.value():
+        future.value()  # re-raises a failed collective's error
+
+
+def _completed(done: Future[Any], encoded: Encoded) -> Encoded:
+    done.value()  # a failed collective fails the round instead of passing on whatever the buffers hold
+    return encoded
 
 
 def payload_bytes(payload: torch.Tensor | None) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.futures import Future
@@ -140,15 +141,15 @@ def run_bucket(
         timeline.mark("commit")
     launched = exchange.launch(encoded)
     timeline.mark("launch")  # before `.then` below: decode may run on another thread once attached
-    final: Encoded = encoded
 
-    def decode(done: Future[object]) -> torch.Tensor:
+    def decode(done: Future[Encoded]) -> torch.Tensor:
         _wait(done, failure)
+        received = done.value()
         timeline.start()
-        compressor.decode(final, grad, world_size=world_size)
+        compressor.decode(received, grad, world_size=world_size)
         timeline.mark("decode")
-        if final.commit_after_decode:
-            memory.commit(bucket, final)
+        if received.commit_after_decode:
+            memory.commit(bucket, received)
             timeline.mark(COMMIT_AFTER_DECODE)
         memory.restore_loss_scale(grad, loss_scale)
         if on_decoded is not None:
@@ -162,7 +163,7 @@ def run_bucket(
     )
 
 
-def _wait(future: Future[object], failure: Callable[[Exception], Exception] | None) -> None:
+def _wait(future: Future[Any], failure: Callable[[Exception], Exception] | None) -> None:
     try:
         future.wait()
     except Exception as error:
