@@ -46,7 +46,7 @@ class StepGuard:
 
     Args:
         policy: ``"raise"`` or ``"skip"`` (module docstring).
-        memory: the rank's compensation memory, backed up per bucket while guarding.
+        memory: the rank's compensation memory; each bucket's state is backed up while guarding.
         compressor: its state is snapshot at the step's first bucket and restored on a skip.
         rank: this rank, for error messages.
         group: the process group :meth:`settle` agrees over.
@@ -69,6 +69,8 @@ class StepGuard:
         self._seen: torch.Tensor | None = None  # any non-finite bucket in this step (device bool)
         self._open_at: int | None = None  # the step counter when the step's first bucket was screened
         self._compressor_state: dict[str, Any] = {}
+        self._backups: dict[int, tuple[BucketMemory, list[torch.Tensor]]] = {}  # by id(bucket); reused
+        self._backed_up: set[int] = set()  # buckets whose backup holds the state before this step
 
     def guarding(self, loss_scaled: bool) -> bool:
         """Whether steps are backed up so that a non-finite one can be skipped on every rank."""
@@ -83,7 +85,7 @@ class StepGuard:
             if self._open_at is None:
                 self._open_at = step
                 self._compressor_state = self.compressor.state_dict()
-            self.memory.back_up(bucket)
+            self._back_up(bucket)
             bad = finite.logical_not()
             self._seen = bad if self._seen is None else self._seen | bad
         elif not bool(finite):
@@ -102,9 +104,29 @@ class StepGuard:
         assert self._seen is not None
         restored: int | None = None
         if comm.any_rank(self._seen, self.group):
-            self.memory.roll_back()
+            self._roll_back()
             self.compressor.load_state_dict(self._compressor_state)
             restored = self._open_at
-        self.memory.end_of_step()
+        self._backed_up.clear()
         self._seen, self._open_at, self._compressor_state = None, None, {}
         return restored
+
+    def _back_up(self, bucket: BucketMemory) -> None:
+        """Copy the bucket's state aside, once per step; the copies' buffers are reused."""
+        if id(bucket) in self._backed_up:
+            return
+        state = bucket.state()
+        _, copies = self._backups.get(id(bucket), (bucket, []))
+        if [c.shape for c in copies] != [t.shape for t in state]:
+            copies = [torch.empty_like(t) for t in state]
+        for copy, tensor in zip(copies, state):
+            copy.copy_(tensor)
+        self._backups[id(bucket)] = (bucket, copies)  # holding the bucket keeps its id unique
+        self._backed_up.add(id(bucket))
+
+    def _roll_back(self) -> None:
+        """Restore every bucket backed up in this step to its state before the step."""
+        for key in self._backed_up:
+            bucket, copies = self._backups[key]
+            for tensor, copy in zip(bucket.state(), copies):
+                tensor.copy_(copy)

@@ -17,10 +17,9 @@ after which the compressor sends part of ``v`` and the memory is told what left:
 Invariant: for every element, ``v + (everything sent so far) == sum of the inputs to v``: nothing
 is lost, only delayed.
 
-State is *keyed by parameter name* but *stored flat per bucket*: each bucket gets one contiguous
-velocity (and momentum) buffer so the update is a few vectorised passes, and each parameter's state
-is a view into it. When DDP rebuilds its buckets, the new flat buffers are filled from the old
-views, so no state is lost or misattributed.
+State is *keyed by parameter name* but *stored flat per bucket* (:mod:`lightning_gc.flatstate`):
+one contiguous velocity (and momentum) buffer per bucket, so the update is a few vectorised passes,
+carried over by name when DDP rebuilds its buckets.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import torch
 
 from lightning_gc import kernels
 from lightning_gc.compressors.base import Encoded
+from lightning_gc.flatstate import FlatState
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.momentum import NO_MOMENTUM, MomentumSpec
 
@@ -64,8 +64,6 @@ class BucketMemory:
     momentum: torch.Tensor | None
     spec_version: int = -1
     pieces: list[CompensationPiece] = field(default_factory=list)
-    backup: list[torch.Tensor] = field(default_factory=list)  # copies of (velocity, momentum), reused
-    backed_up: bool = False  # the backup holds the state before the current step
     aside: list[tuple[Segment, list[torch.Tensor]]] = field(default_factory=list)  # see set_aside
 
     def state(self) -> list[torch.Tensor]:
@@ -105,8 +103,7 @@ class CompensationMemory:
         self._specs: dict[str, MomentumSpec] = {}
         self._spec_version = 0
         self._buckets: dict[int, BucketMemory] = {}
-        self._views: dict[str, dict[str, torch.Tensor]] = {}
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._state = FlatState(_STATE_NAMES)
 
     # ------------------------------------------------------------------ configuration
     def config(self) -> dict[str, object]:
@@ -141,28 +138,8 @@ class CompensationMemory:
 
     def _bind(self, layout: BucketLayout, like: torch.Tensor) -> BucketMemory:
         needs_momentum = any(self.spec(s.name).momentum != 0.0 for s in layout.segments)
-        flat = {
-            "velocity": torch.zeros(layout.numel, dtype=like.dtype, device=like.device),
-            "momentum": torch.zeros(layout.numel, dtype=like.dtype, device=like.device) if needs_momentum else None,
-        }
-        for segment in layout.segments:
-            previous = self._views.get(segment.name) or self._pending.pop(segment.name, {})
-            views = {}
-            for state_name, buffer in flat.items():
-                if buffer is None:
-                    continue
-                view = segment.of(buffer)
-                if state_name in previous:
-                    source = previous[state_name]
-                    if source.numel() != view.numel():
-                        raise RuntimeError(
-                            f"compression state for {segment.name!r} has {source.numel()} elements, "
-                            f"the parameter has {view.numel()}"
-                        )
-                    view.copy_(source.reshape(-1))
-                views[state_name] = view
-            self._views[segment.name] = views
-        return BucketMemory(layout=layout, velocity=flat["velocity"], momentum=flat["momentum"])
+        flat = self._state.bind(layout, like, _STATE_NAMES if needs_momentum else _STATE_NAMES[:1])
+        return BucketMemory(layout=layout, velocity=flat["velocity"], momentum=flat.get("momentum"))
 
     def _plan_pieces(self, memory: BucketMemory) -> None:
         memory.pieces = []
@@ -189,9 +166,7 @@ class CompensationMemory:
                 )
             )
         if memory.momentum is None and any(piece.momentum != 0.0 for piece in memory.pieces):
-            memory.momentum = torch.zeros_like(memory.velocity)
-            for segment in memory.layout.segments:
-                self._views[segment.name]["momentum"] = segment.of(memory.momentum)
+            memory.momentum = self._state.add(memory.layout, "momentum", memory.velocity)
         memory.spec_version = self._spec_version
 
     # ------------------------------------------------------------------ the update
@@ -306,44 +281,12 @@ class CompensationMemory:
             for tensor, copy in zip(memory.state(), copies):
                 segment.of(tensor).copy_(copy)
 
-    # ------------------------------------------------------------------ rolling a step back
-    def back_up(self, memory: BucketMemory) -> None:
-        """Copy the bucket's state aside, once per step, so that :meth:`roll_back` can undo the step
-        (used when a step must be skipped, e.g. for non-finite gradients). Buffers are reused."""
-        if memory.backed_up:
-            return
-        state = memory.state()
-        if [b.shape for b in memory.backup] != [t.shape for t in state]:
-            memory.backup = [torch.empty_like(t) for t in state]
-        for copy, tensor in zip(memory.backup, state):
-            copy.copy_(tensor)
-        memory.backed_up = True
-
-    def roll_back(self) -> None:
-        """Restore every bucket backed up in this step to its state before the step."""
-        for memory in self._buckets.values():
-            if memory.backed_up:
-                for tensor, copy in zip(memory.state(), memory.backup):
-                    tensor.copy_(copy)
-
-    def end_of_step(self) -> None:
-        """The step is settled: the next :meth:`back_up` copies afresh."""
-        for memory in self._buckets.values():
-            memory.backed_up = False
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every parameter's state as standalone CPU tensors (never views of a bucket buffer)."""
-        state = {name: {k: t.detach().cpu().clone() for k, t in views.items()} for name, views in self._views.items()}
-        for name, pending in self._pending.items():
-            state.setdefault(name, {k: t.clone() for k, t in pending.items()})
-        return state
+        """Every parameter's state by name, as standalone CPU tensors (see :mod:`lightning_gc.flatstate`)."""
+        return self._state.state_dict()
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Replace all state; it is copied into bucket buffers as buckets are next seen."""
-        unknown = {key for entry in state.values() for key in entry} - set(_STATE_NAMES)
-        if unknown:
-            raise ValueError(f"unknown compression state entries {sorted(unknown)}; expected {list(_STATE_NAMES)}")
+        self._state.load_state_dict(state)
         self._buckets.clear()
-        self._views.clear()
-        self._pending = {name: dict(entry) for name, entry in state.items()}

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +126,11 @@ def run_ranks(tmp_path: Path) -> Callable[..., list[Any]]:
         return launch_ranks(worker, plan, tmp_path / name)
 
     return run
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path) -> Iterator[None]:
+    """A real gloo process group of one rank (this process), for code that runs collectives."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()

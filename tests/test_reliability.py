@@ -13,7 +13,8 @@ import torch
 from conftest import REPO, launch_ranks, start_ranks
 
 from lightning_gc import available
-from lightning_gc.compressors import DGCCompressor
+from lightning_gc.compressors import DGCCompressor, create
+from lightning_gc.guard import StepGuard
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
 from lightning_gc.strategy import CHECKPOINT_KEY
@@ -227,7 +228,7 @@ def test_non_finite_steps_are_skipped_on_every_rank_and_rolled_back(run_ranks) -
         assert losses[-1] < losses[0]
 
 
-def test_roll_back_restores_memory_exactly() -> None:
+def test_the_guard_rolls_memory_back_exactly(world_of_one: None) -> None:
     params = [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(30))]
     names = {id(p): (f"p{i}", i) for i, p in enumerate(params)}
     from lightning_gc.layout import BucketLayout
@@ -238,13 +239,20 @@ def test_roll_back_restores_memory_exactly() -> None:
     state = memory.bucket(layout, torch.zeros(1230))
     memory.compensate(state, torch.randn(1230), params, world_size=2)
     before = memory.state_dict()
-    memory.back_up(state)
-    memory.compensate(state, torch.full((1230,), float("nan")), params, world_size=2)
-    memory.back_up(state)  # a second back-up in the same step keeps the first copy
-    memory.roll_back()
-    memory.end_of_step()
+    compressor = create("dgc")
+    guard = StepGuard("skip", memory, compressor)
+    bad = torch.full((1230,), float("nan"))
+    guard.screen(bad, layout, state, step=5, loss_scaled=False)
+    memory.compensate(state, bad, params, world_size=2)
+    guard.screen(
+        bad, layout, state, step=5, loss_scaled=False
+    )  # a second back-up in the same step keeps the first copy
+    memory.compensate(state, bad, params, world_size=2)
+    assert guard.settle() == 5  # the step to return to
     after = memory.state_dict()
     assert all(torch.equal(after[name][key], before[name][key]) for name in before for key in before[name])
+    guard.screen(torch.zeros(1230), layout, state, step=5, loss_scaled=False)
+    assert guard.settle() is None  # a finite step stands
 
 
 def test_ranks_set_up_differently_fail_at_setup_naming_the_difference(tmp_path: Path) -> None:

@@ -60,13 +60,6 @@ def test_summed_payloads_cost_an_allreduce():
     assert as_summed(fp16, LAYOUT, 4)
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_hook_state_sends_dense_where_the_policy_says_so(world_of_one):
     memory = CompensationMemory(momentum_correction=False, momentum_masking=True, clip_norm=None)
     fast, slow = policy(100e9, codec_s=0.010), policy(1e9, codec_s=0.010)

@@ -1,0 +1,71 @@
+"""Per-parameter state kept *by parameter name* but *stored flat per bucket*.
+
+For each bucket layout, every kind of state (``"velocity"``, ``"momentum"``, ...) is one contiguous
+buffer of the bucket's size, so an update over the bucket is a few vectorised passes; each
+parameter's entry is a view into it. When DDP rebuilds its buckets (after its first iteration, and
+again after a resume), the new buffers are filled from the old views by name, so no state is lost
+or misattributed. Checkpoints hold standalone per-name tensors and are independent of bucketing.
+
+Invariant: for every parameter name and kind, at most one live view exists, and it is the one in
+the buffer of the parameter's current bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from lightning_gc.layout import BucketLayout
+
+
+class FlatState:
+    """The store behind the invariant above, for the kinds named in ``kinds``."""
+
+    def __init__(self, kinds: Iterable[str]) -> None:
+        self.kinds = tuple(kinds)
+        self._views: dict[str, dict[str, torch.Tensor]] = {}
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}  # loaded, not yet bound to a bucket
+
+    def bind(self, layout: BucketLayout, like: torch.Tensor, kinds: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Zeroed flat buffers of ``kinds`` for ``layout`` (``like``'s dtype and device), filled with
+        each parameter's earlier state where there is one."""
+        flat = {kind: torch.zeros(layout.numel, dtype=like.dtype, device=like.device) for kind in kinds}
+        for segment in layout.segments:
+            previous = self._views.get(segment.name) or self._pending.pop(segment.name, {})
+            views = {}
+            for kind, buffer in flat.items():
+                view = segment.of(buffer)
+                if kind in previous:
+                    source = previous[kind]
+                    if source.numel() != view.numel():
+                        raise RuntimeError(
+                            f"compression state for {segment.name!r} has {source.numel()} elements, "
+                            f"the parameter has {view.numel()}"
+                        )
+                    view.copy_(source.reshape(-1))
+                views[kind] = view
+            self._views[segment.name] = views
+        return flat
+
+    def add(self, layout: BucketLayout, kind: str, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed flat buffer of ``kind`` added to the bucket of ``layout`` (bound before)."""
+        buffer = torch.zeros_like(like)
+        for segment in layout.segments:
+            self._views[segment.name][kind] = segment.of(buffer)
+        return buffer
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's state as standalone CPU tensors (never views of a bucket buffer)."""
+        state = {name: {k: t.detach().cpu().clone() for k, t in views.items()} for name, views in self._views.items()}
+        for name, pending in self._pending.items():
+            state.setdefault(name, {k: t.clone() for k, t in pending.items()})
+        return state
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Replace all state; it is copied into bucket buffers as buckets are next bound."""
+        unknown = {key for entry in state.values() for key in entry} - set(self.kinds)
+        if unknown:
+            raise ValueError(f"unknown compression state entries {sorted(unknown)}; expected {list(self.kinds)}")
+        self._views.clear()
+        self._pending = {name: dict(entry) for name, entry in state.items()}
