@@ -14,6 +14,7 @@ expects overflowing steps to be skipped and backs its scale off.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,6 +72,8 @@ class StepGuard:
         self._compressor_state: dict[str, Any] = {}
         self._backups: dict[int, tuple[BucketMemory, list[torch.Tensor]]] = {}  # by id(bucket); reused
         self._backed_up: set[int] = set()  # buckets whose backup holds the state before this step
+        self.before_roll_back: Callable[[], None] | None = None
+        """Called before a skipped step is rolled back (e.g. to drain exchanges still in flight)."""
 
     def guarding(self, loss_scaled: bool) -> bool:
         """Whether steps are backed up so that a non-finite one can be skipped on every rank."""
@@ -104,6 +107,8 @@ class StepGuard:
         assert self._seen is not None
         restored: int | None = None
         if comm.any_rank(self._seen, self.group):
+            if self.before_roll_back is not None:
+                self.before_roll_back()
             self._roll_back()
             self.compressor.load_state_dict(self._compressor_state)
             restored = self._open_at

@@ -18,8 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from lightning_gc._validation import check_int
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.simple import NoCompressor
+from lightning_gc.delay import DelayLine
 from lightning_gc.exchange import CollectiveExchange, Exchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.layout import BucketLayout, Segment
@@ -57,6 +59,12 @@ class CompressionHookState:
             from this rank into its gradient.
         exchange: how payloads move between ranks (default: all-reduce / all-gather over
             ``process_group``).
+        delay: hand DDP the average of the exchange launched ``delay`` steps earlier and let this
+            step's exchange run during the next step's compute (:mod:`lightning_gc.delay`); 0:
+            every step waits for its own exchange.
+        local_update: with ``delay``, apply this rank's own contribution at once and swap it for
+            the average when that arrives (OD-SGD).
+        sync_warmup_steps: with ``delay``, the first steps are synchronous.
 
     Attributes:
         grad_scale: the loss scale of a mixed-precision grad scaler, set by the strategy before
@@ -76,6 +84,9 @@ class CompressionHookState:
         nonfinite: str = "raise",
         find_unused_parameters: bool = False,
         exchange: Exchange | None = None,
+        delay: int = 0,
+        local_update: bool = False,
+        sync_warmup_steps: int = 0,
     ) -> None:
         self.compressor = compressor
         self.find_unused_parameters = find_unused_parameters
@@ -90,6 +101,12 @@ class CompressionHookState:
         self.rank = dist.get_rank(process_group)
         self.exchange: Exchange = exchange if exchange is not None else CollectiveExchange(process_group)
         self.guard = StepGuard(nonfinite, memory, compressor, rank=self.rank, group=process_group)
+        self.delay_line = DelayLine(delay, local_update) if check_int("delay", delay, 0) else None
+        if self.delay_line is None and local_update:
+            raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
+        self.sync_warmup_steps = check_int("sync_warmup_steps", sync_warmup_steps, 0)
+        if self.delay_line is not None:
+            self.guard.before_roll_back = self.delay_line.drain  # a skipped step's exchange must land first
         self.step = 0
         self.stats = CompressionStats()
         self.layouts: dict[int, BucketLayout] = {}
@@ -134,14 +151,24 @@ class CompressionHookState:
             self.step = restored
         return restored is not None
 
+    def delayed(self, step: int) -> bool:
+        """Whether step ``step`` hands over a delayed average."""
+        return self.delay_line is not None and step >= self.sync_warmup_steps
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's resumable state: step counter, memory and the compressor's own state."""
-        return {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
+        """This rank's resumable state: step counter, memory, the compressor's own state and, with a
+        delay, the averages not yet handed over (exchanges in flight are drained first)."""
+        state = {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
+        if self.delay_line is not None:
+            state["delayed"] = self.delay_line.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state.get("compressor", {}))
+        if self.delay_line is not None:
+            self.delay_line.load_state_dict(state.get("delayed", {}))
 
 
 def exchange_failed(state: CompressionHookState, layout: BucketLayout, step: int, error: Exception) -> RuntimeError:
@@ -163,6 +190,15 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     params = bucket.parameters()
     absent = state.unused_everywhere(layout, params, grad.device)
     step = state.step
+    delayed = None
+    out = own = None
+    if state.delayed(step):
+        assert state.delay_line is not None
+        delayed = state.delay_line.bucket(layout, grad)
+        delayed.wait()  # step - 1's exchange of this bucket: compressors reuse their buffers
+        write, _ = state.delay_line.slots(step)
+        out = delayed.averages[write]
+        own = delayed.owns[write] if state.delay_line.local_update else None
     sent = run_bucket(
         state.compressor_for(layout, grad.element_size()),
         state.memory,
@@ -174,6 +210,8 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
         world_size=state.world_size,
         rank=state.rank,
         params=params,
+        out=out,
+        own=own,
         absent=absent,
         loss_scale=state.grad_scale,
         guard=state.guard,
@@ -189,4 +227,12 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
         elements_sent=sent.elements_sent,
         elements_total=grad.numel(),
     )
-    return sent.averaged
+    if delayed is None:
+        return sent.averaged
+    assert state.delay_line is not None
+    delayed.in_flight = sent.averaged
+    state.delay_line.hand_over(delayed, step, grad)
+    state.memory.restore_loss_scale(grad, state.grad_scale)
+    handed: Future[torch.Tensor] = Future()
+    handed.set_result(grad)
+    return handed

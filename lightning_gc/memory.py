@@ -229,15 +229,23 @@ class CompensationMemory:
             )
         return memory.velocity
 
-    def commit(self, memory: BucketMemory, encoded: Encoded) -> None:
+    def commit(self, memory: BucketMemory, encoded: Encoded, own: torch.Tensor | None = None) -> None:
         """Record what left this rank for one bucket, as ``encoded`` describes it, then end the
-        bucket's step: drop the residual without error feedback, restore set-aside state."""
+        bucket's step: drop the residual without error feedback, restore set-aside state.
+
+        ``own`` (bucket-sized) receives this rank's contribution as receivers decode it: the
+        velocity before the commit minus the velocity after it.
+        """
+        if own is not None:
+            own.copy_(memory.velocity)
         if encoded.sent_indices is not None:
             assert encoded.sent_values is not None
             self.commit_sparse(memory, encoded.sent_indices, encoded.sent_values)
         if encoded.dense_all or encoded.dense_positions is not None:
             positions = None if encoded.dense_all else encoded.dense_positions
             self.commit_dense(memory, positions, encoded.dense_sent)
+        if own is not None:
+            own.sub_(memory.velocity)
         if not self.error_feedback:
             memory.velocity.zero_()
         self.put_back(memory, memory.aside)

@@ -98,6 +98,8 @@ def run_bucket(
     world_size: int,
     rank: int = 0,
     params: list[torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+    own: torch.Tensor | None = None,
     absent: list[Segment] | None = None,
     loss_scale: float | None = None,
     guard: StepGuard | None = None,
@@ -107,10 +109,15 @@ def run_bucket(
 ) -> BucketStep:
     """Run the pipeline (module docstring) on one bucket whose local gradient is ``grad``.
 
-    The averaged gradient is written into ``grad`` and the returned future resolves to it.
+    The averaged gradient is written into ``out`` (default ``grad``) and the returned future
+    resolves to it.
 
     Args:
         params: the bucket's parameters, in layout order (weight decay reads them).
+        out: a bucket-sized buffer other than ``grad`` for the encoder's scratch and the average
+            (delayed exchanges); it keeps the average unscaled (see ``loss_scale``).
+        own: receives this rank's own contribution as decoded (see :meth:`CompensationMemory.commit`);
+            not for compressors that commit after decode.
         absent: segments whose parameter got a gradient on no rank: sent as nothing, their state
             kept as it was (see :meth:`CompensationMemory.set_aside`).
         loss_scale: the grad scaler's scale (mixed precision): memory works on unscaled
@@ -121,13 +128,14 @@ def run_bucket(
         failure: turns an exchange's exception into the one to raise (e.g. naming the bucket).
     """
     timeline = timeline if timeline is not None else Timeline()
+    target = grad if out is None else out
     timeline.start()
     if guard is not None:
         guard.screen(grad, layout, bucket, step=step, loss_scaled=loss_scale is not None)
         timeline.mark("screen")
     velocity = memory.compensate(bucket, grad, params or [], world_size, absent=absent, loss_scale=loss_scale)
     timeline.mark("compensate")
-    encoded = compressor.encode(velocity, grad, layout, step=step, world_size=world_size, rank=rank)
+    encoded = compressor.encode(velocity, target, layout, step=step, world_size=world_size, rank=rank)
     timeline.mark("encode")
     bytes_sent, elements_sent = 0, 0
     while encoded.next_round is not None:  # earlier rounds complete here, so launch order is bucket order
@@ -136,8 +144,14 @@ def run_bucket(
         timeline.mark(EXCHANGE)
         encoded = encoded.next_round()
         timeline.mark("encode")
-    if not encoded.commit_after_decode:
-        memory.commit(bucket, encoded)
+    if encoded.commit_after_decode:
+        if own is not None:
+            raise ValueError(
+                f"compressor {compressor.name!r} learns what it sent only from the average (it commits after "
+                "decode), so this rank's own contribution is not known before the exchange"
+            )
+    else:
+        memory.commit(bucket, encoded, own)
         timeline.mark("commit")
     launched = exchange.launch(encoded)
     timeline.mark("launch")  # before `.then` below: decode may run on another thread once attached
@@ -146,15 +160,16 @@ def run_bucket(
         _wait(done, failure)
         received = done.value()
         timeline.start()
-        compressor.decode(received, grad, world_size=world_size)
+        compressor.decode(received, target, world_size=world_size)
         timeline.mark("decode")
         if received.commit_after_decode:
             memory.commit(bucket, received)
             timeline.mark(COMMIT_AFTER_DECODE)
-        memory.restore_loss_scale(grad, loss_scale)
+        if out is None:
+            memory.restore_loss_scale(grad, loss_scale)
         if on_decoded is not None:
             on_decoded(timeline)
-        return grad
+        return target
 
     return BucketStep(
         averaged=launched.then(decode),

@@ -28,19 +28,25 @@ def data_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 20, generator=g), torch.randn(16, 8, generator=g)
 
 
-def reference_dgc(plan: dict) -> list[torch.Tensor]:
-    model = make_model()
-    params = list(model.parameters())
+def reference_dgc(plan: dict) -> list[list[torch.Tensor]]:
+    """Every rank's final parameters. With ``delay`` d >= 1, step t >= ``sync_warmup_steps``
+    applies the average of step t - d (zero before the first delayed step), plus with
+    ``local_update`` its own step-t contribution minus its own step-(t-d) one (OD-SGD)."""
+    models = [make_model() for _ in range(WORLD)]
+    params = [list(model.parameters()) for model in models]
     m, wd, lr = plan["momentum"], plan["weight_decay"], plan["lr"]
-    u = [[torch.zeros_like(p) for p in params] for _ in range(WORLD)]
-    v = [[torch.zeros_like(p) for p in params] for _ in range(WORLD)]
+    delay, local, warmup = plan.get("delay", 0), plan.get("local_update", False), plan.get("sync_warmup_steps", 0)
+    u = [[torch.zeros_like(p) for p in params[0]] for _ in range(WORLD)]
+    v = [[torch.zeros_like(p) for p in params[0]] for _ in range(WORLD)]
+    averages: dict[int, list[torch.Tensor]] = {}
+    owns: dict[tuple[int, int], list[torch.Tensor]] = {}
     for step in range(plan["steps"]):
-        sums = [torch.zeros_like(p) for p in params]
+        sent = [[torch.zeros_like(p) for p in params[0]] for _ in range(WORLD)]
         for rank in range(WORLD):
-            model.zero_grad()
+            models[rank].zero_grad()
             x, y = data_for(rank, step)
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            for i, p in enumerate(params):
+            torch.nn.functional.mse_loss(models[rank](x), y).backward()
+            for i, p in enumerate(params[rank]):
                 g = p.grad.clone()
                 if plan["clip_norm"] is not None:
                     g *= min(1.0, plan["clip_norm"] / math.sqrt(WORLD) / (g.norm().item() + 1e-12))
@@ -55,16 +61,29 @@ def reference_dgc(plan: dict) -> list[torch.Tensor]:
                 if p.dim() > 1 and p.numel() >= MIN_COMPRESS_NUMEL:
                     k = math.ceil(plan["ratio"] * p.numel())
                     idx = torch.topk(flat_v.abs(), k).indices
-                    sums[i].view(-1)[idx] += flat_v[idx]
+                    sent[rank][i].view(-1)[idx] = flat_v[idx]
                     flat_v[idx] = 0
                     flat_u[idx] = 0
                 else:
-                    sums[i] += v[rank][i]
+                    sent[rank][i] += v[rank][i]
                     v[rank][i].zero_()
-        with torch.no_grad():
-            for p, total in zip(params, sums):
-                p -= lr * total / WORLD
-    return [p.detach() for p in params]
+        averages[step] = [sum(s[i] for s in sent) / WORLD for i in range(len(sent[0]))]
+        for rank in range(WORLD):
+            owns[(rank, step)] = sent[rank]
+        zeros = [torch.zeros_like(p) for p in params[0]]
+        for rank in range(WORLD):
+            if delay == 0 or step < warmup:
+                applied = averages[step]
+            else:
+                old = step - delay
+                applied = averages[old] if old >= warmup else zeros
+                if local:
+                    mine, old_mine = owns[(rank, step)], owns[(rank, old)] if old >= warmup else zeros
+                    applied = [a + n - o for a, n, o in zip(applied, mine, old_mine)]
+            with torch.no_grad():
+                for p, update in zip(params[rank], applied):
+                    p -= lr * update
+    return [[p.detach() for p in rank_params] for rank_params in params]
 
 
 @pytest.mark.parametrize(
@@ -90,7 +109,45 @@ def test_hook_matches_reference_dgc(
     ranks = run_ranks(plan, worker="hook_worker.py")
     expected = reference_dgc(plan)
     initial = list(make_model().parameters())
-    for got in ranks:
-        for g, e, p0 in zip(got, expected, initial):
+    for got, want in zip(ranks, expected):
+        for g, e, p0 in zip(got, want, initial):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
             assert not torch.allclose(g, p0.detach())  # every tensor actually trained
+
+
+@pytest.mark.parametrize(
+    ("delay", "local_update", "sync_warmup_steps"),
+    [(1, False, 0), (1, True, 2), (2, True, 1)],
+    ids=["stale-by-one", "od-sgd-after-warmup", "delay-two-od-sgd"],
+)
+def test_delayed_hook_matches_the_stale_and_od_sgd_rules(
+    run_ranks, delay: int, local_update: bool, sync_warmup_steps: int
+) -> None:
+    """The hook hands DDP the average of ``delay`` steps ago (plus, with ``local_update``, the
+    rank's own newest minus its own ``delay``-old contribution), several buckets, real gloo."""
+    plan = {
+        "kernels": "torch",
+        "ratio": 0.05,
+        "momentum": 0.9,
+        "nesterov": False,
+        "weight_decay": 1e-3,
+        "lr": 0.1,
+        "steps": 7,
+        "clip_norm": None,
+        "bucket_cap_mb": 0.002,
+        "min_compress_numel": MIN_COMPRESS_NUMEL,
+        "delay": delay,
+        "local_update": local_update,
+        "sync_warmup_steps": sync_warmup_steps,
+    }
+    ranks = run_ranks(plan, worker="hook_worker.py")
+    expected = reference_dgc(plan)
+    for got, want in zip(ranks, expected):
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    synchronous = reference_dgc({**plan, "delay": 0})
+    assert not torch.allclose(expected[0][0], synchronous[0][0])  # the delay changes the trajectory
+    if local_update:
+        assert not torch.allclose(ranks[0][0], ranks[1][0])  # ranks differ by their own terms
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0], ranks[1]))

@@ -37,7 +37,8 @@ def main() -> None:
     spec = MomentumSpec(plan["momentum"], plan["nesterov"], plan["weight_decay"])
     memory.set_specs({name: spec for name, _ in model.named_parameters()})
     compressor = DGCCompressor(plan["ratio"], min_compress_numel=plan["min_compress_numel"], value_dtype="float32")
-    ddp.register_comm_hook(CompressionHookState(compressor, memory, names), compression_hook)
+    delayed = {key: plan[key] for key in ("delay", "local_update", "sync_warmup_steps") if key in plan}
+    ddp.register_comm_hook(CompressionHookState(compressor, memory, names, **delayed), compression_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])  # momentum-free: it lives in memory
     for step in range(plan["steps"]):
         x, y = data_for(rank, step)

@@ -1,0 +1,126 @@
+"""Delayed synchronisation: the exchange of step t runs while step t+1 computes.
+
+With ``delay = d >= 1`` the hook launches a bucket's exchange and returns at once, handing DDP the
+average of the exchange launched ``d`` steps earlier (stale-synchronous SGD; OD-SGD, Xu et al.
+arXiv:2005.06728, for ``d = 1``). With ``local_update`` each rank also applies its own
+contribution at once and swaps it for the average when that arrives (OD-SGD's compensation)::
+
+    returned_t = avg_{t-d}                              (local_update=False)
+    returned_t = own_t + avg_{t-d} - own_{t-d}          (local_update=True)
+
+where ``avg_j`` is the decoded average of step ``j``'s exchange and ``own_j`` this rank's own
+contribution to it as decoded (zero for ``j`` before the first delayed step). Summed over steps,
+every rank applies every average exactly once, ``d`` steps late; with ``local_update`` the ranks
+differ only by their last ``d`` own contributions, which :meth:`DelayLine.pending` lets the caller
+swap for their averages at the end of training.
+
+Per bucket the line keeps ``d + 1`` bucket-sized slots (``d + 1`` more for ``own``): step ``t``
+encodes and decodes into slot ``t mod (d+1)`` and reads slot ``(t-d) mod (d+1)``, so the slot in
+flight is never the one read. Only one exchange per bucket is ever in flight: step ``t`` waits for
+step ``t-1``'s before compensating, because compressors reuse their buffers across steps (and
+PowerSGD commits its residual at decode). The overlap gained is therefore the next step's
+forward and backward pass, whatever ``d``.
+
+Slots are stored by parameter name (:class:`~lightning_gc.flatstate.FlatState`): they survive DDP's
+bucket rebuild and are saved in checkpoints after draining what is in flight, so a resume continues
+exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.futures import Future
+
+from lightning_gc._validation import check_bool, check_int
+from lightning_gc.flatstate import FlatState
+from lightning_gc.layout import BucketLayout
+
+
+@dataclass
+class DelayedBucket:
+    """The slots of one bucket layout and its exchange in flight."""
+
+    layout: BucketLayout
+    averages: list[torch.Tensor]
+    owns: list[torch.Tensor]
+    in_flight: Future[torch.Tensor] | None = None
+
+    def wait(self) -> None:
+        """Block until the exchange in flight (if any) has been decoded into its slot."""
+        if self.in_flight is not None:
+            future, self.in_flight = self.in_flight, None
+            future.wait()
+
+
+class DelayLine:
+    """Averages handed over ``delay`` steps after their exchange (see the module docstring)."""
+
+    def __init__(self, delay: int, local_update: bool = False) -> None:
+        self.delay = check_int("delay", delay, 1)
+        self.local_update = check_bool("local_update", local_update)
+        slots = range(delay + 1)
+        self._average_kinds = [f"average.{i}" for i in slots]
+        self._own_kinds = [f"own.{i}" for i in slots] if local_update else []
+        self._state = FlatState(self._average_kinds + self._own_kinds)
+        self._buckets: dict[int, DelayedBucket] = {}
+
+    def bucket(self, layout: BucketLayout, like: torch.Tensor) -> DelayedBucket:
+        """The slots of ``layout``; a new layout (DDP re-bucketed) first drains every bucket, then
+        takes each parameter's slots over by name."""
+        bucket = self._buckets.get(layout.index)
+        if bucket is None or bucket.layout is not layout:
+            self.drain()
+            flat = self._state.bind(layout, like, self._average_kinds + self._own_kinds)
+            bucket = DelayedBucket(
+                layout=layout,
+                averages=[flat[kind] for kind in self._average_kinds],
+                owns=[flat[kind] for kind in self._own_kinds],
+            )
+            self._buckets[layout.index] = bucket
+        return bucket
+
+    def slots(self, step: int) -> tuple[int, int]:
+        """(the slot step ``step`` writes, the slot it reads)."""
+        return step % (self.delay + 1), (step - self.delay) % (self.delay + 1)
+
+    def hand_over(self, bucket: DelayedBucket, step: int, grad: torch.Tensor) -> None:
+        """Write what step ``step`` applies into ``grad`` (module docstring); the step's own
+        exchange must have been launched (its ``own`` slot filled)."""
+        write, read = self.slots(step)
+        grad.copy_(bucket.averages[read])
+        if self.local_update:
+            grad.add_(bucket.owns[write]).sub_(bucket.owns[read])
+
+    def drain(self) -> None:
+        """Wait for every exchange in flight."""
+        for bucket in self._buckets.values():
+            bucket.wait()
+
+    def pending(self, step: int, since: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        """After the last step (``step`` = steps taken), what each delayed step (from step ``since``
+        on) whose average was not yet applied still owes, oldest first, by parameter name:
+        ``avg_j`` (``avg_j - own_j`` with ``local_update``). Drains first."""
+        self.drain()
+        for j in range(max(since, step - self.delay), step):
+            slot = j % (self.delay + 1)
+            owed: dict[str, torch.Tensor] = {}
+            for bucket in self._buckets.values():
+                for segment in bucket.layout.segments:
+                    value = segment.of(bucket.averages[slot])
+                    if self.local_update:
+                        value = value - segment.of(bucket.owns[slot])
+                    owed[segment.name] = value.view(segment.shape)
+            yield owed
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's slots by name, after draining (the exchanges in flight are decoded)."""
+        self.drain()
+        return self._state.state_dict()
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.drain()
+        self._state.load_state_dict(state)
+        self._buckets.clear()

@@ -1,0 +1,65 @@
+"""The delay line on its own (lightning_gc.delay); the hook's delayed training is in test_hook_reference.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gc.calibration import layout_of_shapes
+from lightning_gc.compressors import create
+from lightning_gc.delay import DelayLine
+from lightning_gc.hook import CompressionHookState
+from lightning_gc.memory import CompensationMemory
+
+SHAPES = [(6, 5), (4,)]
+
+
+def test_bad_settings_are_refused_naming_the_value(world_of_one: None) -> None:
+    with pytest.raises(ValueError, match=r"`delay` must be an integer >= 1, got 0"):
+        DelayLine(0)
+    with pytest.raises(ValueError, match=r"`local_update` must be True or False, got 'yes'"):
+        DelayLine(1, local_update="yes")  # type: ignore[arg-type]
+    memory = CompensationMemory(momentum_correction=False, momentum_masking=True, clip_norm=None)
+    with pytest.raises(ValueError, match=r"`delay` must be an integer >= 0, got -1"):
+        CompressionHookState(create("none"), memory, {}, delay=-1)
+    with pytest.raises(ValueError, match=r"`local_update=True` needs `delay` >= 1"):
+        CompressionHookState(create("none"), memory, {}, local_update=True)
+
+
+def test_slots_never_read_the_one_written_and_cycle_through_delay_plus_one() -> None:
+    for delay in (1, 2, 3):
+        line = DelayLine(delay)
+        for step in range(20):
+            write, read = line.slots(step)
+            assert write != read
+            assert line.slots(step - delay)[0] == read  # read what was written `delay` steps ago
+
+
+@pytest.mark.parametrize("local_update", [False, True])
+def test_hand_over_and_pending_follow_the_rule_and_survive_a_checkpoint(local_update: bool) -> None:
+    layout = layout_of_shapes(SHAPES)
+    line = DelayLine(1, local_update=local_update)
+    bucket = line.bucket(layout, torch.zeros(layout.numel))
+    averages = {step: torch.full((layout.numel,), float(step + 1)) for step in range(3)}
+    owns = {step: torch.full((layout.numel,), 10.0 * (step + 1)) for step in range(3)}
+    handed = []
+    for step in range(3):
+        write, _ = line.slots(step)
+        bucket.averages[write].copy_(averages[step])  # as the exchange's decode would
+        if local_update:
+            bucket.owns[write].copy_(owns[step])  # as memory's commit would
+        grad = torch.empty(layout.numel)
+        line.hand_over(bucket, step, grad)
+        handed.append(grad)
+    expected_1 = averages[0] + ((owns[1] - owns[0]) if local_update else 0)
+    torch.testing.assert_close(handed[1], expected_1)
+    torch.testing.assert_close(handed[0], owns[0] if local_update else torch.zeros(layout.numel))
+
+    restored = DelayLine(1, local_update=local_update)
+    restored.load_state_dict(line.state_dict())
+    restored.bucket(layout, torch.zeros(layout.numel))
+    (owed,) = restored.pending(step=3)  # step 2's average was not handed over yet
+    first = layout.segments[0]
+    want = averages[2] - (owns[2] if local_update else 0)
+    torch.testing.assert_close(owed[first.name], first.of(want).view(first.shape))
+    assert list(restored.pending(step=3, since=3)) == []  # nothing owed from before the first delayed step
