@@ -63,3 +63,20 @@ def test_hand_over_and_pending_follow_the_rule_and_survive_a_checkpoint(local_up
     want = averages[2] - (owns[2] if local_update else 0)
     torch.testing.assert_close(owed[first.name], first.of(want).view(first.shape))
     assert list(restored.pending(step=3, since=3)) == []  # nothing owed from before the first delayed step
+
+
+def test_the_performance_model_hides_the_exchange_behind_the_whole_next_step() -> None:
+    from lightning_gc.perfmodel import CodecCost, Network, Workload, predict
+
+    network = Network.from_bits(world_size=8, bits_per_second=1e9, host_bits_per_second=8e9)
+    cost = CodecCost("fp16", summed_bytes=50_000_000, gathered_bytes=0, encode_s=0.004, decode_s=0.002)
+    synchronous = Workload(gradient_numel=25_000_000, compute_s=0.2, overlap=0.5)
+    delayed = Workload(gradient_numel=25_000_000, compute_s=0.2, overlap=0.5, delay=1)
+    _, sync_row = predict(synchronous, network, [cost])
+    _, delayed_row = predict(delayed, network, [cost])
+    t_comm, t_host = sync_row.comm_s, sync_row.host_s
+    assert delayed_row.step_s == pytest.approx(max(0.2, t_comm - t_host) + 0.006 + t_host)
+    assert sync_row.step_s == pytest.approx(0.2 + 0.006 + t_host + max(0.0, t_comm - t_host - 0.1))
+    assert delayed_row.step_s < sync_row.step_s
+    with pytest.raises(ValueError, match=r"`delay` must be an integer >= 0, got -1"):
+        Workload(gradient_numel=1, compute_s=0.1, delay=-1)

@@ -34,6 +34,12 @@ On a slow link ``T_host`` is a small part of ``T_comm`` and changes little; on a
 exchange is all host time and nothing of it is hidden. ``H = None`` (the default) means the
 transport has resources of its own (NCCL on a GPU, a spare core): ``T_host = 0``.
 
+Delayed synchronisation (``Workload.delay >= 1``, :mod:`lightning_gc.delay`): the exchange of
+step t runs while step t+1 computes, so all of ``C`` can hide it, not only ``f C``::
+
+    step(delayed) = C + T_enc + T_dec + T_host + max(0, T_comm - T_host - C)
+                  = max(C, T_comm - T_host) + T_enc + T_dec + T_host
+
 Compression pays exactly when ``T_enc + T_dec + T_host + max(0, T_comm - T_host - f C)`` is
 below the same sum for dense DDP (``T_enc = T_dec = 0``, ``T_comm = T_ar(M)``).
 The world of one rank exchanges nothing: every ``T`` is 0 for ``p = 1``.
@@ -110,6 +116,9 @@ class Workload:
             (part of backward), in [0, 1].
         element_size: bytes per gradient element (4 for fp32).
         rounds: collective rounds per step ``n`` (DDP buckets), >= 1.
+        delay: steps between a step's exchange and its use (:mod:`lightning_gc.delay`), >= 0.
+            With a delay the exchange of step t runs while step t+1 computes: the whole of ``C``
+            can hide it, ``step = max(C, T_comm - T_host) + T_enc + T_dec + T_host``.
     """
 
     gradient_numel: int
@@ -117,6 +126,7 @@ class Workload:
     overlap: float = 0.5
     element_size: int = 4
     rounds: int = 1
+    delay: int = 0
 
     def __post_init__(self) -> None:
         check_int("gradient_numel", self.gradient_numel, 1)
@@ -124,6 +134,7 @@ class Workload:
         check_range("overlap", self.overlap, 0.0, 1.0)
         check_int("element_size", self.element_size, 1)
         check_int("rounds", self.rounds, 1)
+        check_int("delay", self.delay, 0)
 
     @property
     def dense_bytes(self) -> int:
@@ -132,8 +143,8 @@ class Workload:
 
     @property
     def hidden_s(self) -> float:
-        """``f C``: communication time that backward can hide."""
-        return self.overlap * self.compute_s
+        """Communication time the step can hide: ``f C`` (backward), or all of ``C`` with a delay."""
+        return self.compute_s if self.delay else self.overlap * self.compute_s
 
 
 @dataclass(frozen=True)
