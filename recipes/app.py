@@ -82,8 +82,11 @@ def fit_once(
     callbacks: list[L.Callback] = [RunRecorder(out_dir, info)]
     if cfg.warmup is not None and hasattr(strategy, "compress_ratio"):
         callbacks.append(build("warmup", cfg.warmup))
+    trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
+    if trainer_args.get("enable_checkpointing") is None:  # made-up data: nothing worth hundreds of MB on disk
+        trainer_args["enable_checkpointing"] = not cfg.data.get("synthetic", False)
     trainer = L.Trainer(
-        **OmegaConf.to_container(cfg.trainer, resolve=True),  # type: ignore[arg-type]
+        **trainer_args,
         strategy=strategy,
         callbacks=callbacks,
         default_root_dir=str(out_dir),
