@@ -10,6 +10,7 @@ Each run writes result.json / result.csv into its Hydra output directory (see re
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -18,18 +19,22 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import lightning_gc  # noqa: F401  (registers the strategy names)
-from recipes.app import run
+from recipes.app import UsageError, run
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
-    run(
-        cfg,
-        Path(hydra_cfg.runtime.output_dir),
-        multirun=hydra_cfg.mode == RunMode.MULTIRUN,
-        overrides=list(hydra_cfg.overrides.task),
-    )
+    try:
+        run(
+            cfg,
+            Path(hydra_cfg.runtime.output_dir),
+            multirun=hydra_cfg.mode == RunMode.MULTIRUN,
+            overrides=list(hydra_cfg.overrides.task),
+        )
+    except UsageError as error:  # the user's mistake: one line, no traceback
+        print(f"train.py: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -17,17 +17,32 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_gc import GradientCompressionStrategy
 from lightning_gc.results import RESULT_FILE, RunRecorder
+
+
+class UsageError(ValueError):
+    """A mistake in the run's options or data, found before training: ``train.py`` prints it as one
+    line on stderr and exits with status 2."""
+
+
+def qualified(group: str, cfg: DictConfig, message: str) -> str:
+    """``message`` with each backticked option of ``cfg`` (`` `compress_ratio` ``) named by its full
+    Hydra path (`` `strategy.compress_ratio` ``), and Lightning's `` `Trainer(devices=0)` `` as
+    `` `trainer.devices=0` ``."""
+    message = re.sub(r"`Trainer\((\w+)=([^`]*)\)`", r"`trainer.\1=\2`", message)
+    return re.sub(r"`([A-Za-z_]\w*)`", lambda m: f"`{group}.{m[1]}`" if m[1] in cfg else m[0], message)
 
 
 def processes_started_externally() -> bool:
@@ -50,7 +65,7 @@ def build_strategy(cfg: DictConfig, *, multirun: bool) -> Strategy:
     if not multirun or processes_started_externally():
         return build("strategy", cfg)
     if cfg.get("start_method") == "popen":
-        raise ValueError(
+        raise UsageError(
             "`strategy.start_method=popen` cannot run inside a multirun: it re-runs the command line, `-m` "
             "included, in every extra process; use spawn (the default in sweeps), fork or forkserver"
         )
@@ -59,13 +74,15 @@ def build_strategy(cfg: DictConfig, *, multirun: bool) -> Strategy:
 
 
 def build(group: str, cfg: DictConfig, **extra: Any) -> Any:
-    """``instantiate(cfg)``, with a constructor's error raised as a ``ValueError`` that names the
-    config group first (Hydra wraps it in its own ``InstantiationException``)."""
+    """``instantiate(cfg)``; a constructor's error (Hydra wraps it in its own
+    ``InstantiationException``) becomes a :class:`UsageError` naming the options by their full path."""
     try:
         return instantiate(cfg, _convert_="all", **extra)
     except Exception as err:
         cause = err.__cause__ or err
-        raise ValueError(f"bad `{group}` config ({cfg.get('_target_')}): {cause}") from err
+        if not isinstance(cause, (ValueError, TypeError)):
+            raise
+        raise UsageError(f"bad `{group}` config ({cfg.get('_target_')}): {qualified(group, cfg, str(cause))}") from err
 
 
 def fit_once(
@@ -78,25 +95,26 @@ def fit_once(
     data = build("data", cfg.data)
     check_data = getattr(data, "check_data", None)
     if check_data is not None:
-        check_data()  # a missing dataset fails here, before Lightning starts the other processes
+        try:
+            check_data()  # a missing dataset fails here, before Lightning starts the other processes
+        except (FileNotFoundError, ValueError) as err:
+            raise UsageError(str(err)) from err
     callbacks: list[L.Callback] = [RunRecorder(out_dir, info)]
     if cfg.warmup is not None and hasattr(strategy, "compress_ratio"):
         callbacks.append(build("warmup", cfg.warmup))
     trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
     if trainer_args.get("enable_checkpointing") is None:  # made-up data: nothing worth hundreds of MB on disk
         trainer_args["enable_checkpointing"] = not cfg.data.get("synthetic", False)
-    trainer = L.Trainer(
-        **trainer_args,
-        strategy=strategy,
-        callbacks=callbacks,
-        default_root_dir=str(out_dir),
-    )
+    try:
+        trainer = L.Trainer(**trainer_args, strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir))
+    except (MisconfigurationException, ValueError, TypeError) as err:
+        raise UsageError(qualified("trainer", cfg.trainer, str(err))) from err
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     if not trainer.is_global_zero or not (out_dir / RESULT_FILE).is_file():
         return None
     result: dict[str, Any] = json.loads((out_dir / RESULT_FILE).read_text())
     if result["steps"] == 0:
-        raise ValueError(
+        raise UsageError(
             f"the run made no training step: each of the {result['world_size']} processes got fewer samples than "
             f"data.batch_size={cfg.data.get('batch_size')} (incomplete batches are dropped), or "
             "trainer.limit_train_batches / trainer.max_steps is 0; lower data.batch_size"
@@ -141,14 +159,14 @@ def run(cfg: DictConfig, run_dir: Path, *, multirun: bool, overrides: list[str])
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is not None:
         if not Path(ckpt_path).is_file():
-            raise ValueError(f"`ckpt_path` must be a Lightning checkpoint file, got {ckpt_path!r} (no such file)")
+            raise UsageError(f"`ckpt_path` must be a Lightning checkpoint file, got {ckpt_path!r} (no such file)")
         if cfg.compare_dense:
-            raise ValueError(
+            raise UsageError(
                 f"`ckpt_path={ckpt_path}` resumes one run, but compare_dense=true fits two; add compare_dense=false"
             )
     strategy = build_strategy(cfg.strategy, multirun=multirun)
     if cfg.compare_dense and not isinstance(strategy, GradientCompressionStrategy):
-        raise ValueError(
+        raise UsageError(
             f"`compare_dense=true` compares a compressed strategy with dense DDP, but the strategy is "
             f"{type(strategy).__name__}; add compare_dense=false"
         )

@@ -73,10 +73,22 @@ def test_a_run_that_makes_no_training_step_fails_naming_the_batch_size(tmp_path:
     assert "the run made no training step" in done.stderr and "data.batch_size=1000" in done.stderr, output(done)
 
 
-def test_zero_ratio_fails_before_training_naming_the_option() -> None:
-    done = train("+recipe=resnet20_cifar10_dgc", "strategy.compress_ratio=0", "data.synthetic=true")
-    assert done.returncode != 0
-    assert "`compress_ratio` must be in (0, 1], got 0" in done.stderr, output(done)
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+recipe=resnet20_cifar10_dgc", "strategy.compress_ratio=0", "data.synthetic=true"],
+         "`strategy.compress_ratio` must be in (0, 1], got 0"),
+        (["strategy.compress_ratio=abc"], "`strategy.compress_ratio` must be a finite number in (0, 1], got 'abc'"),
+        (["data.batch_size=-1"], "`data.batch_size` must be an integer >= 1, got -1"),
+        (["trainer.devices=0"], "`trainer.devices=0` value is not a valid input"),
+    ],
+    ids=["ratio-0", "ratio-abc", "batch-negative", "devices-0"],
+)  # fmt: skip
+def test_a_mistake_is_one_line_on_stderr_with_exit_status_2(overrides: list[str], message: str) -> None:
+    done = train(*overrides, "compare_dense=false")
+    assert done.returncode == 2, output(done)
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], output(done)  # exactly one line
+    assert done.stderr.startswith("train.py: error: ") and message in done.stderr, output(done)
     assert "Initializing distributed" not in done.stdout + done.stderr
 
 
@@ -84,6 +96,7 @@ def test_missing_dataset_fails_before_training_saying_where_to_put_it(tmp_path: 
     done = train("+recipe=lstm_ptb_dgc", "data.download=false", f"data.root={tmp_path}", f"hydra.run.dir={tmp_path}")
     assert done.returncode != 0
     assert f"Penn Treebank not found under data.root='{tmp_path}'" in done.stderr, output(done)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, output(done)
     assert "Initializing distributed" not in done.stdout + done.stderr
 
 
@@ -94,7 +107,7 @@ def _compose(*overrides: str):
 
 def test_unknown_compressor_names_the_choices() -> None:
     cfg = _compose("strategy=topk", "strategy.compressor=bogus")
-    with pytest.raises(ValueError, match=r"`compressor` must be one of \['bf16', 'dgc'.*got 'bogus'"):
+    with pytest.raises(ValueError, match=r"`strategy.compressor` must be one of \['bf16', 'dgc'.*got 'bogus'"):
         build_strategy(cfg.strategy, multirun=False)
 
 
@@ -197,7 +210,8 @@ def test_bad_config_values_fail_at_construction_naming_option_value_and_choices(
             build_strategy(cfg.strategy, multirun=False)
         else:
             build(node, cfg[node])
-    assert str(error.value).startswith(f"bad `{node}` config") and message in str(error.value)
+    qualified = message if message.startswith(f"`{node}.") else message.replace("`", f"`{node}.", 1)
+    assert str(error.value).startswith(f"bad `{node}` config") and qualified in str(error.value)
 
 
 def _result(compressor: str | None, ratio: float | None, overrides: list[str], metric: float) -> dict:
