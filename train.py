@@ -19,7 +19,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import lightning_gc  # noqa: F401  (registers the strategy names)
-from recipes.app import UsageError, run
+from recipes.app import UsageError, quiet_foreign_noise, run
+
+quiet_foreign_noise()  # module level: Lightning's launcher re-runs this file in the other ranks
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")

@@ -6,7 +6,7 @@ the same order everywhere. (A collective launched from a ``.then`` callback can 
 order on different ranks when several buckets are in flight; torch's PowerSGD hook fails that way
 on gloo.)
 
-On gloo the future of ``all_gather_into_tensor`` holds a list of chunks rather than the output
+On gloo the future of ``all_gather_single`` (``all_gather_into_tensor``) holds a list of chunks rather than the output
 tensor, so the output buffer is captured and returned explicitly.
 """
 
@@ -20,6 +20,10 @@ import torch.distributed as dist
 from torch.futures import Future
 
 ProcessGroup = dist.ProcessGroup | None
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""Every rank's equally sized tensor concatenated into one output: torch >= 2.10 names it
+``all_gather_single`` and deprecates ``all_gather_into_tensor``, which older versions only have."""
 
 
 def _resolving_to(tensor: torch.Tensor) -> Callable[[Future[Any]], torch.Tensor]:
@@ -42,7 +46,7 @@ def allreduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> Future[torch.Ten
 
 def allgather_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGroup) -> Future[torch.Tensor]:
     """Concatenate every rank's equally sized ``payload`` into ``out`` (rank order); resolves to ``out``."""
-    work = dist.all_gather_into_tensor(out, payload, group=group, async_op=True)
+    work = all_gather_single(out, payload, group=group, async_op=True)
     return work.get_future().then(_resolving_to(out))
 
 

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_gc import comm
+
 
 def _first_difference(mine: Any, theirs: Any, path: str = "") -> str | None:
     """A readable path to the first place where two plain-data descriptions differ."""
@@ -73,7 +75,7 @@ def verify_same_parameters(module: torch.nn.Module, group: dist.ProcessGroup | N
     local = parameter_checksums(module)
     world_size = dist.get_world_size(group)
     gathered = local.new_empty((world_size * local.shape[0], *local.shape[1:]))
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    comm.all_gather_single(gathered, local, group=group)
     gathered = gathered.view(world_size, *local.shape)
     bits = gathered.view(torch.int64)  # bitwise: identical NaN parameters are not a divergence
     differs = (bits != bits[0]).any(dim=2).any(dim=0)

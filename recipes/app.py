@@ -16,8 +16,10 @@ the start method is left as configured.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,20 @@ def qualified(group: str, cfg: DictConfig, message: str) -> str:
     `` `trainer.devices=0` ``."""
     message = re.sub(r"`Trainer\((\w+)=([^`]*)\)`", r"`trainer.\1=\2`", message)
     return re.sub(r"`([A-Za-z_]\w*)`", lambda m: f"`{group}.{m[1]}`" if m[1] in cfg else m[0], message)
+
+
+def quiet_foreign_noise() -> None:
+    """Drop messages of other libraries that tell a user of this app nothing (for the app only, never
+    in the library): Lightning's own deprecation of its tree utilities and its advertising tips."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoTips) for f in rank_zero.filters):
+        rank_zero.addFilter(_NoTips())
+
+
+class _NoTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
 
 
 def processes_started_externally() -> bool:
