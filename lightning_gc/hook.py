@@ -160,10 +160,20 @@ class CompressionHookState:
         delay, the averages not yet handed over (exchanges in flight are drained first)."""
         state = {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
         if self.delay_line is not None:
+            state["delay"] = (self.delay_line.delay, self.delay_line.local_update)
             state["delayed"] = self.delay_line.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; a delayed run resumes only with the same delay
+        settings (the averages in flight belong to particular steps)."""
+        saved = tuple(state.get("delay", (0, False)))
+        mine = (0, False) if self.delay_line is None else (self.delay_line.delay, self.delay_line.local_update)
+        if saved != mine and (saved[0] or state.get("delayed")):
+            raise ValueError(
+                f"the checkpoint was written with (delay, local_update)={saved}, this run has {mine}: the "
+                "averages it holds belong to other steps; resume with the same delay settings"
+            )
         self.step = int(state["step"])
         self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state.get("compressor", {}))

@@ -47,14 +47,14 @@ class MomentumSpec:
 NO_MOMENTUM = MomentumSpec()
 
 
-def _unwrap(optimizer: object) -> object:
-    # Lightning wraps optimizers in LightningOptimizer; the param groups live on the inner one.
+def unwrap_optimizer(optimizer: object) -> object:
+    """The torch optimizer behind a Lightning ``LightningOptimizer`` wrapper (or ``optimizer`` itself)."""
     return getattr(optimizer, "_optimizer", optimizer)
 
 
 def _sgd_groups(optimizers: Iterable[object]) -> Iterator[dict[str, Any]]:
     for optimizer in optimizers:
-        inner = _unwrap(optimizer)
+        inner = unwrap_optimizer(optimizer)
         if isinstance(inner, torch.optim.SGD):
             for group in inner.param_groups:
                 legacy = group.pop(LEGACY_GROUP_KEY, None)

@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
@@ -37,7 +38,7 @@ from lightning_gc.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.guard import NONFINITE_POLICIES
 from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_momentum_specs
+from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_momentum_specs, unwrap_optimizer
 from lightning_gc.selective import CompressWhenFaster, agreed
 
 CHECKPOINT_KEY = "lightning_gc"
@@ -130,6 +131,15 @@ class GradientCompressionStrategy(DDPStrategy):
         verify_every_n_steps: every so many optimizer steps, compare a checksum of every
             parameter across ranks and raise naming the first that differs (``None``: only the
             setup check of configuration and model layout, which always runs).
+        delay: delayed synchronisation (:mod:`lightning_gc.delay`): each step applies the average
+            of the exchange launched ``delay`` steps earlier, and its own exchange runs during the
+            next step's compute. 0 (default): every step waits for its own exchange. What is still
+            owed when training ends is applied then, so every rank ends with the same parameters.
+        local_update: with ``delay``, apply this rank's own contribution at once and swap it for
+            the average when that arrives (OD-SGD); ranks then differ by their own recent terms
+            during training. Needs ``torch.optim.SGD`` (a linear update) and a compressor that
+            knows what it sent before the exchange (not PowerSGD).
+        sync_warmup_steps: with ``delay``, the first optimizer steps are synchronous.
         **kwargs: the named compressor's arguments (e.g. ``compress_ratio``), and anything
             :class:`~lightning.pytorch.strategies.DDPStrategy` or ``DistributedDataParallel``
             take (e.g. ``bucket_cap_mb``, ``find_unused_parameters``, ``start_method``,
@@ -152,6 +162,9 @@ class GradientCompressionStrategy(DDPStrategy):
         log_stats: bool = True,
         nonfinite: str = "raise",
         verify_every_n_steps: int | None = None,
+        delay: int = 0,
+        local_update: bool = False,
+        sync_warmup_steps: int = 0,
         **kwargs: Any,
     ) -> None:
         owned = sorted(set(kwargs) & set(_OWNED_DDP_ARGUMENTS))
@@ -185,6 +198,11 @@ class GradientCompressionStrategy(DDPStrategy):
         if verify_every_n_steps is not None:
             check_int("verify_every_n_steps", verify_every_n_steps, 1)
         self.verify_every_n_steps = verify_every_n_steps
+        self.delay = check_int("delay", delay, 0)
+        self.local_update = check_bool("local_update", local_update)
+        self.sync_warmup_steps = check_int("sync_warmup_steps", sync_warmup_steps, 0)
+        if local_update and not delay:
+            raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
         super().__init__(**kwargs)
         self.compressor = compressor
         self.explicit_momentum = momentum
@@ -236,6 +254,7 @@ class GradientCompressionStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ wiring
     def on_train_end(self) -> None:
+        self._apply_delayed_averages()
         super().on_train_end()
         # Lightning shuts NCCL groups down at exit but leaves gloo's to interpreter finalization. Our
         # hook's futures carry Python callbacks; a gloo worker thread that drops one then needs the
@@ -244,6 +263,26 @@ class GradientCompressionStrategy(DDPStrategy):
         # Only after training ended normally: nothing is in flight then, whereas a rank failing
         # mid-step could wait in the shutdown for its pending collectives until the timeout.
         shut_down_process_group_at_exit()
+
+    def _apply_delayed_averages(self) -> None:
+        """With a delay, the last ``delay`` steps' averages have not been applied when training
+        ends: apply them now, one optimizer step each (momentum-free, as in training), so that
+        every rank ends with the same parameters."""
+        line = None if self._hook_state is None else self._hook_state.delay_line
+        if line is None:
+            return
+        assert isinstance(self.model, DistributedDataParallel)
+        params = dict(self.model.module.named_parameters())
+        for owed in line.pending(self._hook_state.step, since=self.sync_warmup_steps):
+            for optimizer in self.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            for name, value in owed.items():
+                params[name].grad = value.to(params[name].dtype).clone()
+            for optimizer in self.optimizers:
+                with momentum_free([optimizer]) if self._moves_momentum else nullcontext():
+                    unwrap_optimizer(optimizer).step()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     def _register_ddp_hooks(self) -> None:
         # Replaces DDPStrategy's, which registers comm hooks on CUDA only.
@@ -259,9 +298,17 @@ class GradientCompressionStrategy(DDPStrategy):
             pays=pays,
             nonfinite=self.nonfinite,
             find_unused_parameters=bool(self._ddp_kwargs.get("find_unused_parameters", False)),
+            delay=self.delay,
+            local_update=self.local_update,
+            sync_warmup_steps=self.sync_warmup_steps,
         )
         verify_same_setup(self._setup_description(), self.model.process_group)
         if self._pending_state is not None:
+            own_parameters = self._pending_state.pop("parameters", None)
+            if own_parameters is not None:  # after DDP broadcast rank 0's: this rank's own, as saved
+                with torch.no_grad():
+                    for name, param in self.model.module.named_parameters():
+                        param.copy_(own_parameters[name])
             self._hook_state.load_state_dict(self._pending_state)
             self._pending_state = None
         self.model.register_comm_hook(self._hook_state, compression_hook)
@@ -276,6 +323,15 @@ class GradientCompressionStrategy(DDPStrategy):
                     "for different settings) or momentum_correction=False"
                 )
             self._hand_over_momentum(announce=True)
+            if self.local_update:
+                inner = [unwrap_optimizer(o) for o in self.optimizers]
+                others = sorted({type(o).__name__ for o in inner if not isinstance(o, torch.optim.SGD)})
+                if others:
+                    raise ValueError(
+                        f"local_update=True adds this rank's own update now and swaps it for the average later, "
+                        f"which is exact only for a linear update (torch.optim.SGD); the model configures {others}. "
+                        "Use local_update=False (the plain stale average) with these optimizers"
+                    )
 
     def _setup_description(self) -> dict[str, Any]:
         """What every rank must agree on: compressor, memory settings and the model's parameters."""
@@ -283,7 +339,13 @@ class GradientCompressionStrategy(DDPStrategy):
         return {
             "compressor": self.compressor.config(),
             "memory": self.memory.config(),
-            "strategy": {"min_wire_ratio": self.min_wire_ratio, "nonfinite": self.nonfinite},
+            "strategy": {
+                "min_wire_ratio": self.min_wire_ratio,
+                "nonfinite": self.nonfinite,
+                "delay": self.delay,
+                "local_update": self.local_update,
+                "sync_warmup_steps": self.sync_warmup_steps,
+            },
             "parameters": [
                 (name, tuple(p.shape), str(p.dtype), p.requires_grad)
                 for name, p in self.model.module.named_parameters()
@@ -383,6 +445,11 @@ class GradientCompressionStrategy(DDPStrategy):
     def _gather_state(self) -> dict[str, Any]:
         assert self._hook_state is not None
         local = self._hook_state.state_dict()
+        if self.local_update:  # each rank's parameters and optimizer state hold its own latest terms,
+            # and Lightning saves rank 0's only
+            assert isinstance(self.model, DistributedDataParallel)
+            local["parameters"] = {n: p.detach().cpu().clone() for n, p in self.model.module.named_parameters()}
+            local["optimizer_states"] = [self.optimizer_state(optimizer) for optimizer in self.optimizers]
         group = self._hook_state.process_group
         ranks: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
         dist.gather_object(local, ranks, dst=0, group=group)
@@ -417,6 +484,9 @@ class GradientCompressionStrategy(DDPStrategy):
         # Lightning loads checkpoints before setup, and every fit's setup builds a new hook state
         # (a second fit on the same Trainer too), which takes this over.
         self._pending_state = entry["ranks"][self.global_rank]
+        own_optimizer_states = self._pending_state.pop("optimizer_states", None)
+        if own_optimizer_states is not None:  # local updates: this rank's, which Lightning restores next
+            checkpoint["optimizer_states"] = own_optimizer_states
         self.totals.update(entry.get("totals", {}))  # the running sums continue where they were
         return checkpoint
 

@@ -14,6 +14,7 @@ import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_gc._validation import check_bool, check_choice, check_int, check_range
@@ -106,6 +107,7 @@ class DigitsClassifier(L.LightningModule):
         layers.append(nn.Linear(widths[-1], NUM_CLASSES))
         self.net = nn.Sequential(*layers)
         self.val_accuracy = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
+        self.train_loss = MeanMetric()  # the epoch mean, synced across ranks once, at the epoch's end
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -113,7 +115,9 @@ class DigitsClassifier(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, sync_dist=True)
+        self.log("train/loss_step", loss, on_step=True, on_epoch=False, prog_bar=True)
+        self.train_loss.update(loss.detach())
+        self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

@@ -49,6 +49,9 @@ def test_every_compressor_resumes_exactly(tmp_path: Path) -> None:
         }
         for name in names
     }
+    for name, local_update in (("dgc delayed", False), ("dgc delayed od-sgd", True)):  # averages in flight
+        delayed = {"delay": 1, "local_update": local_update, "sync_warmup_steps": 3}
+        fits[name] = {**fits["dgc"], "strategy": {**fits["dgc"]["strategy"], **delayed}}
     straight = launch_ranks(
         "fit_worker.py",
         {"fits": [{**fit, "checkpoint_dir": str(tmp_path / name)} for name, fit in fits.items()]},
@@ -61,7 +64,7 @@ def test_every_compressor_resumes_exactly(tmp_path: Path) -> None:
         tmp_path / "resumed",
         env=REPRODUCIBLE_BLAS,
     )
-    for index, name in enumerate(names):
+    for index, name in enumerate(fits):
         for rank in range(2):
             assert torch.equal(resumed[rank][index]["params"], straight[rank][index]["params"]), name
         assert resumed[0][index]["hook_step"] == straight[0][index]["hook_step"] == 2 * STEPS_PER_EPOCH
@@ -408,3 +411,45 @@ def test_dgc_compressor_checkpoint_holds_no_state() -> None:
     assert compressor.state_dict() == {}
     with pytest.raises(ValueError, match="keeps no state"):
         compressor.load_state_dict({"q": {}})
+
+
+@pytest.mark.parametrize("local_update", [False, True], ids=["stale", "od-sgd"])
+def test_delayed_training_learns_and_ends_with_the_same_parameters_on_every_rank(
+    tmp_path: Path, local_update: bool
+) -> None:
+    """Each step applies the average of the step before; what is owed at the end is applied then.
+    With OD-SGD's local update the ranks differ during training by their own latest terms only."""
+    strategy = {"kind": "dgc", "compress_ratio": 0.01, "delay": 1, "local_update": local_update}
+    rank0, rank1 = launch_ranks(
+        "fit_worker.py", {"fits": [{"strategy": strategy, "model": SMALL, "epochs": 3}]}, tmp_path / "delayed"
+    )
+    ours, theirs = rank0[0], rank1[0]
+    losses = [m["train/loss_epoch"] for m in ours["epoch_metrics"]]
+    assert losses[-1] < 0.5 * losses[0], losses
+    during = ours["epoch_params"][-1], theirs["epoch_params"][-1]
+    if local_update:
+        assert not torch.equal(*during)  # each rank has applied its own newest contribution
+        # swapping those own terms for the average at the end is all that separates the ranks
+        torch.testing.assert_close(ours["params"], theirs["params"], rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(*during) and torch.equal(ours["params"], theirs["params"])
+    assert not torch.equal(ours["params"], during[0])  # the owed average was applied after the last step
+
+
+def test_delay_settings_are_checked_at_construction_and_local_update_needs_sgd(tmp_path: Path) -> None:
+    from lightning_gc import DGCStrategy
+
+    with pytest.raises(ValueError, match=r"`delay` must be an integer >= 0, got -1"):
+        DGCStrategy(delay=-1)
+    with pytest.raises(ValueError, match=r"`local_update=True` needs `delay` >= 1, got delay=0"):
+        DGCStrategy(local_update=True)
+    with pytest.raises(ValueError, match=r"`sync_warmup_steps` must be an integer >= 0, got 1.5"):
+        DGCStrategy(delay=1, sync_warmup_steps=1.5)
+    fit = {
+        "strategy": {"kind": "gc", "compressor": "topk", "compress_ratio": 0.05, "delay": 1, "local_update": True},
+        "model": {"hidden": [32], "optimizer": "adam", "lr": 0.01},
+        "epochs": 1,
+    }
+    codes, logs = start_ranks("fit_worker.py", {"fits": [fit]}, tmp_path / "adam", timeout=180)
+    assert all(code not in (0, None) for code in codes)
+    assert "exact only for a linear update (torch.optim.SGD); the model configures ['Adam']" in logs[0]

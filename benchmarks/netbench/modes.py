@@ -10,6 +10,8 @@
   (``gc_dgc`` is ``DGCStrategy(compress_ratio=0.001)`` with momentum correction);
 * ``gc_dgc_compact`` -- the same with the compact wire: Elias--Fano indices, bfloat16 values and
   bfloat16 dense tensors (the ResNet-50 recipe's settings);
+* ``<gc mode>_delay1`` -- any ``gc_*`` mode with ``delay=1`` (:mod:`lightning_gc.delay`): each
+  step applies the previous step's average and its own exchange overlaps the next step;
 * ``ideal`` -- one process, no distributed strategy at all (handled by the launcher).
 """
 
@@ -39,10 +41,22 @@ DGC_MODES: dict[str, dict[str, Any]] = {
 """``DGCStrategy`` / ``DGCCompressor`` arguments of the DGC modes."""
 
 
+DELAYED = "_delay1"
+"""Suffix of a ``gc_*`` mode run with ``delay=1``."""
+
+
+def split_delay(mode: str) -> tuple[str, int]:
+    """``("gc_fp16", 1)`` for ``"gc_fp16_delay1"``; ``(mode, 0)`` for any other mode."""
+    if mode.startswith("gc_") and mode.endswith(DELAYED):
+        return mode.removesuffix(DELAYED), 1
+    return mode, 0
+
+
 def all_modes() -> list[str]:
-    """Every mode, references first, then torch's hooks, then ours (one per registered compressor)."""
-    ours = [f"gc_{name}" for name in available()]
-    return [IDEAL, *TORCH_MODES, *DGC_MODES, *(mode for mode in ours if mode not in DGC_MODES)]
+    """Every mode, references first, then torch's hooks, then ours (one per registered compressor,
+    then each of those with ``delay=1``)."""
+    ours = [*DGC_MODES, *(mode for mode in (f"gc_{name}" for name in available()) if mode not in DGC_MODES)]
+    return [IDEAL, *TORCH_MODES, *ours, *(mode + DELAYED for mode in ours)]
 
 
 class HookedDDPStrategy(DDPStrategy):
@@ -76,8 +90,9 @@ def make_strategy(mode: str) -> Strategy:
         return HookedDDPStrategy(
             ddp_comm_state=state, ddp_comm_hook=powersgd.powerSGD_hook, bucket_cap_mb=1024, **common
         )
-    if mode in DGC_MODES:
-        return DGCStrategy(**DGC_MODES[mode], **common)
-    if mode.startswith("gc_") and mode.removeprefix("gc_") in available():
-        return GradientCompressionStrategy(mode.removeprefix("gc_"), **common)
+    base, delay = split_delay(mode)
+    if base in DGC_MODES:
+        return DGCStrategy(**DGC_MODES[base], delay=delay, **common)
+    if base.startswith("gc_") and base.removeprefix("gc_") in available():
+        return GradientCompressionStrategy(base.removeprefix("gc_"), delay=delay, **common)
     raise ValueError(f"unknown mode {mode!r}; modes are {all_modes()}")

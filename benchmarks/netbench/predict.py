@@ -10,7 +10,8 @@ Per mode, what each rank sends and what encoding/decoding costs it per step:
   one bucket is ready only when backward ends, so nothing overlaps (``f = 0``);
 * ``gc_<name>``: :func:`lightning_gc.calibration.codec_cost` on the model's parameter shapes and
   its real gradients on four synthetic batches (the DGC modes with momentum correction at 0.9, as
-  the benchmark trains).
+  the benchmark trains); ``gc_<name>_delay1`` costs the same and is predicted with
+  ``Workload(delay=1)``: the whole next step can hide its exchange.
 
 Timing runs in this process: launch it pinned to one core with one thread, like the workers::
 
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.netbench.models import BenchModule, gradient_shapes, synthetic_batches
-from benchmarks.netbench.modes import DGC_MODES, IDEAL
+from benchmarks.netbench.modes import DGC_MODES, IDEAL, split_delay
 from lightning_gc import calibration
 from lightning_gc.perfmodel import CodecCost, Network, Prediction, Workload, predict
 
@@ -112,9 +113,10 @@ def mode_cost(
     if mode.startswith("torch_powersgd"):
         return powersgd_hook_cost(shapes, int(mode.removeprefix("torch_powersgd")))
     if mode.startswith("gc_"):
-        dgc = mode in DGC_MODES
-        name = "dgc" if dgc else mode.removeprefix("gc_")
-        arguments = DGC_MODES[mode] if dgc else {}
+        base, _ = split_delay(mode)  # a delay changes when the exchange happens, not what it costs
+        dgc = base in DGC_MODES
+        name = "dgc" if dgc else base.removeprefix("gc_")
+        arguments = DGC_MODES[base] if dgc else {}
         momentum = DGC_MOMENTUM if dgc else 0.0
         cost = calibration.codec_cost(
             name,
@@ -146,7 +148,13 @@ def predict_modes(
     out = {}
     for mode, cost in costs.items():
         single = mode.startswith("torch_powersgd")
-        workload = Workload(gradient_numel, compute_s, 0.0 if single else overlap, rounds=1 if single else buckets)
+        workload = Workload(
+            gradient_numel,
+            compute_s,
+            0.0 if single else overlap,
+            rounds=1 if single else buckets,
+            delay=split_delay(mode)[1],
+        )
         out[mode] = predict(workload, network, [cost])[-1]
     return out
 
