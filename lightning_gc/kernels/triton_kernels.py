@@ -224,7 +224,8 @@ def _commit_sparse_kernel(
     inside = j < pairs
     i = tl.load(index_ptr + j, mask=inside, other=0).to(tl.int64)
     sent = tl.load(sent_ptr + j, mask=inside, other=0.0).to(tl.float32)
-    tl.atomic_add(velocity_ptr + i, -sent, mask=inside)  # atomic: indices may repeat
+    # atomic: indices may repeat; relaxed: a pure accumulation, ordered by the kernel's end alone
+    tl.atomic_add(velocity_ptr + i, -sent, mask=inside, sem="relaxed")
     if MASK:
         zero = tl.zeros([BLOCK], dtype=tl.float32).to(momentum_ptr.dtype.element_ty)
         tl.store(momentum_ptr + i, zero, mask=inside & (sent != 0.0))
@@ -257,7 +258,7 @@ def _scatter_average_kernel(out_ptr, index_ptr, values_ptr, pairs, scale, BLOCK:
     inside = j < pairs
     i = tl.load(index_ptr + j, mask=inside, other=0).to(tl.int64)
     v = tl.load(values_ptr + j, mask=inside, other=0.0).to(tl.float32)
-    tl.atomic_add(out_ptr + i, v * scale, mask=inside)
+    tl.atomic_add(out_ptr + i, v * scale, mask=inside, sem="relaxed")  # a pure accumulation: no ordering
 
 
 def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, world_size: int) -> None:
