@@ -11,7 +11,6 @@ happened to bucket the parameters. That makes results identical across DDP's buc
 across a checkpoint resume (which starts again with DDP's initial bucketing).
 """
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from lightning_gc.guard import StepGuard
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.pipeline import Timeline, run_bucket
+from lightning_gc.policy import CompressionPolicy
 from lightning_gc.stats import CompressionStats
 
 
@@ -80,7 +80,7 @@ class CompressionHookState:
         names: dict[int, tuple[str, int]],
         process_group: dist.ProcessGroup | None = None,
         min_wire_ratio: float = 1.0,
-        pays: Callable[[Compressor, BucketLayout, int], bool] | None = None,
+        pays: CompressionPolicy | None = None,
         nonfinite: str = "raise",
         find_unused_parameters: bool = False,
         exchange: Exchange | None = None,

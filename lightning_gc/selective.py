@@ -15,8 +15,8 @@ is strictly smaller.
 
 Every input is either the bucket layout, the compressor's settings, or a number of the policy,
 so ranks holding the same policy decide the same. Calibrating in each process would give each
-rank different numbers: :func:`agreed` hands every rank rank 0's policy (the strategy calls it
-once when it registers its hook).
+rank different numbers: :func:`lightning_gc.policy.agreed` hands every rank rank 0's policy (the
+strategy calls it once when it registers its hook).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_gc._validation import check_range
 from lightning_gc.compressors.base import Compressor
@@ -100,12 +99,3 @@ class CompressWhenFaster:
         """Whether to compress this bucket (the hook's ``pays`` predicate)."""
         compressed = self.step_cost_s(layout, element_size, compressor.wire_bytes(layout, element_size))
         return compressed < self.step_cost_s(layout, element_size, None)
-
-
-def agreed(policy: CompressWhenFaster | None, group: dist.ProcessGroup | None) -> CompressWhenFaster | None:
-    """Rank 0's ``policy`` on every rank of ``group`` (collective: every rank must call it)."""
-    if policy is None or dist.get_world_size(group) == 1:
-        return policy
-    holder: list[Any] = [policy]
-    dist.broadcast_object_list(holder, group=group, group_src=0)
-    return holder[0]

@@ -39,7 +39,7 @@ from lightning_gc.guard import NONFINITE_POLICIES
 from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_momentum_specs, unwrap_optimizer
-from lightning_gc.selective import CompressWhenFaster, agreed
+from lightning_gc.policy import CompressionPolicy, agreed
 
 CHECKPOINT_KEY = "lightning_gc"
 CHECKPOINT_FORMAT = 1
@@ -119,8 +119,9 @@ class GradientCompressionStrategy(DDPStrategy):
             (dense bytes / bytes sent) would be below this is sent exactly by one all-reduce.
             The default 1.0 never sends more bytes than plain DDP.
         compress_when: ``None`` (default): compress every bucket that passes ``min_wire_ratio``; or
-            a :class:`~lightning_gc.selective.CompressWhenFaster` policy: compress a bucket only
-            where the performance model predicts a faster step. Rank 0's policy is used on all ranks.
+            a :class:`~lightning_gc.policy.CompressionPolicy`, e.g.
+            :class:`~lightning_gc.selective.CompressWhenFaster`: compress a bucket only where the
+            performance model predicts a faster step. Rank 0's policy is used on all ranks.
         log_stats: log ``gc/bytes_sent``, ``gc/dense_bytes``, ``gc/wire_ratio``, ``gc/density``
             and ``gc/compress_s`` after every optimizer step. Running sums over all steps are kept
             in :attr:`totals` either way.
@@ -158,7 +159,7 @@ class GradientCompressionStrategy(DDPStrategy):
         clip_norm: float | None = None,
         error_feedback: bool | None = None,
         min_wire_ratio: float = 1.0,
-        compress_when: CompressWhenFaster | None = None,
+        compress_when: CompressionPolicy | None = None,
         log_stats: bool = True,
         nonfinite: str = "raise",
         verify_every_n_steps: int | None = None,

@@ -11,7 +11,8 @@ from lightning_gc.compressors.simple import NoCompressor
 from lightning_gc.hook import CompressionHookState
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.perfmodel import Network
-from lightning_gc.selective import CompressWhenFaster, agreed
+from lightning_gc.policy import agreed
+from lightning_gc.selective import CompressWhenFaster
 
 LAYOUT = layout_of_shapes([(1000, 1000)])  # 4 MB of fp32 gradient
 DGC = create("dgc", compress_ratio=0.001)  # 8 kB on the wire
