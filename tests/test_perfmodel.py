@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -192,3 +193,36 @@ def test_every_compressor_calibrates_through_all_its_rounds(name: str) -> None:
     assert cost.encode_s > 0 and cost.decode_s > 0
     layout = calibration.layout_of_shapes(shapes)
     assert cost.summed_bytes + cost.gathered_bytes == create(name).wire_bytes(layout, 4)
+
+
+def test_cli_times_a_sample_scales_it_caches_it_and_says_so(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    command = [sys.executable, "-m", "lightning_gc.perfmodel", "--params", "1e6", "--compute-ms", "100",
+               "--world-size", "2", "--compressor", "fp16", "--calibrate-numel", "65536", "--delay", "1"]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "encode/decode timed on cpu on 65,536 elements, scaled to 1,000,000: fp16" in done.stdout
+    assert "| fp16 | 2.000 | 2.0 |" in done.stdout  # bytes of the whole gradient, not of the sample
+    assert ", delay=1" in done.stdout
+    cached = json.loads((tmp_path / "lightning_gc" / "perfmodel.json").read_text())
+    assert len(cached) == 1 and "|p=2|" in next(iter(cached))
+
+
+def test_scaled_cost_keeps_the_split_and_scales_the_seconds():
+    sample = CodecCost("dgc", summed_bytes=100, gathered_bytes=300, encode_s=0.002, decode_s=0.001)
+    full = cli.scaled_cost("dgc", 4 * 2**20, sample, 2**20, {"compress_ratio": 0.01})
+    wire = create("dgc", compress_ratio=0.01).wire_bytes(
+        calibration.layout_of_shapes(calibration.representative_shapes(4 * 2**20)), 4
+    )
+    assert full.summed_bytes + full.gathered_bytes == wire and full.summed_bytes == round(wire / 4)
+    assert full.encode_s == pytest.approx(0.008) and full.decode_s == pytest.approx(0.004)
+    assert cli.scaled_cost("dgc", 2**20, sample, 2**20, {}) is sample
+
+
+def test_cli_with_a_delay_hides_the_exchange_behind_the_whole_step():
+    process = _cli("--world-size", "2", "--bandwidth", "100mbit", "--compressor", "dgc", "--cost", "dgc=5,1",
+                   "--delay", "1", "--no-cache")  # fmt: skip
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    # 4 MB at 100 Mbit/s: 320 ms of exchange; with a delay all of C = 100 ms hides it
+    assert "| dense | 4.000 | 1.0 | 320.1 | 0.0 | 0.0 | 220.1 | 320.1 | 1.00 |" in stdout
