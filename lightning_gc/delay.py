@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 from torch.futures import Future
 
-from lightning_gc._validation import check_bool, check_int
 from lightning_gc.flatstate import FlatState
 from lightning_gc.layout import BucketLayout
+from lightning_gc.validation import check_bool, check_int
 
 
 @dataclass

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from lightning_gc import comm
-from lightning_gc._validation import check_choice
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.layout import BucketLayout
 from lightning_gc.memory import BucketMemory, CompensationMemory
+from lightning_gc.validation import check_choice
 
 NONFINITE_POLICIES = ("raise", "skip")
 

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_gc._validation import check_int
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.simple import NoCompressor
 from lightning_gc.delay import DelayLine
@@ -28,6 +27,7 @@ from lightning_gc.memory import CompensationMemory
 from lightning_gc.pipeline import Timeline, run_bucket
 from lightning_gc.policy import CompressionPolicy
 from lightning_gc.stats import CompressionStats
+from lightning_gc.validation import check_int
 
 
 def reaches_wire_ratio(compressor: Compressor, layout: BucketLayout, element_size: int, min_ratio: float) -> bool:

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from lightning_gc._validation import check_range
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.layout import BucketLayout
 from lightning_gc.perfmodel import DENSE, CodecCost, Network, exchange_cost_s
+from lightning_gc.validation import check_range
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gc._validation import check_bool, check_choice, check_int, check_range
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
@@ -40,6 +39,7 @@ from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_momentum_specs, unwrap_optimizer
 from lightning_gc.policy import CompressionPolicy, agreed
+from lightning_gc.validation import check_bool, check_choice, check_int, check_range
 
 CHECKPOINT_KEY = "lightning_gc"
 CHECKPOINT_FORMAT = 1

@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gc._validation import check_int, check_range
+from lightning_gc.validation import check_int, check_range
 
 
 class WarmupMultiStep:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 from torchmetrics.text import Perplexity
 
-from lightning_gc._validation import check_int, check_range
+from lightning_gc.validation import check_int, check_range
 from recipes.common import RecipeDataModule, SGDTask, SyntheticDataset, dataset_missing, fetching
 
 PTB_SPLITS = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}

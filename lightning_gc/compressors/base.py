@@ -30,8 +30,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_gc._validation import check_range
 from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.validation import check_range
 
 
 @dataclass(kw_only=True)

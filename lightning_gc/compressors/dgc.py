@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from lightning_gc import kernels
-from lightning_gc._validation import check_range
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
 from lightning_gc.kernels import SelectionScratch
+from lightning_gc.validation import check_range
 
 
 @register

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from lightning_gc._validation import check_choice, check_int
 from lightning_gc.compressors import rangefloat
 from lightning_gc.compressors.base import (
     AdjustableRatio,
@@ -38,6 +37,7 @@ from lightning_gc.compressors.base import (
 )
 from lightning_gc.compressors.registry import register
 from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.validation import check_choice, check_int
 
 
 def _aligned(size: int) -> int:

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from lightning_gc._validation import check_bool, check_int, check_range
 from lightning_gc.compressors.base import Compressor, DensePart, Encoded, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.registry import register
 from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.validation import check_bool, check_int, check_range
 
 _SEED_PARAM, _SEED_STEP = 1_000_003, 7_919
 

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from lightning_gc import kernels
-from lightning_gc._validation import check_int
 from lightning_gc.compressors.base import Compressor, Encoded, mean_into
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.reference import packed_bytes
 from lightning_gc.layout import BucketLayout
+from lightning_gc.validation import check_int
 
 _SEED_STEP, _SEED_RANK = 1_000_003, 7_919
 

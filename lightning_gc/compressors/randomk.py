@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from lightning_gc._validation import check_int, check_range
 from lightning_gc.compressors.base import Compressor, Encoded
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.reference import counter_uniform
 from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.validation import check_int, check_range
 
 _SEED_STEP = 1_000_003
 

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from lightning_gc import kernels
-from lightning_gc._validation import check_choice, check_int
 from lightning_gc.compressors.base import (
     AdjustableRatio,
     Compressor,
@@ -39,6 +38,7 @@ from lightning_gc.compressors.base import (
 )
 from lightning_gc.compressors.wire import INDEX_ENCODINGS, VALUE_DTYPES
 from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.validation import check_choice, check_int
 
 _SALT_STEP = 1_000_003  # distinct steps must map far apart before the per-parameter offset is added
 

@@ -56,7 +56,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_gc._validation import check_int, check_range
+from lightning_gc.validation import check_int, check_range
 
 DENSE = "dense"
 """Name of the reference: plain DDP ring all-reduce, no encode/decode."""

@@ -28,7 +28,6 @@ from rich.console import Console
 from rich.progress import Progress
 
 from lightning_gc import calibration
-from lightning_gc._validation import check_choice, check_int, check_range
 from lightning_gc.compressors.registry import available, create
 from lightning_gc.perfmodel import (
     BITS_PER_BYTE,
@@ -41,6 +40,7 @@ from lightning_gc.perfmodel import (
     parse_rate,
     predict,
 )
+from lightning_gc.validation import check_choice, check_int, check_range
 
 
 def _whole(value: float) -> float | int:

@@ -1,4 +1,5 @@
-"""Argument checks shared by every public constructor.
+"""Argument checks shared by every public constructor, and public for code built on the library
+(the recipes use them for their own options).
 
 Each check raises ``ValueError`` naming the argument, the bad value and what is allowed, so a
 misconfiguration fails at construction time rather than several epochs into a run.
