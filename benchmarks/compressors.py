@@ -25,6 +25,7 @@ import torch
 
 from lightning_gc.calibration import parse_arguments
 from lightning_gc.compressors import available, create
+from lightning_gc.compressors.base import EncodeContext
 from lightning_gc.layout import BucketLayout
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -83,7 +84,7 @@ def main() -> None:
             velocity = gradient.clone()
             _sync(device)
             started = time.perf_counter()
-            encoded = compressor.encode(velocity, out, layout, step=repeat, world_size=1)
+            encoded = compressor.encode(velocity, out, EncodeContext(layout, step=repeat, world_size=1))
             bytes_sent = encoded.bytes_sent
             while encoded.next_round is not None:  # multi-round (powersgd): the reduce of one rank is itself
                 encoded = encoded.next_round()

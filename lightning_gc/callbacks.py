@@ -61,13 +61,14 @@ class SparsityWarmup(Callback):
         return max(self.densities[stage], target) if stage < len(self.densities) else target
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if not hasattr(trainer.strategy, "compress_ratio"):
+        if getattr(trainer.strategy, "adjustable", None) is None:  # a GradientCompressionStrategy with a ratio
+            compressor = getattr(getattr(trainer.strategy, "compressor", None), "name", None)
             raise ValueError(
                 f"SparsityWarmup needs a strategy with a `compress_ratio` (e.g. 'dgc_ddp'), got "
-                f"{type(trainer.strategy).__name__}"
+                f"{type(trainer.strategy).__name__}" + (f" with compressor {compressor!r}" if compressor else "")
             )
         if self.target is None:  # the configured ratio, before this callback ever changed it
-            self.target = float(trainer.strategy.compress_ratio)
+            self.target = float(trainer.strategy.adjustable.compress_ratio)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self.target is not None
@@ -77,5 +78,6 @@ class SparsityWarmup(Callback):
             assert self.steps_per_stage is not None
             stage = trainer.global_step // self.steps_per_stage
         ratio = self.ratio_at(stage, self.target)
-        if trainer.strategy.compress_ratio != ratio:
-            trainer.strategy.compress_ratio = ratio
+        compressor = trainer.strategy.adjustable  # the same value on every rank: a function of the step
+        if compressor.compress_ratio != ratio:
+            compressor.compress_ratio = ratio

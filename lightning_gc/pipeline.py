@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from lightning_gc.compressors.base import Compressor, Encoded
+from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded
 from lightning_gc.exchange import Exchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.layout import BucketLayout, Segment
@@ -135,7 +135,7 @@ def run_bucket(
         timeline.mark("screen")
     velocity = memory.compensate(bucket, grad, params or [], world_size, absent=absent, loss_scale=loss_scale)
     timeline.mark("compensate")
-    encoded = compressor.encode(velocity, target, layout, step=step, world_size=world_size, rank=rank)
+    encoded = compressor.encode(velocity, target, EncodeContext(layout, step=step, world_size=world_size, rank=rank))
     timeline.mark("encode")
     bytes_sent, elements_sent = 0, 0
     while encoded.next_round is not None:  # earlier rounds complete here, so launch order is bucket order

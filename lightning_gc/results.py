@@ -66,7 +66,8 @@ class RunRecorder(Callback):
         self.result: dict[str, Any] | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        ratio = getattr(trainer.strategy, "compress_ratio", None)
+        adjustable = getattr(trainer.strategy, "adjustable", None)
+        ratio = None if adjustable is None else adjustable.compress_ratio
         self.target_ratio = None if ratio is None else float(ratio)
         self.metric_name = self.metric_name or getattr(pl_module, "metric_name", "val/loss")
         self.metric_mode = self.metric_mode or getattr(pl_module, "metric_mode", "min")

@@ -28,7 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gc.compressors.base import Compressor
+from lightning_gc.compressors.base import AdjustableRatio, Compressor
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
 from lightning_gc.compressors.registry import available as available_compressors
@@ -238,15 +238,24 @@ class GradientCompressionStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ public knobs
     @property
+    def adjustable(self) -> AdjustableRatio | None:
+        """The compressor as an :class:`~lightning_gc.compressors.base.AdjustableRatio`, or ``None``
+        when it has no ratio (quantisers, PowerSGD, casts)."""
+        return self.compressor if isinstance(self.compressor, AdjustableRatio) else None
+
+    @property
     def compress_ratio(self) -> float:
         """The compressor's current ratio; :class:`~lightning_gc.SparsityWarmup` sets it."""
-        return self.compressor.compress_ratio  # type: ignore[attr-defined, no-any-return]
+        return self._ratio_owner().compress_ratio
 
     @compress_ratio.setter
     def compress_ratio(self, value: float) -> None:
-        if not hasattr(self.compressor, "compress_ratio"):
+        self._ratio_owner().compress_ratio = value
+
+    def _ratio_owner(self) -> AdjustableRatio:
+        if self.adjustable is None:
             raise AttributeError(f"compressor {self.compressor.name!r} has no compress_ratio")
-        self.compressor.compress_ratio = value  # type: ignore[attr-defined]
+        return self.adjustable
 
     @property
     def hook_state(self) -> CompressionHookState | None:

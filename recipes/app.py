@@ -116,7 +116,7 @@ def fit_once(
         except (FileNotFoundError, ValueError) as err:
             raise UsageError(str(err)) from err
     callbacks: list[L.Callback] = [RunRecorder(out_dir, info)]
-    if cfg.warmup is not None and hasattr(strategy, "compress_ratio"):
+    if cfg.warmup is not None and getattr(strategy, "adjustable", None) is not None:
         callbacks.append(build("warmup", cfg.warmup))
     trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
     if trainer_args.get("enable_checkpointing") is None:  # made-up data: nothing worth hundreds of MB on disk

@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gc import GradientCompressionStrategy, available
 from lightning_gc.compressors import create
+from lightning_gc.compressors.base import EncodeContext
 from recipes.quickstart import NUM_CLASSES, NUM_FEATURES
 
 SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
@@ -113,7 +114,7 @@ def _round_trip(compressor, velocity: torch.Tensor, layout, step: int) -> tuple[
     """What a world of one rank decodes from ``velocity`` (the collectives are identities), the
     last round's ``Encoded``, and the bytes sent over all rounds."""
     out = torch.empty_like(velocity)
-    encoded = compressor.encode(velocity, out, layout, step=step, world_size=1, rank=0)
+    encoded = compressor.encode(velocity, out, EncodeContext(layout, step=step, world_size=1, rank=0))
     bytes_sent = encoded.bytes_sent
     while encoded.next_round is not None:
         encoded = encoded.next_round()
@@ -193,8 +194,10 @@ def test_randomk_with_rescaling_is_unbiased_and_ranks_agree_on_indices() -> None
     assert ((mean - x).abs() <= 5 * x.abs() * (10 - 1) ** 0.5 / samples**0.5 + 1e-6).all()
     # The draw depends on the step and tensor only, never on the rank: all-reducible.
     out = torch.empty_like(x)
-    first = compressor.encode(x, out, layout, step=3, world_size=2, rank=0).sent_indices.clone()
-    assert torch.equal(first, compressor.encode(x, out, layout, step=3, world_size=2, rank=1).sent_indices)
+    first = compressor.encode(x, out, EncodeContext(layout, step=3, world_size=2, rank=0)).sent_indices.clone()
+    assert torch.equal(
+        first, compressor.encode(x, out, EncodeContext(layout, step=3, world_size=2, rank=1)).sent_indices
+    )
     assert first.unique().numel() == first.numel() == 123  # one per block of 10 (1230 elements), distinct
 
 
@@ -206,8 +209,8 @@ def test_randomk_draws_the_same_indices_in_half_precision_buckets(dtype: torch.d
     wide_codec, narrow_codec = create("randomk", compress_ratio=0.0003), create("randomk", compress_ratio=0.0003)
     x = torch.randn(layout.numel)
     for step in range(300):
-        wide = wide_codec.encode(x, torch.empty_like(x), layout, step=step, world_size=1).sent_indices
-        narrow = narrow_codec.encode(x.to(dtype), x.to(dtype), layout, step=step, world_size=1)
+        wide = wide_codec.encode(x, torch.empty_like(x), EncodeContext(layout, step=step, world_size=1)).sent_indices
+        narrow = narrow_codec.encode(x.to(dtype), x.to(dtype), EncodeContext(layout, step=step, world_size=1))
         assert torch.equal(narrow.sent_indices, wide)
         assert (wide[:3] >= torch.tensor([0, 3333, 6666])).all() and (wide[:3] < torch.tensor([3333, 6666, 9999])).all()
 
@@ -304,7 +307,7 @@ def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> 
     velocity = torch.full((layout.numel,), 40_000.0, dtype=torch.float16)
     compressor = create(name)
     out = torch.empty_like(velocity)
-    encoded = compressor.encode(velocity, out, layout, step=0, world_size=2, rank=0)
+    encoded = compressor.encode(velocity, out, EncodeContext(layout, step=0, world_size=2, rank=0))
     assert encoded.dense_sent is None or encoded.dense_sent.isfinite().all()
     LocalExchange(2).launch(encoded)
     compressor.decode(encoded, out, world_size=2)

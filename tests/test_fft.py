@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_gc.compressors import FFTCompressor, rangefloat
+from lightning_gc.compressors.base import EncodeContext
 from lightning_gc.layout import BucketLayout
 
 
@@ -50,7 +51,7 @@ def _layout(*shapes: tuple[int, ...]) -> BucketLayout:
 
 
 def _encode(compressor: FFTCompressor, layout: BucketLayout, velocity: torch.Tensor, world_size: int = 1):
-    return compressor.encode(velocity, torch.empty_like(velocity), layout, step=0, world_size=world_size)
+    return compressor.encode(velocity, torch.empty_like(velocity), EncodeContext(layout, step=0, world_size=world_size))
 
 
 def test_all_coefficients_at_16_bits_reproduce_the_tensor() -> None:

@@ -7,6 +7,7 @@ import torch
 from test_hook_reference import make_model
 
 from lightning_gc.compressors import PowerSGDCompressor
+from lightning_gc.compressors.base import EncodeContext
 from lightning_gc.compressors.powersgd import orthonormalise_
 from lightning_gc.layout import BucketLayout
 
@@ -20,7 +21,7 @@ def _layout(*shapes: tuple[int, ...]) -> BucketLayout:
 def _encode_decode(compressor: PowerSGDCompressor, layout: BucketLayout, velocity: torch.Tensor, step: int = 0):
     """One rank's round trip (world size 1: the all-reduces are identities)."""
     out = torch.empty_like(velocity)
-    encoded = compressor.encode(velocity, out, layout, step=step, world_size=1)
+    encoded = compressor.encode(velocity, out, EncodeContext(layout, step=step, world_size=1))
     while encoded.next_round is not None:
         encoded = encoded.next_round()
     compressor.decode(encoded, out, world_size=1)
@@ -63,7 +64,7 @@ def test_small_and_1d_tensors_go_dense_and_bytes_are_counted() -> None:
     assert compressor.wire_bytes(layout, 4) == 4 * ((64 + 64) * 2 + 64 + 16)
     velocity = torch.randn(layout.numel)
     out = torch.empty_like(velocity)
-    first = compressor.encode(velocity, out, layout, step=0, world_size=1)
+    first = compressor.encode(velocity, out, EncodeContext(layout, step=0, world_size=1))
     second = first.next_round()
     assert first.bytes_sent + second.bytes_sent == compressor.wire_bytes(layout, 4)
     compressor.decode(second, out, world_size=1)
@@ -74,8 +75,14 @@ def test_start_iter_sends_whole_buckets_first() -> None:
     layout = _layout((64, 64))
     compressor = PowerSGDCompressor(rank=1, start_iter=2)
     velocity = torch.randn(layout.numel)
-    assert compressor.encode(velocity, torch.empty_like(velocity), layout, step=1, world_size=1).next_round is None
-    assert compressor.encode(velocity, torch.empty_like(velocity), layout, step=2, world_size=1).next_round is not None
+    assert (
+        compressor.encode(velocity, torch.empty_like(velocity), EncodeContext(layout, step=1, world_size=1)).next_round
+        is None
+    )
+    assert (
+        compressor.encode(velocity, torch.empty_like(velocity), EncodeContext(layout, step=2, world_size=1)).next_round
+        is not None
+    )
 
 
 def test_warm_start_state_round_trips() -> None:

@@ -23,7 +23,8 @@ def test_stage_never_sends_less_than_the_target() -> None:
 
 
 def _fake_trainer(epoch: int, step: int, ratio: float) -> SimpleNamespace:
-    return SimpleNamespace(current_epoch=epoch, global_step=step, strategy=SimpleNamespace(compress_ratio=ratio))
+    compressor = SimpleNamespace(compress_ratio=ratio)  # an AdjustableRatio, as the strategy exposes it
+    return SimpleNamespace(current_epoch=epoch, global_step=step, strategy=SimpleNamespace(adjustable=compressor))
 
 
 def test_epoch_interval_sets_the_strategy_ratio() -> None:
@@ -33,7 +34,7 @@ def test_epoch_interval_sets_the_strategy_ratio() -> None:
     for epoch, expected in [(0, 0.25), (2, 0.015625), (7, 0.001), (1, 0.0625)]:
         trainer.current_epoch = epoch
         warmup.on_train_batch_start(trainer, None, None, 0)
-        assert trainer.strategy.compress_ratio == expected
+        assert trainer.strategy.adjustable.compress_ratio == expected
 
 
 def test_step_interval_and_target_captured_once() -> None:
@@ -44,7 +45,7 @@ def test_step_interval_and_target_captured_once() -> None:
     for step in (0, 9, 10, 19, 20, 500):
         trainer.global_step = step
         warmup.on_train_batch_start(trainer, None, None, 0)
-        seen.append(trainer.strategy.compress_ratio)
+        seen.append(trainer.strategy.adjustable.compress_ratio)
     assert seen == [0.3, 0.3, 0.1, 0.1, 0.01, 0.01]
     warmup.setup(_fake_trainer(0, 0, ratio=0.3), None, "fit")  # a second fit: the target stays 0.01
     assert warmup.target == 0.01
@@ -53,3 +54,11 @@ def test_step_interval_and_target_captured_once() -> None:
 def test_needs_a_compressing_strategy() -> None:
     with pytest.raises(ValueError, match="compress_ratio"):
         SparsityWarmup().setup(SimpleNamespace(strategy=object()), None, "fit")
+
+
+def test_a_compressor_without_a_ratio_is_refused_by_name() -> None:
+    from lightning_gc import GradientCompressionStrategy
+
+    assert GradientCompressionStrategy("randomk").adjustable is not None  # random-k has one, in (0, 1)
+    with pytest.raises(ValueError, match="got GradientCompressionStrategy with compressor 'qsgd'"):
+        SparsityWarmup().setup(SimpleNamespace(strategy=GradientCompressionStrategy("qsgd")), None, "fit")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_gc.compressors import DGCCompressor, TopKCompressor, create
+from lightning_gc.compressors.base import EncodeContext
 from lightning_gc.compressors.wire import (
     INDEX_ENCODINGS,
     EliasFanoIndices,
@@ -232,7 +233,7 @@ def _exchange(compressors: list, velocities: list[torch.Tensor], layout: BucketL
     Returns per rank (decoded output, Encoded)."""
     world = len(compressors)
     outs = [torch.empty_like(v) for v in velocities]
-    encoded = [c.encode(v, o, layout, step=step, world_size=world, rank=r)
+    encoded = [c.encode(v, o, EncodeContext(layout, step=step, world_size=world, rank=r))
                for r, (c, v, o) in enumerate(zip(compressors, velocities, outs))]  # fmt: skip
     for e in encoded:
         e.gathered_out.copy_(torch.cat([f.gathered for f in encoded]))

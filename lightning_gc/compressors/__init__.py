@@ -1,6 +1,6 @@
 """Gradient compressors behind one interface (:class:`Compressor`), registered by name."""
 
-from lightning_gc.compressors.base import Compressor, DensePart, Encoded
+from lightning_gc.compressors.base import Compressor, DensePart, EncodeContext, Encoded
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.fft import FFTCompressor
 from lightning_gc.compressors.powersgd import PowerSGDCompressor
@@ -20,6 +20,7 @@ __all__ = [
     "Compressor",
     "DGCCompressor",
     "DensePart",
+    "EncodeContext",
     "Encoded",
     "FFTCompressor",
     "FP16Compressor",

@@ -74,6 +74,40 @@ class Encoded:
     commit_after_decode: bool = False
 
 
+@dataclass(frozen=True)
+class EncodeContext:
+    """Where one bucket's encode happens.
+
+    Attributes:
+        layout: the bucket's tensors (names, shapes, positions in the flat buffer).
+        step: the optimizer step; seeds and salts random and sampled selections, so that a step's
+            choice depends on (step, parameter) only, never on DDP's bucketing.
+        world_size: ranks whose payloads are summed or gathered.
+        rank: this rank, for compressors that draw independently on every rank.
+    """
+
+    layout: BucketLayout
+    step: int
+    world_size: int
+    rank: int = 0
+
+
+def compressible(segment: Segment, min_numel: int) -> bool:
+    """The rule every compressor shares for which tensors it compresses (DGC §3): those of more
+    than one dimension with at least ``min_numel`` elements. Biases, norms and small tensors go
+    dense: they are a small part of the bytes and sensitive to compression."""
+    return len(segment.shape) > 1 and segment.numel >= min_numel
+
+
+WIRE_ALIGNMENT = 4
+"""Bytes every field of a gathered payload is padded to, so the next one can be viewed as int32/fp32."""
+
+
+def aligned(size: int) -> int:
+    """``size`` rounded up to a multiple of :data:`WIRE_ALIGNMENT`."""
+    return -(-size // WIRE_ALIGNMENT) * WIRE_ALIGNMENT
+
+
 @functools.cache
 def saturation_limit(dtype: torch.dtype, summands: int) -> float:
     """The largest value of ``dtype`` whose ``summands``-fold sum, accumulated in ``dtype`` one term
@@ -195,10 +229,13 @@ def decode_whole_bucket(encoded: Encoded, out: torch.Tensor, world_size: int) ->
 
 
 class AdjustableRatio:
-    """Mixin: a ``compress_ratio`` in (0, 1], validated on every assignment, so that
-    :class:`~lightning_gc.SparsityWarmup` can change it between steps."""
+    """Mixin and interface of compressors with a ``compress_ratio`` in (0, 1] (or (0, 1) where
+    :attr:`sends_all_at_one` is false), validated on every assignment, so that
+    :class:`~lightning_gc.SparsityWarmup` can change it between steps through the strategy."""
 
     _compress_ratio: float
+    sends_all_at_one: ClassVar[bool] = True
+    """Whether ``compress_ratio=1`` is allowed (it sends every value)."""
 
     @property
     def compress_ratio(self) -> float:
@@ -207,7 +244,9 @@ class AdjustableRatio:
 
     @compress_ratio.setter
     def compress_ratio(self, value: float) -> None:
-        self._compress_ratio = check_range("compress_ratio", value, 0.0, 1.0, low_inclusive=False)
+        self._compress_ratio = check_range(
+            "compress_ratio", value, 0.0, 1.0, low_inclusive=False, high_inclusive=self.sends_all_at_one
+        )
 
     def ratio_of(self, count: float) -> int:
         """``ceil(compress_ratio * count)``, where a product within ``1e-9`` (relative) of an integer
@@ -226,21 +265,12 @@ class Compressor(ABC):
     """Whether E[decoded] != input; biased compressors get error feedback by default."""
 
     @abstractmethod
-    def encode(
-        self,
-        velocity: torch.Tensor,
-        out: torch.Tensor,
-        layout: BucketLayout,
-        *,
-        step: int,
-        world_size: int,
-        rank: int = 0,
-    ) -> Encoded:
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         """Choose what to send from ``velocity`` (the bucket's flat compensated values).
 
         ``out`` is the bucket's gradient buffer: its content has already been folded into
         ``velocity``, so it may serve as a send buffer; :meth:`decode` writes the result into it.
-        ``rank`` lets randomised compressors draw independently on every rank.
+        ``context`` says which bucket, step, world size and rank (see :class:`EncodeContext`).
         """
 
     @abstractmethod

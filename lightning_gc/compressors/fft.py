@@ -31,17 +31,16 @@ from lightning_gc.compressors.base import (
     AdjustableRatio,
     Compressor,
     DensePart,
+    EncodeContext,
     Encoded,
+    aligned,
+    compressible,
     decode_whole_bucket,
     encode_whole_bucket,
 )
 from lightning_gc.compressors.registry import register
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_choice, check_int
-
-
-def _aligned(size: int) -> int:
-    return -(-size // 4) * 4
 
 
 @dataclass(frozen=True)
@@ -97,7 +96,7 @@ class FFTCompressor(AdjustableRatio, Compressor):
         return min(numel // 2 + 1, self.ratio_of(numel / 2))
 
     def compresses(self, segment: Segment) -> bool:
-        return len(segment.shape) > 1 and segment.numel >= self.min_compress_numel
+        return compressible(segment, self.min_compress_numel)
 
     def _sizes(self, layout: BucketLayout) -> tuple[list[_Spectrum], list[Segment], int, int]:
         """(spectra, dense segments, total k, payload bytes)."""
@@ -108,7 +107,7 @@ class FFTCompressor(AdjustableRatio, Compressor):
         spectra, index_start = [], 0
         for segment in compressed:
             k = self.k_for(segment.numel)
-            code_bytes = _aligned(rangefloat.packed_size(2 * k, self.bits))
+            code_bytes = aligned(rangefloat.packed_size(2 * k, self.bits))
             spectra.append(_Spectrum(segment, k, index_start, offset, code_bytes))
             index_start += k
             offset += code_bytes
@@ -144,17 +143,8 @@ class FFTCompressor(AdjustableRatio, Compressor):
         return plan
 
     # ------------------------------------------------------------------ encode / decode
-    def encode(
-        self,
-        velocity: torch.Tensor,
-        out: torch.Tensor,
-        layout: BucketLayout,
-        *,
-        step: int,
-        world_size: int,
-        rank: int = 0,
-    ) -> Encoded:
-        plan = self._plan(layout, velocity, world_size)
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        plan = self._plan(context.layout, velocity, context.world_size)
         if not plan.spectra:
             return encode_whole_bucket(velocity, out)
         headers, indices = self._views(plan.payload, plan)

@@ -30,7 +30,14 @@ from typing import Any
 
 import torch
 
-from lightning_gc.compressors.base import Compressor, DensePart, Encoded, decode_whole_bucket, encode_whole_bucket
+from lightning_gc.compressors.base import (
+    Compressor,
+    DensePart,
+    EncodeContext,
+    Encoded,
+    decode_whole_bucket,
+    encode_whole_bucket,
+)
 from lightning_gc.compressors.registry import register
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_bool, check_int, check_range
@@ -181,21 +188,12 @@ class PowerSGDCompressor(Compressor):
         return q
 
     # ------------------------------------------------------------------ the two rounds
-    def encode(
-        self,
-        velocity: torch.Tensor,
-        out: torch.Tensor,
-        layout: BucketLayout,
-        *,
-        step: int,
-        world_size: int,
-        rank: int = 0,
-    ) -> Encoded:
-        plan = self._plan(layout, velocity)
-        if step < self.start_iter or not plan.factors:
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        plan = self._plan(context.layout, velocity)
+        if context.step < self.start_iter or not plan.factors:
             return encode_whole_bucket(velocity, out)
         for factor in plan.factors:
-            q = orthonormalise_(self._q_for(factor, velocity, step))
+            q = orthonormalise_(self._q_for(factor, velocity, context.step))
             torch.matmul(factor.matrix(velocity), q, out=factor.p(plan.round1))
         if plan.dense is not None:
             plan.dense.gather(velocity)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from lightning_gc import kernels
-from lightning_gc.compressors.base import Compressor, Encoded, mean_into
+from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, mean_into
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.reference import packed_bytes
 from lightning_gc.layout import BucketLayout
@@ -120,25 +120,16 @@ class _BlockQuantizer(Compressor):
         self._plans[layout.index] = plan
         return plan
 
-    def encode(
-        self,
-        velocity: torch.Tensor,
-        out: torch.Tensor,
-        layout: BucketLayout,
-        *,
-        step: int,
-        world_size: int,
-        rank: int = 0,
-    ) -> Encoded:
-        plan = self._plan(layout, velocity, world_size)
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        plan = self._plan(context.layout, velocity, context.world_size)
         all_scales = plan.payload[: 4 * plan.scale_starts[-1]].view(torch.float32)
-        for position, segment in enumerate(layout.segments):
+        for position, segment in enumerate(context.layout.segments):
             if segment.numel == 0:  # nothing to scale or send (a zero-size parameter)
                 continue
             values = segment.of(velocity)
             scales = all_scales[plan.scale_starts[position] : plan.scale_starts[position + 1]]
             scales.copy_(self.scales_of(values))
-            seed = step * _SEED_STEP + rank * _SEED_RANK + segment.order
+            seed = context.step * _SEED_STEP + context.rank * _SEED_RANK + segment.order
             start = plan.code_offsets[position]
             codes = self.encode_codes(values, scales, seed)
             plan.payload[start : start + plan.code_sizes[position]].copy_(codes)

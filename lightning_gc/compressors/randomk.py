@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from lightning_gc.compressors.base import Compressor, Encoded
+from lightning_gc.compressors.base import AdjustableRatio, Compressor, EncodeContext, Encoded, compressible
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.reference import counter_uniform
 from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.validation import check_int, check_range
+from lightning_gc.validation import check_int
 
 _SEED_STEP = 1_000_003
 
@@ -42,7 +42,7 @@ class _RandomKPlan:
 
 
 @register
-class RandomKCompressor(Compressor):
+class RandomKCompressor(AdjustableRatio, Compressor):
     """Shared-seed random-k: about ``compress_ratio`` of each large tensor, values only, all-reduced.
 
     Args:
@@ -54,21 +54,13 @@ class RandomKCompressor(Compressor):
     """
 
     name = "randomk"
+    sends_all_at_one = False  # one value per block of floor(1 / ratio): a ratio of 1 is no compression
 
     def __init__(self, compress_ratio: float = 0.01, *, rescale: bool = False, min_compress_numel: int = 1024) -> None:
         self.compress_ratio = compress_ratio
         self.rescale = bool(rescale)
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 1)
         self._plans: dict[int, _RandomKPlan] = {}
-
-    @property
-    def compress_ratio(self) -> float:
-        """Fraction of each compressed tensor's elements sent; settable (e.g. by SparsityWarmup)."""
-        return self._compress_ratio
-
-    @compress_ratio.setter
-    def compress_ratio(self, value: float) -> None:
-        self._compress_ratio = check_range("compress_ratio", value, 0.0, 1.0, low_inclusive=False, high_inclusive=False)
 
     @property
     def biased(self) -> bool:  # type: ignore[override]
@@ -78,7 +70,7 @@ class RandomKCompressor(Compressor):
         return max(1, math.floor(1 / self.compress_ratio))
 
     def _compresses(self, segment: Segment) -> bool:
-        return len(segment.shape) > 1 and segment.numel >= self.min_compress_numel
+        return compressible(segment, self.min_compress_numel)
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         block = self._block()
@@ -118,20 +110,13 @@ class RandomKCompressor(Compressor):
         self._plans[layout.index] = plan
         return plan
 
-    def encode(
-        self,
-        velocity: torch.Tensor,
-        out: torch.Tensor,
-        layout: BucketLayout,
-        *,
-        step: int,
-        world_size: int,
-        rank: int = 0,
-    ) -> Encoded:
-        plan = self._plan(layout, velocity)
-        for segment, first, blocks in plan.compressed:  # the same draw on every rank: seed has no rank
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        plan = self._plan(context.layout, velocity)
+        for segment, first, blocks in plan.compressed:  # the same draw on every rank: the seed has no rank
             chosen = slice(first, first + blocks)
-            uniform = counter_uniform(step * _SEED_STEP + segment.order, torch.arange(blocks, device=velocity.device))
+            uniform = counter_uniform(
+                context.step * _SEED_STEP + segment.order, torch.arange(blocks, device=velocity.device)
+            )
             offsets = (uniform.double() * plan.block_sizes[chosen]).to(torch.int64)  # < size: uniform < 1
             torch.add(plan.block_starts[chosen], offsets, out=plan.indices[chosen])
         dense_count = plan.dense_positions.numel()

@@ -8,6 +8,7 @@ import torch
 
 from lightning_gc.compressors.base import (
     Compressor,
+    EncodeContext,
     Encoded,
     decode_whole_bucket,
     encode_whole_bucket,
@@ -28,16 +29,7 @@ class NoCompressor(Compressor):
     name = "none"
     biased = False
 
-    def encode(
-        self,
-        velocity: torch.Tensor,
-        out: torch.Tensor,
-        layout: BucketLayout,
-        *,
-        step: int,
-        world_size: int,
-        rank: int = 0,
-    ) -> Encoded:
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         return encode_whole_bucket(velocity, out)
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
@@ -63,22 +55,13 @@ class _CastCompressor(Compressor):
     def __init__(self) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
 
-    def encode(
-        self,
-        velocity: torch.Tensor,
-        out: torch.Tensor,
-        layout: BucketLayout,
-        *,
-        step: int,
-        world_size: int,
-        rank: int = 0,
-    ) -> Encoded:
-        wire = self._buffers.get(layout.index)
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        wire = self._buffers.get(context.layout.index)
         if wire is None or wire.numel() != velocity.numel() or wire.device != velocity.device:
-            wire = self._buffers[layout.index] = torch.empty(
+            wire = self._buffers[context.layout.index] = torch.empty(
                 velocity.numel(), dtype=self.wire_dtype, device=velocity.device
             )
-        saturating_copy_(wire, velocity, world_size)  # the sum over ranks stays finite
+        saturating_copy_(wire, velocity, context.world_size)  # the sum over ranks stays finite
         return Encoded(
             summed=wire,
             dense_all=True,

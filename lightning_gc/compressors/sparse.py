@@ -32,7 +32,9 @@ from lightning_gc.compressors.base import (
     AdjustableRatio,
     Compressor,
     DensePart,
+    EncodeContext,
     Encoded,
+    compressible,
     decode_whole_bucket,
     encode_whole_bucket,
 )
@@ -105,7 +107,7 @@ class SparseCompressor(AdjustableRatio, Compressor):
 
     def compresses(self, segment: Segment) -> bool:
         """Whether ``segment`` is sparsified at the current ratio (else it is sent dense)."""
-        return self._compress_ratio < 1.0 and len(segment.shape) > 1 and segment.numel >= self.min_compress_numel
+        return self._compress_ratio < 1.0 and compressible(segment, self.min_compress_numel)
 
     def k_for(self, numel: int) -> int:
         """Elements sent of a compressed tensor of ``numel`` elements: ``ceil(ratio * numel)``."""
@@ -171,17 +173,8 @@ class SparseCompressor(AdjustableRatio, Compressor):
         return plan
 
     # ------------------------------------------------------------------ encode / decode
-    def encode(
-        self,
-        velocity: torch.Tensor,
-        out: torch.Tensor,
-        layout: BucketLayout,
-        *,
-        step: int,
-        world_size: int,
-        rank: int = 0,
-    ) -> Encoded:
-        plan = self._plan(layout, velocity, world_size)
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        plan = self._plan(context.layout, velocity, context.world_size)
         if plan.dense_all:
             return encode_whole_bucket(velocity, out)
         for segment, k, first in plan.compressed:
@@ -189,13 +182,13 @@ class SparseCompressor(AdjustableRatio, Compressor):
             self.select(
                 segment.of(velocity),
                 k,
-                step * _SALT_STEP + segment.order,
+                context.step * _SALT_STEP + segment.order,
                 out_indices=plan.sent_indices[chosen],
                 out_values=plan.sent_values[chosen],
             )
             plan.sent_indices[chosen].add_(segment.start)
-        sent = self.wire.pack(plan.payload, plan.sent_indices, plan.sent_values, layout.numel)
-        summed = None if plan.dense is None else plan.dense.gather(velocity, world_size)
+        sent = self.wire.pack(plan.payload, plan.sent_indices, plan.sent_values, context.layout.numel)
+        summed = None if plan.dense is None else plan.dense.gather(velocity, context.world_size)
         return Encoded(
             summed=summed,
             gathered=plan.payload,

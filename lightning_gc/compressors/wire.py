@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from lightning_gc import kernels
-from lightning_gc.compressors.base import saturating_copy_
+from lightning_gc.compressors.base import aligned, saturating_copy_
 
 VALUE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -30,11 +30,6 @@ VALUE_DTYPES: dict[str, torch.dtype] = {
 }
 INDEX_DTYPE = torch.int32
 _INDEX_BYTES = 4
-_ALIGN = 4
-
-
-def _aligned(size: int) -> int:
-    return -(-size // _ALIGN) * _ALIGN
 
 
 def _field_rows(gathered: torch.Tensor, world_size: int, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +88,7 @@ class Int32Indices(SparseWireFormat):
     name = "int32"
 
     def payload_bytes(self, n: int, universe: int) -> int:
-        return _aligned(n * (_INDEX_BYTES + self.value_bytes))
+        return aligned(n * (_INDEX_BYTES + self.value_bytes))
 
     def pack(self, payload: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, universe: int) -> torch.Tensor:
         n = indices.numel()
@@ -148,7 +143,7 @@ class EliasFanoIndices(SparseWireFormat):
     name = "elias_fano"
 
     def payload_bytes(self, n: int, universe: int) -> int:
-        return _aligned(n * self.value_bytes + -(-elias_fano_bits(n, universe) // 8))
+        return aligned(n * self.value_bytes + -(-elias_fano_bits(n, universe) // 8))
 
     def pack(self, payload: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, universe: int) -> torch.Tensor:
         n = indices.numel()
