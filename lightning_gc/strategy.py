@@ -17,6 +17,7 @@ import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
+from difflib import get_close_matches
 from typing import Any
 
 import lightning.pytorch as pl
@@ -73,11 +74,27 @@ def resolve_compressor(compressor: str | Compressor, kwargs: dict[str, Any], *, 
         )
     unknown = {name: kwargs[name] for name in sorted(set(kwargs) - _ddp_argument_names())}
     if unknown:
+        known = argument_names(type(compressor)) | _ddp_argument_names() | _strategy_argument_names()
+        hints = [
+            f"`{name}`: did you mean `{close[0]}`?" for name in unknown if (close := get_close_matches(name, known, 1))
+        ]
         raise ValueError(
-            f"unknown argument(s) {unknown} for {owner}: compressor {compressor.name!r} takes "
+            f"unknown argument(s) {unknown} for {owner}"
+            + (f" ({'; '.join(hints)})" if hints else "")
+            + f": compressor {compressor.name!r} takes "
             f"{sorted(argument_names(type(compressor)))}, DDP takes {sorted(_ddp_argument_names())}"
         )
     return compressor
+
+
+def _strategy_argument_names() -> set[str]:
+    """The arguments the compression strategies take themselves (besides the compressor's and DDP's)."""
+    return {
+        name
+        for cls in (GradientCompressionStrategy, DGCStrategy)
+        for name in inspect.signature(cls.__init__).parameters
+        if name not in ("self", "kwargs", "compressor")
+    }
 
 
 def shut_down_process_group() -> None:
@@ -204,6 +221,11 @@ class GradientCompressionStrategy(DDPStrategy):
         self.sync_warmup_steps = check_int("sync_warmup_steps", sync_warmup_steps, 0)
         if local_update and not delay:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
+        if local_update and compressor.commits_after_decode:
+            raise ValueError(
+                f"`local_update=True` applies this rank's own contribution before the exchange, but compressor "
+                f"{compressor.name!r} knows what it sent only from the average; use local_update=False"
+            )
         super().__init__(**kwargs)
         self.compressor = compressor
         self.explicit_momentum = momentum

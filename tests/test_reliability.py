@@ -451,7 +451,7 @@ def test_delayed_training_learns_and_ends_with_the_same_parameters_on_every_rank
 
 
 def test_delay_settings_are_checked_at_construction_and_local_update_needs_sgd(tmp_path: Path) -> None:
-    from lightning_gc import DGCStrategy
+    from lightning_gc import DGCStrategy, GradientCompressionStrategy
 
     with pytest.raises(ValueError, match=r"`delay` must be an integer >= 0, got -1"):
         DGCStrategy(delay=-1)
@@ -459,6 +459,8 @@ def test_delay_settings_are_checked_at_construction_and_local_update_needs_sgd(t
         DGCStrategy(local_update=True)
     with pytest.raises(ValueError, match=r"`sync_warmup_steps` must be an integer >= 0, got 1.5"):
         DGCStrategy(delay=1, sync_warmup_steps=1.5)
+    with pytest.raises(ValueError, match=r"compressor 'powersgd' knows what it sent only from the average"):
+        GradientCompressionStrategy("powersgd", delay=1, local_update=True)
     fit = {
         "strategy": {"kind": "gc", "compressor": "topk", "compress_ratio": 0.05, "delay": 1, "local_update": True},
         "model": {"hidden": [32], "optimizer": "adam", "lr": 0.01},

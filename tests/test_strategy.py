@@ -32,3 +32,14 @@ def test_checkpoint_without_compression_state_loads(tmp_path: Path) -> None:
     path = tmp_path / "plain_ddp.ckpt"
     torch.save({"state_dict": {}}, path)
     assert DGCStrategy().load_checkpoint(path) == {"state_dict": {}}
+
+
+def test_a_misspelt_argument_is_refused_with_the_close_name() -> None:
+    from lightning_gc import DGCStrategy, GradientCompressionStrategy
+
+    with pytest.raises(ValueError, match=r"`compres_ratio`: did you mean `compress_ratio`\?"):
+        DGCStrategy(compres_ratio=0.01)
+    with pytest.raises(ValueError, match=r"`bucket_cap_mbb`: did you mean `bucket_cap_mb`\?"):
+        GradientCompressionStrategy("topk", bucket_cap_mbb=25)
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) \{'zzz': 1\} for DGCStrategy: compressor"):
+        DGCStrategy(zzz=1)  # nothing close: no suggestion

@@ -263,6 +263,9 @@ class Compressor(ABC):
     name: ClassVar[str]
     biased: ClassVar[bool] = True
     """Whether E[decoded] != input; biased compressors get error feedback by default."""
+    commits_after_decode: ClassVar[bool] = False
+    """Whether what this rank sent is known only from the average (its :class:`Encoded` sets
+    ``commit_after_decode``, e.g. PowerSGD's residual ``M - P Q^T``)."""
 
     @abstractmethod
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:

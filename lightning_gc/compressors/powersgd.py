@@ -102,6 +102,7 @@ class PowerSGDCompressor(Compressor):
     """
 
     name = "powersgd"
+    commits_after_decode = True
 
     def __init__(
         self,
