@@ -270,6 +270,9 @@ class Compressor(ABC):
     name: ClassVar[str]
     biased: ClassVar[bool] = True
     """Whether E[decoded] != input; biased compressors get error feedback by default."""
+    arguments: ClassVar[tuple[str, ...]] = ()
+    """The constructor arguments :meth:`config` records, each read back from the attribute of
+    that name (in this order, after ``name``)."""
 
     @abstractmethod
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
@@ -289,9 +292,10 @@ class Compressor(ABC):
         """Bytes one rank would hand to the collectives for ``layout`` at the current settings,
         for gradients of ``element_size`` bytes (what :meth:`encode` reports as ``bytes_sent``)."""
 
-    @abstractmethod
     def config(self) -> dict[str, Any]:
-        """Plain-data description (name and arguments), recorded in checkpoints."""
+        """Plain-data description, recorded in checkpoints: ``{"name": name, argument: value, ...}``
+        for each of :attr:`arguments`; ``create(**config)`` builds an equal compressor."""
+        return {"name": self.name, **{argument: getattr(self, argument) for argument in self.arguments}}
 
     def state_dict(self) -> dict[str, Any]:
         """State that must survive a resume (e.g. PowerSGD's warm-start factors), as CPU tensors.

@@ -29,6 +29,7 @@ class DGCCompressor(SparseCompressor):
     """
 
     name = "dgc"
+    arguments = (*SparseCompressor.arguments, "sample_ratio")
 
     def __init__(self, compress_ratio: float = 0.001, *, sample_ratio: float = 0.01, **settings: Any) -> None:
         super().__init__(compress_ratio, **settings)
@@ -47,6 +48,3 @@ class DGCCompressor(SparseCompressor):
             out_indices=out_indices,
             out_values=out_values,
         )
-
-    def config(self) -> dict[str, Any]:
-        return {**super().config(), "sample_ratio": self.sample_ratio}

@@ -22,7 +22,6 @@ Payload per rank and bucket (all-gathered, the same size on every rank)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -81,6 +80,7 @@ class FFTCompressor(AdjustableRatio, PlannedCompressor[_FFTPlan]):
     """
 
     name = "fft"
+    arguments = ("compress_ratio", "bits", "min_compress_numel")
 
     def __init__(self, compress_ratio: float = 0.01, *, bits: int = 8, min_compress_numel: int = 1024) -> None:
         super().__init__()
@@ -183,11 +183,3 @@ class FFTCompressor(AdjustableRatio, PlannedCompressor[_FFTPlan]):
             spectrum.segment.of(out).copy_(signal.div_(world_size))
         if plan.dense is not None:
             plan.dense.write_mean(out, world_size)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "compress_ratio": self._compress_ratio,
-            "bits": self.bits,
-            "min_compress_numel": self.min_compress_numel,
-        }

@@ -102,6 +102,7 @@ class PowerSGDCompressor(PlannedCompressor[_PowerPlan]):
     """
 
     name = "powersgd"
+    arguments = ("rank", "min_compression_rate", "start_iter", "warm_start", "seed")
 
     def __init__(
         self,
@@ -230,16 +231,6 @@ class PowerSGDCompressor(PlannedCompressor[_PowerPlan]):
             # ... and 0 on dense ones: they left exactly.
 
     # ------------------------------------------------------------------ state
-    def config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "rank": self.rank,
-            "min_compression_rate": self.min_compression_rate,
-            "start_iter": self.start_iter,
-            "warm_start": self.warm_start,
-            "seed": self.seed,
-        }
-
     def state_dict(self) -> dict[str, Any]:
         """The warm-start factors ``Q`` by parameter name (CPU copies)."""
         return {"q": {name: q.detach().cpu().clone() for name, q in self._q.items()}}

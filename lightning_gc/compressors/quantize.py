@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -187,6 +186,7 @@ class QSGDCompressor(_StochasticLevels):
     """
 
     name = "qsgd"
+    arguments = ("levels",)
     biased = False
 
     def __init__(self, levels: int = 7) -> None:
@@ -200,9 +200,6 @@ class QSGDCompressor(_StochasticLevels):
         # tensor then mostly rounds to level 0. (A float64 norm would be exact but costs 28x on a CPU.)
         return torch.linalg.vector_norm(values.float()).clamp(max=torch.finfo(torch.float32).max)
 
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, "levels": self.levels}
-
 
 @register
 class TernGradCompressor(_StochasticLevels):
@@ -215,9 +212,6 @@ class TernGradCompressor(_StochasticLevels):
 
     def scale_of(self, values: torch.Tensor) -> torch.Tensor:
         return values.float().abs().max()
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name}
 
 
 def _chunked(values: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
@@ -237,6 +231,7 @@ class _SignQuantizer(_BlockQuantizer):
     """1 bit per element (the sign; 0 counts as positive), values rebuilt from per-block scales."""
 
     code_bits = 1
+    arguments = ("chunk_size",)
 
     def __init__(self, chunk_size: int | None = None) -> None:
         super().__init__()
@@ -244,9 +239,6 @@ class _SignQuantizer(_BlockQuantizer):
 
     def encode_codes(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
         return kernels.pack_signs(values)
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, "chunk_size": self.chunk_size}
 
     def _expand(self, per_block: torch.Tensor, numel: int) -> torch.Tensor:
         """One value per block, repeated over the block's elements."""

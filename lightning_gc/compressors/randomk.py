@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -52,6 +51,7 @@ class RandomKCompressor(AdjustableRatio, PlannedCompressor[_RandomKPlan]):
     """
 
     name = "randomk"
+    arguments = ("compress_ratio", "rescale", "min_compress_numel")
     sends_all_at_one = False  # one value per block of floor(1 / ratio): a ratio of 1 is no compression
 
     def __init__(self, compress_ratio: float = 0.01, *, rescale: bool = False, min_compress_numel: int = 1024) -> None:
@@ -133,11 +133,3 @@ class RandomKCompressor(AdjustableRatio, PlannedCompressor[_RandomKPlan]):
         sampled = mean[dense_count:]
         rescaled = (sampled.double() * plan.block_sizes).to(out.dtype) if self.rescale else sampled
         out.index_copy_(0, plan.indices, rescaled)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "compress_ratio": self.compress_ratio,
-            "rescale": self.rescale,
-            "min_compress_numel": self.min_compress_numel,
-        }

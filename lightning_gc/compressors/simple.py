@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from lightning_gc.compressors.base import (
@@ -39,9 +37,6 @@ class NoCompressor(Compressor):
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         return layout.numel * element_size
 
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name}
-
 
 class _CastCompressor(PlannedCompressor[torch.Tensor]):
     """All-reduce of the velocity cast to ``wire_dtype``; the rounding stays in memory.
@@ -74,9 +69,6 @@ class _CastCompressor(PlannedCompressor[torch.Tensor]):
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         return layout.numel * self.wire_dtype.itemsize
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name}
 
 
 @register

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -92,6 +91,8 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
             velocity. A bucket sent wholly dense (``compress_ratio == 1``) is unaffected.
     """
 
+    arguments = ("compress_ratio", "min_compress_numel", "value_dtype", "index_encoding", "dense_dtype")
+
     def __init__(
         self,
         compress_ratio: float = 0.01,
@@ -104,11 +105,15 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         super().__init__()
         self.compress_ratio = compress_ratio
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 1)
-        self.value_dtype_name = dtype_name("value_dtype", value_dtype)
+        self.value_dtype = dtype_name("value_dtype", value_dtype)  # a name, as in config()
         self.index_encoding = check_choice("index_encoding", index_encoding, INDEX_ENCODINGS)
-        self.dense_dtype_name = dtype_name("dense_dtype", dense_dtype, optional=True)
-        self.dense_dtype = None if self.dense_dtype_name is None else VALUE_DTYPES[self.dense_dtype_name]
-        self.wire = INDEX_ENCODINGS[self.index_encoding](VALUE_DTYPES[self.value_dtype_name])
+        self.dense_dtype = dtype_name("dense_dtype", dense_dtype, optional=True)
+        self.wire = INDEX_ENCODINGS[self.index_encoding](VALUE_DTYPES[self.value_dtype])
+
+    @property
+    def dense_wire_dtype(self) -> torch.dtype | None:
+        """The ``torch.dtype`` of :attr:`dense_dtype` (``None``: the gradient's)."""
+        return None if self.dense_dtype is None else VALUE_DTYPES[self.dense_dtype]
 
     def k_for(self, numel: int) -> int:
         """Elements sent of a compressed tensor of ``numel`` elements: ``ceil(ratio * numel)``."""
@@ -142,7 +147,8 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         compressed, dense, total_k = self._split(layout)
         if not compressed:
             return layout.numel * element_size
-        dense_size = element_size if self.dense_dtype is None else self.dense_dtype.itemsize
+        dense_wire_dtype = self.dense_wire_dtype
+        dense_size = element_size if dense_wire_dtype is None else dense_wire_dtype.itemsize
         return self.wire.payload_bytes(total_k, layout.numel) + sum(s.numel for s in dense) * dense_size
 
     def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _SparsePlan:
@@ -155,7 +161,7 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
             compressed=tuple(compressed),
             total_k=total_k,
             dense_all=dense_all,
-            dense=None if dense_all else DensePart.of(dense, like, dtype=self.dense_dtype),
+            dense=None if dense_all else DensePart.of(dense, like, dtype=self.dense_wire_dtype),
             sent_indices=torch.empty(total_k, dtype=torch.int64, device=device),
             sent_values=like.new_empty(total_k),
             payload=torch.empty(payload_bytes, dtype=torch.uint8, device=device),
@@ -201,13 +207,3 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         kernels.scatter_average_(out, indices, values, world_size)
         if plan.dense is not None:
             plan.dense.write_mean(out, world_size)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "compress_ratio": self._compress_ratio,
-            "min_compress_numel": self.min_compress_numel,
-            "value_dtype": self.value_dtype_name,
-            "index_encoding": self.index_encoding,
-            "dense_dtype": self.dense_dtype_name,
-        }
