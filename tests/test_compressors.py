@@ -379,24 +379,16 @@ def test_a_changed_setting_plans_afresh(name: str, before: dict, after: dict) ->
     _same_as_fresh(compressor, name, velocity, layout, world=2, **after)
 
 
+@pytest.mark.parametrize(("world", "dtype"), [(3, torch.float32), (2, torch.float64)])
 @pytest.mark.parametrize("name", sorted(available()))
-def test_a_changed_world_size_plans_afresh(name: str) -> None:
-    """Gathered buffers hold one payload per rank, and the mean divides by the world size."""
+def test_a_changed_world_size_or_dtype_plans_afresh(name: str, world: int, dtype: torch.dtype) -> None:
+    """After a bucket of float32 on 2 ranks: gathered buffers hold one payload per rank (world
+    size 3), and buffers of gradient values take the velocity's dtype (float64)."""
     layout, _ = _layout_and_params(PLAN_SHAPES)
     velocity = torch.randn(layout.numel, generator=torch.Generator().manual_seed(6))
     compressor = create(name)
-    _local_trip(compressor, velocity, layout, world=1)
-    _same_as_fresh(compressor, name, velocity, layout, world=3)
-
-
-@pytest.mark.parametrize("name", sorted(available()))
-def test_a_changed_dtype_plans_afresh(name: str) -> None:
-    """Buffers holding gradient values take the velocity's dtype: float32 then float64 buckets."""
-    layout, _ = _layout_and_params(PLAN_SHAPES)
-    velocity = torch.randn(layout.numel, generator=torch.Generator().manual_seed(7))
-    compressor = create(name)
     _local_trip(compressor, velocity, layout, world=2)
-    _same_as_fresh(compressor, name, velocity.double(), layout, world=2)
+    _same_as_fresh(compressor, name, velocity.to(dtype), layout, world=world)
 
 
 def test_a_plan_is_reused_until_its_layout_object_changes() -> None:
