@@ -7,6 +7,8 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_gc.compressors.base import AdjustableRatio
+from lightning_gc.strategy import GradientCompressionStrategy
 from lightning_gc.validation import check_choice, check_int, check_range
 
 PAPER_WARMUP_DENSITIES: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625)
@@ -60,15 +62,27 @@ class SparsityWarmup(Callback):
         """The ratio in force during ``stage`` (0-based) when the final ratio is ``target``."""
         return max(self.densities[stage], target) if stage < len(self.densities) else target
 
+    @staticmethod
+    def adjustable(trainer: Trainer) -> AdjustableRatio:
+        """The compressor whose ratio this callback sets: ``trainer.strategy.adjustable`` of a
+        :class:`~lightning_gc.GradientCompressionStrategy`; ``ValueError`` naming the strategy
+        (and its compressor) when there is none."""
+        strategy = trainer.strategy
+        if isinstance(strategy, GradientCompressionStrategy):
+            if strategy.adjustable is not None:
+                return strategy.adjustable
+            detail = f" with compressor {strategy.compressor.name!r}, which has no ratio"
+        else:
+            detail = ""
+        raise ValueError(
+            "SparsityWarmup needs a GradientCompressionStrategy whose compressor has a `compress_ratio` "
+            f"(e.g. 'dgc_ddp', 'topk_ddp', 'randomk_ddp', 'fft_ddp'), got {type(strategy).__name__}{detail}"
+        )
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if getattr(trainer.strategy, "adjustable", None) is None:  # a GradientCompressionStrategy with a ratio
-            compressor = getattr(getattr(trainer.strategy, "compressor", None), "name", None)
-            raise ValueError(
-                f"SparsityWarmup needs a strategy with a `compress_ratio` (e.g. 'dgc_ddp'), got "
-                f"{type(trainer.strategy).__name__}" + (f" with compressor {compressor!r}" if compressor else "")
-            )
+        compressor = self.adjustable(trainer)  # checked before training starts
         if self.target is None:  # the configured ratio, before this callback ever changed it
-            self.target = float(trainer.strategy.adjustable.compress_ratio)
+            self.target = float(compressor.compress_ratio)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self.target is not None
@@ -78,6 +92,6 @@ class SparsityWarmup(Callback):
             assert self.steps_per_stage is not None
             stage = trainer.global_step // self.steps_per_stage
         ratio = self.ratio_at(stage, self.target)
-        compressor = trainer.strategy.adjustable  # the same value on every rank: a function of the step
+        compressor = self.adjustable(trainer)  # the same value on every rank: a function of the step
         if compressor.compress_ratio != ratio:
             compressor.compress_ratio = ratio

@@ -321,3 +321,85 @@ def test_qsgd_scales_by_a_norm_beyond_float32_without_decoding_nan() -> None:
     velocity = torch.tensor([3e19, 3e19, -1.5e19, 0.0])  # ||x||^2 overflows float32
     out, encoded, _ = _round_trip(create("qsgd"), velocity, layout, 0)
     assert out.isfinite().all() and encoded.dense_sent.isfinite().all()  # not 0 * inf
+
+
+# ------------------------------------------------------------------ plans: rebuilt whenever what they depend on changes
+PLAN_SHAPES = [(64, 50), (50,), (30, 40), (7,), (3, 3)]
+
+
+def _local_trip(compressor, velocity: torch.Tensor, layout, world: int, step: int = 0) -> tuple[torch.Tensor, int]:
+    """What ``compressor`` decodes when ``world`` ranks all send what it sends (every round's
+    collectives by :class:`~lightning_gc.exchange.LocalExchange`), and the bytes it sent."""
+    from lightning_gc.exchange import LocalExchange
+
+    out = torch.empty_like(velocity)
+    encoded = compressor.encode(velocity, out, EncodeContext(layout, step=step, world_size=world))
+    bytes_sent = encoded.bytes_sent
+    LocalExchange(world).launch(encoded)
+    while encoded.next_round is not None:
+        encoded = encoded.next_round()
+        bytes_sent += encoded.bytes_sent
+        LocalExchange(world).launch(encoded)
+    compressor.decode(encoded, out, world_size=world)
+    return out, bytes_sent
+
+
+def _same_as_fresh(used, name: str, velocity: torch.Tensor, layout, world: int, **arguments) -> None:
+    """``used`` (after other encodes) decodes and sends exactly what a fresh compressor with
+    ``arguments`` and ``used``'s state does."""
+    fresh = create(name, **arguments)
+    fresh.load_state_dict(used.state_dict())
+    expected, expected_bytes = _local_trip(fresh, velocity, layout, world, step=1)
+    got, got_bytes = _local_trip(used, velocity, layout, world, step=1)
+    assert got_bytes == expected_bytes == fresh.wire_bytes(layout, velocity.element_size())
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "before", "after"),
+    [
+        ("topk", {"compress_ratio": 0.1}, {"compress_ratio": 0.02}),  # SparsityWarmup's change
+        ("dgc", {"compress_ratio": 0.1}, {"compress_ratio": 0.02}),
+        ("fft", {"compress_ratio": 0.1}, {"compress_ratio": 0.02}),
+        ("randomk", {"compress_ratio": 0.1}, {"compress_ratio": 0.02}),
+        ("topk", {"min_compress_numel": 1024}, {"min_compress_numel": 8}),  # was ignored by the sparse plan
+        ("signsgd", {"chunk_size": 16}, {"chunk_size": 64}),  # was ignored by the quantisers' plan
+        ("onebit", {"chunk_size": None}, {"chunk_size": 8}),
+        ("powersgd", {"rank": 1}, {"rank": 2}),  # was ignored by PowerSGD's plan
+        ("powersgd", {"min_compression_rate": 2.0}, {"min_compression_rate": 100.0}),
+    ],
+)
+def test_a_changed_setting_plans_afresh(name: str, before: dict, after: dict) -> None:
+    layout, _ = _layout_and_params(PLAN_SHAPES)
+    velocity = torch.randn(layout.numel, generator=torch.Generator().manual_seed(5))
+    compressor = create(name, **before)
+    _local_trip(compressor, velocity, layout, world=2)
+    for attribute, value in after.items():
+        setattr(compressor, attribute, value)
+    _same_as_fresh(compressor, name, velocity, layout, world=2, **after)
+
+
+@pytest.mark.parametrize(("world", "dtype"), [(3, torch.float32), (2, torch.float64)])
+@pytest.mark.parametrize("name", sorted(available()))
+def test_a_changed_world_size_or_dtype_plans_afresh(name: str, world: int, dtype: torch.dtype) -> None:
+    """After a bucket of float32 on 2 ranks: gathered buffers hold one payload per rank (world
+    size 3), and buffers of gradient values take the velocity's dtype (float64)."""
+    layout, _ = _layout_and_params(PLAN_SHAPES)
+    velocity = torch.randn(layout.numel, generator=torch.Generator().manual_seed(6))
+    compressor = create(name)
+    _local_trip(compressor, velocity, layout, world=2)
+    _same_as_fresh(compressor, name, velocity.to(dtype), layout, world=world)
+
+
+def test_a_plan_is_reused_until_its_layout_object_changes() -> None:
+    """Allocate once, reuse forever; a rebuilt bucket (a new layout object, even an equal one) gets its own."""
+    from dataclasses import replace
+
+    layout, _ = _layout_and_params(PLAN_SHAPES)
+    velocity = torch.randn(layout.numel)
+    compressor = create("topk")
+    context = EncodeContext(layout, step=0, world_size=2)
+    plan = compressor.plan(context, velocity)
+    assert compressor.plan(EncodeContext(layout, step=9, world_size=2, rank=1), velocity) is plan
+    rebuilt = replace(layout)
+    assert rebuilt == layout and compressor.plan(EncodeContext(rebuilt, step=0, world_size=2), velocity) is not plan

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lightning_gc import SparsityWarmup
+from lightning_gc import GradientCompressionStrategy, SparsityWarmup
 
 
 def test_default_is_the_papers_schedule() -> None:
@@ -23,8 +23,8 @@ def test_stage_never_sends_less_than_the_target() -> None:
 
 
 def _fake_trainer(epoch: int, step: int, ratio: float) -> SimpleNamespace:
-    compressor = SimpleNamespace(compress_ratio=ratio)  # an AdjustableRatio, as the strategy exposes it
-    return SimpleNamespace(current_epoch=epoch, global_step=step, strategy=SimpleNamespace(adjustable=compressor))
+    strategy = GradientCompressionStrategy("dgc", compress_ratio=ratio)
+    return SimpleNamespace(current_epoch=epoch, global_step=step, strategy=strategy)
 
 
 def test_epoch_interval_sets_the_strategy_ratio() -> None:
@@ -52,13 +52,38 @@ def test_step_interval_and_target_captured_once() -> None:
 
 
 def test_needs_a_compressing_strategy() -> None:
-    with pytest.raises(ValueError, match="compress_ratio"):
+    with pytest.raises(ValueError, match="compress_ratio.*got object$"):
         SparsityWarmup().setup(SimpleNamespace(strategy=object()), None, "fit")
+    # duck typing is not enough: an `adjustable` attribute on another strategy is refused too
+    impostor = SimpleNamespace(adjustable=SimpleNamespace(compress_ratio=0.1))
+    with pytest.raises(ValueError, match="got SimpleNamespace$"):
+        SparsityWarmup().setup(SimpleNamespace(strategy=impostor), None, "fit")
+
+
+def test_the_ratio_set_reaches_the_next_encode() -> None:
+    """A ratio changed between epochs makes the compressor plan afresh: each stage sends its own k."""
+    import torch
+
+    from lightning_gc.compressors import EncodeContext
+    from lightning_gc.layout import BucketLayout, Segment
+
+    layout = BucketLayout(index=0, segments=(Segment("w", 0, 0, (64, 64)),), param_ids=(0,))
+    trainer = _fake_trainer(epoch=0, step=0, ratio=0.001)
+    warmup = SparsityWarmup([0.25, 0.0625])
+    warmup.setup(trainer, None, "fit")
+    velocity = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    sent = []
+    for epoch in range(3):
+        trainer.current_epoch = epoch
+        warmup.on_train_batch_start(trainer, None, None, 0)
+        encoded = trainer.strategy.compressor.encode(
+            velocity, torch.empty_like(velocity), EncodeContext(layout, step=epoch, world_size=1)
+        )
+        sent.append(encoded.elements_sent)
+    assert sent == [1024, 256, 5]  # ceil(ratio * 4096) at 0.25, 0.0625, then the target 0.001
 
 
 def test_a_compressor_without_a_ratio_is_refused_by_name() -> None:
-    from lightning_gc import GradientCompressionStrategy
-
     assert GradientCompressionStrategy("randomk").adjustable is not None  # random-k has one, in (0, 1)
     with pytest.raises(ValueError, match="got GradientCompressionStrategy with compressor 'qsgd'"):
         SparsityWarmup().setup(SimpleNamespace(strategy=GradientCompressionStrategy("qsgd")), None, "fit")

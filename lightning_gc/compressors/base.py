@@ -25,8 +25,8 @@ import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -97,6 +97,13 @@ def compressible(segment: Segment, min_numel: int) -> bool:
     than one dimension with at least ``min_numel`` elements. Biases, norms and small tensors go
     dense: they are a small part of the bytes and sensitive to compression."""
     return len(segment.shape) > 1 and segment.numel >= min_numel
+
+
+def split_segments(segments: Sequence[Segment], min_numel: int) -> tuple[list[Segment], list[Segment]]:
+    """``(compressed, dense)``: ``segments`` split by :func:`compressible`, each in buffer order."""
+    compressed = [s for s in segments if compressible(s, min_numel)]
+    dense = [s for s in segments if not compressible(s, min_numel)]
+    return compressed, dense
 
 
 WIRE_ALIGNMENT = 4
@@ -266,6 +273,9 @@ class Compressor(ABC):
     commits_after_decode: ClassVar[bool] = False
     """Whether what this rank sent is known only from the average (its :class:`Encoded` sets
     ``commit_after_decode``, e.g. PowerSGD's residual ``M - P Q^T``)."""
+    arguments: ClassVar[tuple[str, ...]] = ()
+    """The constructor arguments :meth:`config` records, each read back from the attribute of
+    that name (in this order, after ``name``)."""
 
     @abstractmethod
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
@@ -285,9 +295,10 @@ class Compressor(ABC):
         """Bytes one rank would hand to the collectives for ``layout`` at the current settings,
         for gradients of ``element_size`` bytes (what :meth:`encode` reports as ``bytes_sent``)."""
 
-    @abstractmethod
     def config(self) -> dict[str, Any]:
-        """Plain-data description (name and arguments), recorded in checkpoints."""
+        """Plain-data description, recorded in checkpoints: ``{"name": name, argument: value, ...}``
+        for each of :attr:`arguments`; ``create(**config)`` builds an equal compressor."""
+        return {"name": self.name, **{argument: getattr(self, argument) for argument in self.arguments}}
 
     def state_dict(self) -> dict[str, Any]:
         """State that must survive a resume (e.g. PowerSGD's warm-start factors), as CPU tensors.
@@ -300,3 +311,66 @@ class Compressor(ABC):
         """Restore :meth:`state_dict`'s output."""
         if state:
             raise ValueError(f"compressor {self.name!r} keeps no state, got entries {sorted(state)}")
+
+
+PlanT = TypeVar("PlanT")
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """Everything a bucket's plan depends on; a cached plan is reused only under an equal key.
+
+    The layout counts by identity (``layout_id``), not by value: DDP's rebuild makes a new
+    layout object, and a plan may hold views tied to the old one. The key keeps the layout alive
+    (``layout``, not compared), so its ``id`` cannot be reused by another layout while cached.
+    """
+
+    layout: BucketLayout = field(compare=False)
+    layout_id: int
+    settings: tuple[tuple[str, Any], ...]
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+class PlannedCompressor(Compressor, Generic[PlanT]):
+    """A compressor whose per-bucket sizes and buffers (its *plan*) are built once and reused.
+
+    Subclasses say only how to build a plan (:meth:`build_plan`). :meth:`plan` keeps one plan per
+    bucket index and rebuilds it whenever anything it depends on changed: the layout object, any
+    setting (:meth:`plan_settings`: every argument in :meth:`~Compressor.config`, so a ratio set
+    by :class:`~lightning_gc.SparsityWarmup` counts), the world size, or the velocity's device or
+    dtype. Invariant: an encode never sees a plan built for other sizes or buffers than its own.
+    """
+
+    def __init__(self) -> None:
+        self._plans: dict[int, tuple[PlanKey, PlanT]] = {}
+
+    def plan_settings(self) -> tuple[tuple[str, Any], ...]:
+        """The settings a plan depends on, as comparable plain data: by default every entry of
+        :meth:`~Compressor.config` (the name and every argument), so no setting can be forgotten."""
+        return tuple(self.config().items())
+
+    @abstractmethod
+    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> PlanT:
+        """A fresh plan for ``layout`` at the current settings, with buffers on ``like``'s device
+        (and of its dtype where they hold gradient values), for ``world_size`` ranks."""
+
+    def plan(self, context: EncodeContext, like: torch.Tensor) -> PlanT:
+        """The plan for ``context.layout`` and ``like`` (the velocity), built on first use and
+        rebuilt whenever its :class:`PlanKey` changed."""
+        layout = context.layout
+        key = PlanKey(
+            layout=layout,
+            layout_id=id(layout),
+            settings=self.plan_settings(),
+            world_size=context.world_size,
+            device=like.device,
+            dtype=like.dtype,
+        )
+        cached = self._plans.get(layout.index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        plan = self.build_plan(layout, like, context.world_size)
+        self._plans[layout.index] = (key, plan)
+        return plan

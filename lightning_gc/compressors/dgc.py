@@ -24,26 +24,15 @@ class DGCCompressor(SparseCompressor):
     Args:
         compress_ratio: fraction of elements sent, in (0, 1]; 0.001 is DGC's 99.9 % sparsity.
         sample_ratio: fraction of each tensor sampled to estimate the threshold, in (0, 1].
-        min_compress_numel: smaller (and 1-D) tensors are sent dense.
-        value_dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` values on the wire.
-        index_encoding: ``"int32"`` or ``"elias_fano"`` indices on the wire (same result, ~12
-            instead of 32 bits per index at ratio 0.001).
-        dense_dtype: dtype of the dense (1-D and small) tensors on the wire; ``None``: the gradient's.
+        **settings: the other arguments of :class:`~lightning_gc.compressors.sparse.SparseCompressor`
+            (``min_compress_numel``, ``value_dtype``, ``index_encoding``, ``dense_dtype``).
     """
 
     name = "dgc"
+    arguments = (*SparseCompressor.arguments, "sample_ratio")
 
-    def __init__(
-        self,
-        compress_ratio: float = 0.001,
-        *,
-        sample_ratio: float = 0.01,
-        min_compress_numel: int = 1024,
-        value_dtype: str | torch.dtype = "float32",
-        index_encoding: str = "int32",
-        dense_dtype: str | torch.dtype | None = None,
-    ) -> None:
-        super().__init__(compress_ratio, min_compress_numel, value_dtype, index_encoding, dense_dtype)
+    def __init__(self, compress_ratio: float = 0.001, *, sample_ratio: float = 0.01, **settings: Any) -> None:
+        super().__init__(compress_ratio, **settings)
         self.sample_ratio = check_range("sample_ratio", sample_ratio, 0.0, 1.0, low_inclusive=False)
         self._scratch = SelectionScratch()
 
@@ -59,6 +48,3 @@ class DGCCompressor(SparseCompressor):
             out_indices=out_indices,
             out_values=out_values,
         )
-
-    def config(self) -> dict[str, Any]:
-        return {**super().config(), "sample_ratio": self.sample_ratio}

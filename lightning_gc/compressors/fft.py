@@ -22,21 +22,20 @@ Payload per rank and bucket (all-gathered, the same size on every rank)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from lightning_gc.compressors import rangefloat
 from lightning_gc.compressors.base import (
     AdjustableRatio,
-    Compressor,
     DensePart,
     EncodeContext,
     Encoded,
+    PlannedCompressor,
     aligned,
-    compressible,
     decode_whole_bucket,
     encode_whole_bucket,
+    split_segments,
 )
 from lightning_gc.compressors.registry import register
 from lightning_gc.layout import BucketLayout, Segment
@@ -60,9 +59,6 @@ class _Spectrum:
 
 @dataclass
 class _FFTPlan:
-    layout: BucketLayout
-    ratio: float
-    world_size: int
     spectra: tuple[_Spectrum, ...]
     dense: DensePart | None
     payload: torch.Tensor
@@ -72,7 +68,7 @@ class _FFTPlan:
 
 
 @register
-class FFTCompressor(AdjustableRatio, Compressor):
+class FFTCompressor(AdjustableRatio, PlannedCompressor[_FFTPlan]):
     """Top frequency components of each large tensor, sent as range-based few-bit floats.
 
     Args:
@@ -84,24 +80,21 @@ class FFTCompressor(AdjustableRatio, Compressor):
     """
 
     name = "fft"
+    arguments = ("compress_ratio", "bits", "min_compress_numel")
 
     def __init__(self, compress_ratio: float = 0.01, *, bits: int = 8, min_compress_numel: int = 1024) -> None:
+        super().__init__()
         self.compress_ratio = compress_ratio
         self.bits = check_choice("bits", bits, rangefloat.CODE_BITS)
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 2)
-        self._plans: dict[int, _FFTPlan] = {}
 
     def k_for(self, numel: int) -> int:
         """Coefficients kept of a tensor of ``numel`` elements."""
         return min(numel // 2 + 1, self.ratio_of(numel / 2))
 
-    def compresses(self, segment: Segment) -> bool:
-        return compressible(segment, self.min_compress_numel)
-
     def _sizes(self, layout: BucketLayout) -> tuple[list[_Spectrum], list[Segment], int, int]:
         """(spectra, dense segments, total k, payload bytes)."""
-        compressed = [s for s in layout.segments if self.compresses(s)]
-        dense = [s for s in layout.segments if not self.compresses(s)]
+        compressed, dense = split_segments(layout.segments, self.min_compress_numel)
         total_k = sum(self.k_for(s.numel) for s in compressed)
         offset = 4 * (2 * len(compressed) + total_k)  # headers, then indices
         spectra, index_start = [], 0
@@ -119,19 +112,9 @@ class FFTCompressor(AdjustableRatio, Compressor):
             return layout.numel * element_size
         return payload_bytes + sum(s.numel for s in dense) * element_size
 
-    def _plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _FFTPlan:
-        plan = self._plans.get(layout.index)
-        if plan is not None and (plan.layout, plan.ratio, plan.world_size) == (
-            layout,
-            self._compress_ratio,
-            world_size,
-        ):
-            return plan
+    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _FFTPlan:
         spectra, dense, total_k, payload_bytes = self._sizes(layout)
-        plan = _FFTPlan(
-            layout=layout,
-            ratio=self._compress_ratio,
-            world_size=world_size,
+        return _FFTPlan(
             spectra=tuple(spectra),
             dense=DensePart.of(dense, like),
             payload=torch.zeros(payload_bytes, dtype=torch.uint8, device=like.device),
@@ -139,12 +122,10 @@ class FFTCompressor(AdjustableRatio, Compressor):
             local=like.new_empty(layout.numel),
             total_k=total_k,
         )
-        self._plans[layout.index] = plan
-        return plan
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
-        plan = self._plan(context.layout, velocity, context.world_size)
+        plan = self.plan(context, velocity)
         if not plan.spectra:
             return encode_whole_bucket(velocity, out)
         headers, indices = self._views(plan.payload, plan)
@@ -202,11 +183,3 @@ class FFTCompressor(AdjustableRatio, Compressor):
             spectrum.segment.of(out).copy_(signal.div_(world_size))
         if plan.dense is not None:
             plan.dense.write_mean(out, world_size)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "compress_ratio": self._compress_ratio,
-            "bits": self.bits,
-            "min_compress_numel": self.min_compress_numel,
-        }

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from lightning_gc.compressors.base import (
-    Compressor,
     DensePart,
     EncodeContext,
     Encoded,
+    PlannedCompressor,
     decode_whole_bucket,
     encode_whole_bucket,
 )
@@ -87,7 +87,7 @@ class _PowerPlan:
 
 
 @register
-class PowerSGDCompressor(Compressor):
+class PowerSGDCompressor(PlannedCompressor[_PowerPlan]):
     """PowerSGD rank-``rank`` compression with warm start, two all-reduces per bucket.
 
     Args:
@@ -103,6 +103,7 @@ class PowerSGDCompressor(Compressor):
 
     name = "powersgd"
     commits_after_decode = True
+    arguments = ("rank", "min_compression_rate", "start_iter", "warm_start", "seed")
 
     def __init__(
         self,
@@ -113,6 +114,7 @@ class PowerSGDCompressor(Compressor):
         warm_start: bool = True,
         seed: int = 0,
     ) -> None:
+        super().__init__()
         self.rank = check_int("rank", rank, 1)
         self.min_compression_rate = check_range(
             "min_compression_rate", min_compression_rate, 0.0, None, low_inclusive=False
@@ -120,7 +122,6 @@ class PowerSGDCompressor(Compressor):
         self.start_iter = check_int("start_iter", start_iter, 0)
         self.warm_start = check_bool("warm_start", warm_start)
         self.seed = check_int("seed", seed, 0)
-        self._plans: dict[int, _PowerPlan] = {}
         self._q: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ planning
@@ -143,10 +144,7 @@ class PowerSGDCompressor(Compressor):
         dense_elements = sum(s.numel for s, shape in zip(layout.segments, shapes) if shape is None)
         return (factor_elements + dense_elements) * element_size
 
-    def _plan(self, layout: BucketLayout, like: torch.Tensor) -> _PowerPlan:
-        plan = self._plans.get(layout.index)
-        if plan is not None and plan.layout is layout:
-            return plan
+    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _PowerPlan:
         factors, dense, p_numel, q_numel = [], [], 0, 0
         for segment in layout.segments:
             shape = self.factor_shape(segment)
@@ -158,7 +156,7 @@ class PowerSGDCompressor(Compressor):
             p_numel += rows * rank
             q_numel += cols * rank
         round1 = like.new_empty(p_numel + sum(s.numel for s in dense))
-        plan = _PowerPlan(
+        return _PowerPlan(
             layout=layout,
             factors=tuple(factors),
             dense=DensePart.of(dense, like, values=round1[p_numel:]),
@@ -167,8 +165,6 @@ class PowerSGDCompressor(Compressor):
             round2=like.new_empty(q_numel),
             sent=like.new_empty(layout.numel),
         )
-        self._plans[layout.index] = plan
-        return plan
 
     def initial_q(self, order: int, cols: int, rank: int, step: int = 0) -> torch.Tensor:
         """The random starting ``Q`` (``cols x rank``, float32, CPU) of the parameter at position
@@ -190,7 +186,7 @@ class PowerSGDCompressor(Compressor):
 
     # ------------------------------------------------------------------ the two rounds
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
-        plan = self._plan(context.layout, velocity)
+        plan = self.plan(context, velocity)
         if context.step < self.start_iter or not plan.factors:
             return encode_whole_bucket(velocity, out)
         for factor in plan.factors:
@@ -236,16 +232,6 @@ class PowerSGDCompressor(Compressor):
             # ... and 0 on dense ones: they left exactly.
 
     # ------------------------------------------------------------------ state
-    def config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "rank": self.rank,
-            "min_compression_rate": self.min_compression_rate,
-            "start_iter": self.start_iter,
-            "warm_start": self.warm_start,
-            "seed": self.seed,
-        }
-
     def state_dict(self) -> dict[str, Any]:
         """The warm-start factors ``Q`` by parameter name (CPU copies)."""
         return {"q": {name: q.detach().cpu().clone() for name, q in self._q.items()}}

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from lightning_gc import kernels
-from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, mean_into
+from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor, aligned, mean_into
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.reference import packed_bytes
 from lightning_gc.layout import BucketLayout
@@ -43,7 +42,6 @@ _SEED_STEP, _SEED_RANK = 1_000_003, 7_919
 @dataclass
 class _QuantPlan:
     layout: BucketLayout
-    world_size: int
     scale_starts: tuple[int, ...]  # first float32 scale slot of each tensor; last entry: the total
     code_offsets: tuple[int, ...]  # byte offset of each tensor's codes in the payload
     code_sizes: tuple[int, ...]
@@ -53,7 +51,7 @@ class _QuantPlan:
     total: torch.Tensor  # float32 sum of every rank's decoded values (fp16 could overflow before /N)
 
 
-class _BlockQuantizer(Compressor):
+class _BlockQuantizer(PlannedCompressor[_QuantPlan]):
     """Shared payload layout, encode and decode; subclasses define scales and codes.
 
     A tensor's scales are ``scales_per_block`` float32 numbers for each block: the whole tensor,
@@ -63,9 +61,6 @@ class _BlockQuantizer(Compressor):
     code_bits: int
     scales_per_block: int = 1
     chunk_size: int | None = None
-
-    def __init__(self) -> None:
-        self._plans: dict[int, _QuantPlan] = {}
 
     def scale_count(self, numel: int) -> int:
         """Scales stored for a tensor of ``numel`` elements (none for an empty tensor)."""
@@ -96,19 +91,15 @@ class _BlockQuantizer(Compressor):
             offsets.append(offset)
             sizes.append(packed_bytes(segment.numel, self.code_bits))
             offset += sizes[-1]
-        return scale_starts + [slots], offsets, sizes, -(-offset // 4) * 4
+        return scale_starts + [slots], offsets, sizes, aligned(offset)
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         return self._layout_bytes(layout)[3]
 
-    def _plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _QuantPlan:
-        plan = self._plans.get(layout.index)
-        if plan is not None and plan.layout is layout and plan.world_size == world_size:
-            return plan
+    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _QuantPlan:
         scale_starts, offsets, sizes, payload_bytes = self._layout_bytes(layout)
-        plan = _QuantPlan(
+        return _QuantPlan(
             layout=layout,
-            world_size=world_size,
             scale_starts=tuple(scale_starts),
             code_offsets=tuple(offsets),
             code_sizes=tuple(sizes),
@@ -117,11 +108,9 @@ class _BlockQuantizer(Compressor):
             decoded=like.new_empty(layout.numel),
             total=torch.empty(layout.numel, dtype=torch.float32, device=like.device),
         )
-        self._plans[layout.index] = plan
-        return plan
 
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
-        plan = self._plan(context.layout, velocity, context.world_size)
+        plan = self.plan(context, velocity)
         all_scales = plan.payload[: 4 * plan.scale_starts[-1]].view(torch.float32)
         for position, segment in enumerate(context.layout.segments):
             if segment.numel == 0:  # nothing to scale or send (a zero-size parameter)
@@ -197,6 +186,7 @@ class QSGDCompressor(_StochasticLevels):
     """
 
     name = "qsgd"
+    arguments = ("levels",)
     biased = False
 
     def __init__(self, levels: int = 7) -> None:
@@ -210,9 +200,6 @@ class QSGDCompressor(_StochasticLevels):
         # tensor then mostly rounds to level 0. (A float64 norm would be exact but costs 28x on a CPU.)
         return torch.linalg.vector_norm(values.float()).clamp(max=torch.finfo(torch.float32).max)
 
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, "levels": self.levels}
-
 
 @register
 class TernGradCompressor(_StochasticLevels):
@@ -225,9 +212,6 @@ class TernGradCompressor(_StochasticLevels):
 
     def scale_of(self, values: torch.Tensor) -> torch.Tensor:
         return values.float().abs().max()
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name}
 
 
 def _chunked(values: torch.Tensor, chunk_size: int | None) -> torch.Tensor:
@@ -247,6 +231,7 @@ class _SignQuantizer(_BlockQuantizer):
     """1 bit per element (the sign; 0 counts as positive), values rebuilt from per-block scales."""
 
     code_bits = 1
+    arguments = ("chunk_size",)
 
     def __init__(self, chunk_size: int | None = None) -> None:
         super().__init__()
@@ -254,9 +239,6 @@ class _SignQuantizer(_BlockQuantizer):
 
     def encode_codes(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
         return kernels.pack_signs(values)
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name, "chunk_size": self.chunk_size}
 
     def _expand(self, per_block: torch.Tensor, numel: int) -> torch.Tensor:
         """One value per block, repeated over the block's elements."""

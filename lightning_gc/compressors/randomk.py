@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from lightning_gc.compressors.base import AdjustableRatio, Compressor, EncodeContext, Encoded, compressible
+from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.reference import counter_uniform
 from lightning_gc.layout import BucketLayout, Segment
@@ -30,8 +29,6 @@ _SEED_STEP = 1_000_003
 
 @dataclass
 class _RandomKPlan:
-    layout: BucketLayout
-    ratio: float
     compressed: tuple[tuple[Segment, int, int], ...]  # (segment, first slot, blocks)
     block_starts: torch.Tensor  # bucket position of each block's first element
     block_sizes: torch.Tensor  # float64, elements per block (exact: a bf16 copy would round 3333 to 3328)
@@ -42,7 +39,7 @@ class _RandomKPlan:
 
 
 @register
-class RandomKCompressor(AdjustableRatio, Compressor):
+class RandomKCompressor(AdjustableRatio, PlannedCompressor[_RandomKPlan]):
     """Shared-seed random-k: about ``compress_ratio`` of each large tensor, values only, all-reduced.
 
     Args:
@@ -50,55 +47,48 @@ class RandomKCompressor(AdjustableRatio, Compressor):
         rescale: multiply each sent value by its block size (1 / its probability): unbiased,
             so error feedback is off by default; without it the compressor is biased and
             error feedback keeps the rest.
-        min_compress_numel: smaller (and 1-D) tensors are sent dense.
+        min_compress_numel: smaller (and 1-D) tensors are sent dense, >= 1.
     """
 
     name = "randomk"
+    arguments = ("compress_ratio", "rescale", "min_compress_numel")
     sends_all_at_one = False  # one value per block of floor(1 / ratio): a ratio of 1 is no compression
 
     def __init__(self, compress_ratio: float = 0.01, *, rescale: bool = False, min_compress_numel: int = 1024) -> None:
+        super().__init__()
         self.compress_ratio = compress_ratio
         self.rescale = bool(rescale)
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 1)
-        self._plans: dict[int, _RandomKPlan] = {}
 
     @property
     def biased(self) -> bool:  # type: ignore[override]
         return not self.rescale
 
     def _block(self) -> int:
-        return max(1, math.floor(1 / self.compress_ratio))
-
-    def _compresses(self, segment: Segment) -> bool:
-        return compressible(segment, self.min_compress_numel)
+        """Block size ``b = floor(1 / compress_ratio)`` (at least 1)."""
+        return max(1, math.floor(1 / self._compress_ratio))
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         block = self._block()
-        sent = sum(math.ceil(s.numel / block) if self._compresses(s) else s.numel for s in layout.segments)
+        compressed, dense = split_segments(layout.segments, self.min_compress_numel)
+        sent = sum(math.ceil(s.numel / block) for s in compressed) + sum(s.numel for s in dense)
         return sent * element_size
 
-    def _plan(self, layout: BucketLayout, like: torch.Tensor) -> _RandomKPlan:
-        plan = self._plans.get(layout.index)
-        if plan is not None and plan.layout is layout and plan.ratio == self.compress_ratio:
-            return plan
+    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _RandomKPlan:
         device = like.device
         block = self._block()
-        compressed, starts, sizes, dense, slots = [], [], [], [], 0
-        for segment in layout.segments:
-            if self._compresses(segment):
-                blocks = math.ceil(segment.numel / block)
-                first = torch.arange(blocks, device=device) * block
-                starts.append(first + segment.start)
-                sizes.append(torch.clamp(segment.numel - first, max=block))
-                compressed.append((segment, slots, blocks))
-                slots += blocks
-            else:
-                dense.append(torch.arange(segment.start, segment.stop, device=device))
+        compressible, dense = split_segments(layout.segments, self.min_compress_numel)
+        compressed, starts, sizes, slots = [], [], [], 0
+        for segment in compressible:
+            blocks = math.ceil(segment.numel / block)
+            first = torch.arange(blocks, device=device) * block
+            starts.append(first + segment.start)
+            sizes.append(torch.clamp(segment.numel - first, max=block))
+            compressed.append((segment, slots, blocks))
+            slots += blocks
         cat = lambda parts, dtype: torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)  # noqa: E731
-        dense_positions = cat(dense, torch.int64)
-        plan = _RandomKPlan(
-            layout=layout,
-            ratio=self.compress_ratio,
+        dense_positions = cat([torch.arange(s.start, s.stop, device=device) for s in dense], torch.int64)
+        return _RandomKPlan(
             compressed=tuple(compressed),
             block_starts=cat(starts, torch.int64),
             block_sizes=cat(sizes, torch.int64).to(torch.float64),
@@ -107,11 +97,9 @@ class RandomKCompressor(AdjustableRatio, Compressor):
             summed=like.new_empty(dense_positions.numel() + slots),
             sent=like.new_empty(slots),
         )
-        self._plans[layout.index] = plan
-        return plan
 
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
-        plan = self._plan(context.layout, velocity)
+        plan = self.plan(context, velocity)
         for segment, first, blocks in plan.compressed:  # the same draw on every rank: the seed has no rank
             chosen = slice(first, first + blocks)
             uniform = counter_uniform(
@@ -145,11 +133,3 @@ class RandomKCompressor(AdjustableRatio, Compressor):
         sampled = mean[dense_count:]
         rescaled = (sampled.double() * plan.block_sizes).to(out.dtype) if self.rescale else sampled
         out.index_copy_(0, plan.indices, rescaled)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "compress_ratio": self.compress_ratio,
-            "rescale": self.rescale,
-            "min_compress_numel": self.min_compress_numel,
-        }

@@ -37,9 +37,19 @@ def compressor_class(name: str) -> type[Compressor]:
 
 
 def argument_names(cls: type[Compressor]) -> set[str]:
-    """Keyword arguments ``cls`` accepts (used to split strategy arguments from compressor ones)."""
-    parameters = inspect.signature(cls.__init__).parameters.values()
-    return {p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    """Keyword arguments ``cls`` accepts (used to split strategy arguments from compressor ones):
+    those its ``__init__`` names and, where that forwards ``**kwargs`` to ``super().__init__``
+    (as :class:`~lightning_gc.compressors.dgc.DGCCompressor` does), those of the next
+    ``__init__`` up the method resolution order."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        parameters = inspect.signature(klass.__init__).parameters.values()
+        names |= {p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return names
 
 
 def create(name: str, **arguments: Any) -> Compressor:

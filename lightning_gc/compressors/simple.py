@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from lightning_gc.compressors.base import (
     Compressor,
     EncodeContext,
     Encoded,
+    PlannedCompressor,
     decode_whole_bucket,
     encode_whole_bucket,
     mean_into,
@@ -38,11 +37,8 @@ class NoCompressor(Compressor):
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         return layout.numel * element_size
 
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name}
 
-
-class _CastCompressor(Compressor):
+class _CastCompressor(PlannedCompressor[torch.Tensor]):
     """All-reduce of the velocity cast to ``wire_dtype``; the rounding stays in memory.
 
     The sum over ranks is accumulated in ``wire_dtype`` by the collective. 2 bytes per element.
@@ -52,15 +48,12 @@ class _CastCompressor(Compressor):
 
     wire_dtype: torch.dtype
 
-    def __init__(self) -> None:
-        self._buffers: dict[int, torch.Tensor] = {}
+    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> torch.Tensor:
+        """The plan is the bucket's send buffer in ``wire_dtype``."""
+        return torch.empty(layout.numel, dtype=self.wire_dtype, device=like.device)
 
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
-        wire = self._buffers.get(context.layout.index)
-        if wire is None or wire.numel() != velocity.numel() or wire.device != velocity.device:
-            wire = self._buffers[context.layout.index] = torch.empty(
-                velocity.numel(), dtype=self.wire_dtype, device=velocity.device
-            )
+        wire = self.plan(context, velocity)
         saturating_copy_(wire, velocity, context.world_size)  # the sum over ranks stays finite
         return Encoded(
             summed=wire,
@@ -76,9 +69,6 @@ class _CastCompressor(Compressor):
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         return layout.numel * self.wire_dtype.itemsize
-
-    def config(self) -> dict[str, Any]:
-        return {"name": self.name}
 
 
 @register
@@ -101,21 +91,10 @@ class BF16Compressor(_CastCompressor):
 class TopKCompressor(SparseCompressor):
     """Exact top-k by magnitude per compressed tensor (``torch.topk``), with error feedback.
 
-    Args: as :class:`~lightning_gc.compressors.sparse.SparseCompressor`; default ratio 1 %.
+    Args: those of :class:`~lightning_gc.compressors.sparse.SparseCompressor` (default ratio 1 %).
     """
 
     name = "topk"
-
-    def __init__(
-        self,
-        compress_ratio: float = 0.01,
-        *,
-        min_compress_numel: int = 1024,
-        value_dtype: str | torch.dtype = "float32",
-        index_encoding: str = "int32",
-        dense_dtype: str | torch.dtype | None = None,
-    ) -> None:
-        super().__init__(compress_ratio, min_compress_numel, value_dtype, index_encoding, dense_dtype)
 
     def select(
         self, values: torch.Tensor, k: int, salt: int, out_indices: torch.Tensor, out_values: torch.Tensor

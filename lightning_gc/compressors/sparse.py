@@ -16,27 +16,27 @@ Decompression::
     out[dense] = (sum over ranks of dense values) / N
 
 All buffers of a bucket (payload, gathered payloads, dense values, index lists) are allocated once
-per (layout, ratio) and reused every step.
+per plan (layout, settings, world size, device, dtype: see :class:`~lightning_gc.compressors.base.PlannedCompressor`)
+and reused every step.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from lightning_gc import kernels
 from lightning_gc.compressors.base import (
     AdjustableRatio,
-    Compressor,
     DensePart,
     EncodeContext,
     Encoded,
-    compressible,
+    PlannedCompressor,
     decode_whole_bucket,
     encode_whole_bucket,
+    split_segments,
 )
 from lightning_gc.compressors.wire import INDEX_ENCODINGS, VALUE_DTYPES
 from lightning_gc.layout import BucketLayout, Segment
@@ -58,8 +58,6 @@ class _SparsePlan:
     """Sizes and reusable buffers for one bucket layout at one compression ratio."""
 
     layout: BucketLayout
-    ratio: float
-    world_size: int
     compressed: tuple[tuple[Segment, int, int], ...]  # (segment, k, first slot in the payload)
     total_k: int
     dense_all: bool
@@ -70,15 +68,20 @@ class _SparsePlan:
     gathered: torch.Tensor
 
 
-class SparseCompressor(AdjustableRatio, Compressor):
-    """Shared machinery of top-k style sparsifiers; subclasses choose the ``k`` indices.
+class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
+    """Shared machinery and arguments of top-k style sparsifiers; subclasses choose the ``k`` indices.
+
+    The arguments are declared here once: :class:`~lightning_gc.compressors.simple.TopKCompressor`
+    takes exactly these, :class:`~lightning_gc.compressors.dgc.DGCCompressor` these and its own.
 
     Args:
-        compress_ratio: fraction of each compressed tensor's elements sent, in (0, 1].
-        min_compress_numel: tensors with fewer elements (and all 1-D tensors) are sent dense.
+        compress_ratio: fraction of each compressed tensor's elements sent, in (0, 1]; a
+            compressed tensor of ``n`` elements sends exactly ``k = ceil(compress_ratio * n)``
+            pairs. With 1 the bucket goes through one plain all-reduce.
+        min_compress_numel: tensors with fewer elements (and all 1-D tensors) are sent dense, >= 1.
         value_dtype: dtype of the values on the wire: ``"float32"``, ``"float16"`` or
-            ``"bfloat16"``. What a narrower dtype rounds away stays in the velocity (error
-            feedback).
+            ``"bfloat16"`` (or the ``torch.dtype``). What a narrower dtype rounds away stays in
+            the velocity (error feedback).
         index_encoding: ``"int32"`` (4 bytes per index) or ``"elias_fano"`` (the bucket's
             indices sorted and Elias--Fano coded: between ``l + 2`` and ``l + 3`` bits per index,
             ``l = floor(log2(bucket numel / k))``; same decoded result). See :mod:`lightning_gc.compressors.wire`.
@@ -88,26 +91,29 @@ class SparseCompressor(AdjustableRatio, Compressor):
             velocity. A bucket sent wholly dense (``compress_ratio == 1``) is unaffected.
     """
 
+    arguments = ("compress_ratio", "min_compress_numel", "value_dtype", "index_encoding", "dense_dtype")
+
     def __init__(
         self,
-        compress_ratio: float,
-        min_compress_numel: int,
-        value_dtype: str | torch.dtype,
+        compress_ratio: float = 0.01,
+        *,
+        min_compress_numel: int = 1024,
+        value_dtype: str | torch.dtype = "float32",
         index_encoding: str = "int32",
         dense_dtype: str | torch.dtype | None = None,
     ) -> None:
+        super().__init__()
         self.compress_ratio = compress_ratio
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 1)
-        self.value_dtype_name = dtype_name("value_dtype", value_dtype)
+        self.value_dtype = dtype_name("value_dtype", value_dtype)  # a name, as in config()
         self.index_encoding = check_choice("index_encoding", index_encoding, INDEX_ENCODINGS)
-        self.dense_dtype_name = dtype_name("dense_dtype", dense_dtype, optional=True)
-        self.dense_dtype = None if self.dense_dtype_name is None else VALUE_DTYPES[self.dense_dtype_name]
-        self.wire = INDEX_ENCODINGS[self.index_encoding](VALUE_DTYPES[self.value_dtype_name])
-        self._plans: dict[int, _SparsePlan] = {}
+        self.dense_dtype = dtype_name("dense_dtype", dense_dtype, optional=True)
+        self.wire = INDEX_ENCODINGS[self.index_encoding](VALUE_DTYPES[self.value_dtype])
 
-    def compresses(self, segment: Segment) -> bool:
-        """Whether ``segment`` is sparsified at the current ratio (else it is sent dense)."""
-        return self._compress_ratio < 1.0 and compressible(segment, self.min_compress_numel)
+    @property
+    def dense_wire_dtype(self) -> torch.dtype | None:
+        """The ``torch.dtype`` of :attr:`dense_dtype` (``None``: the gradient's)."""
+        return None if self.dense_dtype is None else VALUE_DTYPES[self.dense_dtype]
 
     def k_for(self, numel: int) -> int:
         """Elements sent of a compressed tensor of ``numel`` elements: ``ceil(ratio * numel)``."""
@@ -125,56 +131,46 @@ class SparseCompressor(AdjustableRatio, Compressor):
 
     # ------------------------------------------------------------------ planning
     def _split(self, layout: BucketLayout) -> tuple[list[tuple[Segment, int, int]], list[Segment], int]:
-        """(compressed segments with k and first payload slot, dense segments, total k)."""
-        compressed, dense, total_k = [], [], 0
-        for segment in layout.segments:
-            if self.compresses(segment):
-                k = self.k_for(segment.numel)
-                compressed.append((segment, k, total_k))
-                total_k += k
-            else:
-                dense.append(segment)
+        """(compressed segments with k and first payload slot, dense segments, total k); at
+        ratio 1 every segment is dense."""
+        if self._compress_ratio >= 1.0:
+            return [], list(layout.segments), 0
+        compressible, dense = split_segments(layout.segments, self.min_compress_numel)
+        compressed, total_k = [], 0
+        for segment in compressible:
+            k = self.k_for(segment.numel)
+            compressed.append((segment, k, total_k))
+            total_k += k
         return compressed, dense, total_k
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         compressed, dense, total_k = self._split(layout)
         if not compressed:
             return layout.numel * element_size
-        dense_size = element_size if self.dense_dtype is None else self.dense_dtype.itemsize
+        dense_wire_dtype = self.dense_wire_dtype
+        dense_size = element_size if dense_wire_dtype is None else dense_wire_dtype.itemsize
         return self.wire.payload_bytes(total_k, layout.numel) + sum(s.numel for s in dense) * dense_size
 
-    def _plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _SparsePlan:
-        plan = self._plans.get(layout.index)
-        if (
-            plan is not None
-            and plan.layout is layout
-            and plan.ratio == self._compress_ratio
-            and plan.world_size == world_size
-        ):
-            return plan
+    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _SparsePlan:
         compressed, dense, total_k = self._split(layout)
         device = like.device
         dense_all = not compressed
         payload_bytes = self.wire.payload_bytes(total_k, layout.numel) if compressed else 0
-        plan = _SparsePlan(
+        return _SparsePlan(
             layout=layout,
-            ratio=self._compress_ratio,
-            world_size=world_size,
             compressed=tuple(compressed),
             total_k=total_k,
             dense_all=dense_all,
-            dense=None if dense_all else DensePart.of(dense, like, dtype=self.dense_dtype),
+            dense=None if dense_all else DensePart.of(dense, like, dtype=self.dense_wire_dtype),
             sent_indices=torch.empty(total_k, dtype=torch.int64, device=device),
             sent_values=like.new_empty(total_k),
             payload=torch.empty(payload_bytes, dtype=torch.uint8, device=device),
             gathered=torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=device),
         )
-        self._plans[layout.index] = plan
-        return plan
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
-        plan = self._plan(context.layout, velocity, context.world_size)
+        plan = self.plan(context, velocity)
         if plan.dense_all:
             return encode_whole_bucket(velocity, out)
         for segment, k, first in plan.compressed:
@@ -211,13 +207,3 @@ class SparseCompressor(AdjustableRatio, Compressor):
         kernels.scatter_average_(out, indices, values, world_size)
         if plan.dense is not None:
             plan.dense.write_mean(out, world_size)
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "compress_ratio": self._compress_ratio,
-            "min_compress_numel": self.min_compress_numel,
-            "value_dtype": self.value_dtype_name,
-            "index_encoding": self.index_encoding,
-            "dense_dtype": self.dense_dtype_name,
-        }
