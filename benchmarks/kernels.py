@@ -77,8 +77,9 @@ def make_ops(numel: int, device: torch.device) -> dict[str, Callable[[], object]
         chosen = torch.topk(v.abs(), k, sorted=False).indices
         kernels.commit_sparse_(v, u, chosen, v[chosen])
 
-    def quantize_4bit() -> None:
-        kernels.stochastic_quantize(g, torch.linalg.vector_norm(g), 7, 3)
+    def quantize_4bit() -> None:  # QSGD's default: 7 levels, one norm per 512 elements
+        norms = torch.linalg.vector_norm(torch.nn.functional.pad(g, (0, -g.numel() % 512)).view(-1, 512), dim=1)
+        kernels.stochastic_quantize(g, norms, 7, 3, 512)
 
     return {
         "compensate": compensate,

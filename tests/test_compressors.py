@@ -67,7 +67,7 @@ def test_bad_compressor_arguments_fail_at_construction(kwargs: dict, message: st
 
 def test_training_with_each_compressor(run_ranks) -> None:
     """2 ranks: identical parameters, falling loss, and gc/wire_ratio == dense bytes / bytes sent."""
-    names = ["none", "fp16", "bf16", "topk", "randomk", "onebit", "signsgd", "terngrad", "qsgd", "powersgd", "fft"]
+    names = available()  # every registered compressor, at its defaults
     model = {"hidden": HIDDEN, **SGD}
     fits = [{"strategy": {"kind": "ddp"}, "model": model, "epochs": 3}]
     fits += [{"strategy": {"kind": "gc", "compressor": n}, "model": model, "epochs": 3} for n in names]
@@ -125,22 +125,45 @@ def _round_trip(compressor, velocity: torch.Tensor, layout, step: int) -> tuple[
     return out, encoded, bytes_sent
 
 
+@pytest.mark.parametrize("chunk_size", [512, 100, None])
 @pytest.mark.parametrize("name", ["qsgd", "terngrad"])
-def test_unbiased_compressors_average_to_their_input(name: str) -> None:
-    """Mean of S decodes -> x. Each decode errs by less than one level step per element with mean
-    0, so the mean's error has std <= step / (2 sqrt(S)); the tolerance is 5 of those."""
-    compressor = create(name)
+def test_unbiased_compressors_average_to_their_input(name: str, chunk_size: int | None) -> None:
+    """Mean of S decodes -> x. Each decode errs by less than one level step (its chunk's scale /
+    levels) per element with mean 0, so the mean's error has std <= step / (2 sqrt(S)); the
+    tolerance is 5 of those."""
+    compressor = create(name, chunk_size=chunk_size)
     assert not compressor.biased
     layout, _ = _layout_and_params([(40, 30), (7,)])
     x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
     samples = 800
     mean = sum(_round_trip(compressor, x, layout, step)[0] for step in range(samples)) / samples
     for segment in layout.segments:
-        part = segment.of(x)
-        scale = part.norm() if name == "qsgd" else part.abs().max()
-        step_size = float(scale) / compressor.levels
-        error = (segment.of(mean) - part).abs().max().item()
-        assert error < 5 * step_size / (2 * samples**0.5), (segment.name, error, step_size)
+        part, width = segment.of(x), chunk_size or segment.numel
+        for start in range(0, segment.numel, width):
+            chunk = part[start : start + width]
+            scale = chunk.norm() if name == "qsgd" else chunk.abs().max()
+            step_size = float(scale) / compressor.levels
+            error = (segment.of(mean)[start : start + width] - chunk).abs().max().item()
+            assert error < 5 * step_size / (2 * samples**0.5), (segment.name, start, error, step_size)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad"])
+def test_unbiased_quantisers_default_to_chunks_whose_noise_does_not_grow_with_the_tensor(name: str) -> None:
+    """QSGD's bound E||Q(x) - x||^2 <= sqrt(d)/s ||x||^2 holds for the d = 512 elements sharing a
+    norm; one norm for a 512x512 tensor puts ~56x its energy in noise, which made QSGD diverge.
+    TernGrad's noise grows with max|x| / mean|x|: slowly for a Gaussian (sqrt(log d)), fast with outliers."""
+    layout, _ = _layout_and_params([(512, 512)])
+    x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+
+    def noise(compressor) -> float:
+        decoded = _round_trip(compressor, x, layout, step=0)[0]
+        return float((decoded - x).norm() ** 2 / x.norm() ** 2)
+
+    chunked, whole = noise(create(name)), noise(create(name, chunk_size=None))
+    assert create(name).chunk_size == 512
+    if name == "qsgd":
+        assert chunked <= 512**0.5 / 7  # Alistarh et al. 2017, Lemma 3.1
+    assert whole > (10 if name == "qsgd" else 1.5) * chunked, (chunked, whole)
 
 
 @pytest.mark.parametrize(("name", "mantissa_bits"), [("fp16", 10), ("bf16", 7)])

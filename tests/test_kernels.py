@@ -240,13 +240,20 @@ def test_sign_packing_kernel_equals_reference(numel: int, dtype: torch.dtype) ->
 @pytest.mark.parametrize("levels", [1, 3, 7, 15, 127])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stochastic_quantize_kernel_equals_reference_bit_for_bit(numel: int, levels: int, dtype: torch.dtype) -> None:
+    """One scale per tensor, or one per chunk of 96 elements (element i scaled by scales[i // 96])."""
     values = _randn(numel, dtype, seed=levels)
-    for scale in (torch.linalg.vector_norm(values.float()), values.float().abs().max() if numel else torch.zeros(())):
-        packed = _on_backend("triton", kernels.stochastic_quantize, values, scale, levels, 11)
-        assert torch.equal(packed, _on_backend("torch", kernels.stochastic_quantize, values, scale, levels, 11))
-        decoded = kernels.stochastic_dequantize(packed, scale, levels, numel)
-        step = float(scale) / levels
-        assert (decoded - values.float()).abs().max().item() <= step * (1 + 1e-5) if numel else decoded.numel() == 0
+    rows = torch.nn.functional.pad(values.float(), (0, -numel % 96)).view(-1, 96)
+    cases = [
+        (None, torch.linalg.vector_norm(values.float())),
+        (None, values.float().abs().max() if numel else torch.zeros(())),
+        (96, torch.linalg.vector_norm(rows, dim=1)),
+    ]
+    for chunk_size, scales in cases:
+        packed = _on_backend("triton", kernels.stochastic_quantize, values, scales, levels, 11, chunk_size)
+        assert torch.equal(packed, _on_backend("torch", kernels.stochastic_quantize, values, scales, levels, 11, chunk_size))
+        decoded = kernels.stochastic_dequantize(packed, scales, levels, numel, chunk_size)
+        steps = scales.reshape(-1).repeat_interleave(chunk_size or max(numel, 1))[:numel] / levels
+        assert ((decoded - values.float()).abs() <= steps * (1 + 1e-5)).all()
 
 
 def test_stochastic_quantization_is_reproducible_and_unbiased() -> None:

@@ -68,9 +68,12 @@ def pack_signs(values: torch.Tensor) -> torch.Tensor:
     return _implementation(values).pack_signs(values)
 
 
-def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, seed: int) -> torch.Tensor:
-    """Unbiased, reproducible stochastic rounding to packed level codes (QSGD, TernGrad), dispatched."""
-    return _implementation(values).stochastic_quantize(values, scale, levels, seed)
+def stochastic_quantize(
+    values: torch.Tensor, scales: torch.Tensor, levels: int, seed: int, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Unbiased, reproducible stochastic rounding to packed level codes (QSGD, TernGrad), one scale
+    per tensor or per ``chunk_size`` elements, dispatched."""
+    return _implementation(values).stochastic_quantize(values, scales, levels, seed, chunk_size)
 
 
 def _implementation(tensor: torch.Tensor) -> ModuleType:

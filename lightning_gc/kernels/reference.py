@@ -361,34 +361,45 @@ def pack_signs(values: torch.Tensor) -> torch.Tensor:
     return pack_codes((values < 0).to(torch.uint8), 1)
 
 
-def quantize_factor(scale: torch.Tensor, levels: int) -> torch.Tensor:
-    """``levels / scale`` as a 0-d float32 tensor (0 when ``scale == 0``), computed once so both
-    implementations multiply by the same correctly rounded factor (GPU division may be approximate)."""
-    scale = scale.to(torch.float32)
-    positive = scale > 0
-    return torch.where(positive, levels / torch.where(positive, scale, torch.ones_like(scale)), torch.zeros_like(scale))
+def quantize_factor(scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """``levels / scales`` as float32 (0 where a scale is 0), computed once so both implementations
+    multiply by the same correctly rounded factors (GPU division may be approximate)."""
+    scales = scales.to(torch.float32)
+    positive = scales > 0
+    return torch.where(positive, levels / torch.where(positive, scales, torch.ones_like(scales)), torch.zeros_like(scales))
 
 
-def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, seed: int) -> torch.Tensor:
+def per_element(per_block: torch.Tensor, chunk_size: int | None, start: int, count: int) -> torch.Tensor:
+    """Each of elements ``start .. start + count``'s entry of ``per_block``: entry ``i // chunk_size``,
+    or the single entry (broadcast) when ``chunk_size`` is ``None``."""
+    if chunk_size is None:
+        return per_block.reshape(1)
+    return per_block[torch.arange(start, start + count, device=per_block.device) // chunk_size]
+
+
+def stochastic_quantize(
+    values: torch.Tensor, scales: torch.Tensor, levels: int, seed: int, chunk_size: int | None = None
+) -> torch.Tensor:
     """Unbiased stochastic rounding of ``|values| / scale * levels`` to an integer level, packed.
 
     ``level = floor(r) + [uniform < r - floor(r)]`` with ``r = |x| / scale * levels`` (clamped to
     ``levels``) and the uniform drawn by :func:`counter_uniform` at offset = element index, so
-    ``E[sign * level / levels * scale] = x`` and the result is reproducible. QSGD uses
-    ``scale = ||x||_2``; TernGrad is ``levels = 1`` with ``scale = max |x|``. Codes are
-    ``(level << 1) | negative`` at :func:`code_width` bits.
+    ``E[sign * level / levels * scale] = x`` and the result is reproducible. ``scales`` holds one
+    scale for the whole tensor (``chunk_size=None``) or one per ``chunk_size`` consecutive elements.
+    QSGD uses ``scale = ||x||_2`` of the chunk; TernGrad is ``levels = 1`` with ``scale = max |x|``.
+    Codes are ``(level << 1) | negative`` at :func:`code_width` bits.
 
     Works in chunks of :data:`CHUNK` elements: the integer temporaries then stay small, instead of
     several gradient-sized int64 buffers that each fault their pages in again.
     """
     width = code_width(levels)
-    factor = quantize_factor(scale, levels)
+    factors = quantize_factor(scales, levels)
     flat = values.reshape(-1)
     out = torch.empty(packed_bytes(flat.numel(), width), dtype=torch.uint8, device=flat.device)
     per_byte = 8 // width
     for start in range(0, flat.numel(), CHUNK):  # CHUNK is a multiple of 8: chunks start on byte boundaries
         x = flat[start : start + CHUNK].to(torch.float32)
-        r = torch.clamp(x.abs() * factor, max=float(levels))
+        r = torch.clamp(x.abs() * per_element(factors, chunk_size, start, x.numel()), max=float(levels))
         floor = torch.floor(r)
         uniform = counter_uniform(seed, torch.arange(start, start + x.numel(), device=x.device))
         level = (floor + (uniform < (r - floor)).to(torch.float32)).to(torch.int32)
@@ -399,13 +410,15 @@ def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, 
     return out
 
 
-def stochastic_dequantize(packed: torch.Tensor, scale: torch.Tensor, levels: int, numel: int) -> torch.Tensor:
+def stochastic_dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, levels: int, numel: int, chunk_size: int | None = None
+) -> torch.Tensor:
     """Values (float32) of :func:`stochastic_quantize`'s codes: ``sign * level / levels * scale``."""
-    step = (scale.to(torch.float32) / levels).reshape(())
+    steps = scales.to(torch.float32).reshape(-1) / levels
     out = torch.empty(numel, dtype=torch.float32, device=packed.device)
     codes = unpack_codes(packed, code_width(levels), numel)
     for start in range(0, numel, CHUNK):
         chunk = codes[start : start + CHUNK].to(torch.int32)
-        magnitude = (chunk >> 1).to(torch.float32) * step
+        magnitude = (chunk >> 1).to(torch.float32) * per_element(steps, chunk_size, start, chunk.numel())
         out[start : start + chunk.numel()] = torch.where((chunk & 1).bool(), -magnitude, magnitude)
     return out

@@ -342,16 +342,18 @@ def _counter_uniform(key, offsets):
 
 # Triton specialises integer arguments equal to 1 into compile-time constants, which have no
 # ``.to``: ``levels`` is 1 for TernGrad and ``key`` can be 1, so neither is specialised.
-@triton.jit(do_not_specialize=["key", "levels"])
+@triton.jit(do_not_specialize=["key", "levels", "chunk"])
 def _stochastic_quantize_kernel(
-    values_ptr, factor_ptr, out_ptr, numel, n_bytes, key, levels,
+    values_ptr, factor_ptr, out_ptr, numel, n_bytes, key, levels, chunk,
     WIDTH: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # Element i is scaled by factor[i // chunk] (chunk = numel: one factor for the whole tensor).
     byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     element = byte[:, None] * PER_BYTE + tl.arange(0, PER_BYTE)[None, :]
     inside = element < numel
     x = tl.load(values_ptr + element, mask=inside, other=0.0).to(tl.float32)
-    r = tl.minimum(tl.abs(x) * tl.load(factor_ptr), levels.to(tl.float32))
+    factor = tl.load(factor_ptr + element // chunk, mask=inside, other=0.0)
+    r = tl.minimum(tl.abs(x) * factor, levels.to(tl.float32))
     floor = tl.floor(r)
     level = (floor + (_counter_uniform(key, element) < (r - floor)).to(tl.float32)).to(tl.int32)
     codes = tl.where(inside, (level << 1) | (x < 0).to(tl.int32), 0)
@@ -396,7 +398,9 @@ def pack_signs(values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, seed: int) -> torch.Tensor:
+def stochastic_quantize(
+    values: torch.Tensor, scales: torch.Tensor, levels: int, seed: int, chunk_size: int | None = None
+) -> torch.Tensor:
     """Fused :func:`lightning_gc.kernels.reference.stochastic_quantize`: quantise and pack in one pass."""
     from lightning_gc.kernels.reference import code_width, packed_bytes, quantize_factor, seed_key
 
@@ -404,7 +408,8 @@ def stochastic_quantize(values: torch.Tensor, scale: torch.Tensor, levels: int, 
     n_bytes = packed_bytes(values.numel(), width)
     out = torch.empty(n_bytes, dtype=torch.uint8, device=values.device)
     if n_bytes:
-        factor = quantize_factor(scale, levels).reshape(1)
-        _launch(_stochastic_quantize_kernel, _byte_grid(n_bytes), values, factor, out, values.numel(), n_bytes,
-                seed_key(seed), levels, WIDTH=width, PER_BYTE=8 // width, BLOCK=PACK_BLOCK)  # fmt: skip
+        factors = quantize_factor(scales, levels).reshape(-1).contiguous()
+        chunk = values.numel() if chunk_size is None else chunk_size
+        _launch(_stochastic_quantize_kernel, _byte_grid(n_bytes), values, factors, out, values.numel(), n_bytes,
+                seed_key(seed), levels, chunk, WIDTH=width, PER_BYTE=8 // width, BLOCK=PACK_BLOCK)  # fmt: skip
     return out
