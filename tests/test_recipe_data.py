@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from apprun import SHARED_DATA
 
 from recipes.common import WarmupMultiStep
-from recipes.images import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, ImageNetDataModule
+from recipes.images import CIFAR10_ARCHIVE, CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, ImageNetDataModule
 from recipes.language import PTBDataModule
 from recipes.speech import ALPHABET, SpeechDataModule, encode_text, greedy_decode, mel_filterbank
 from recipes.vision import ImageClassifier
@@ -100,6 +101,76 @@ def test_cifar10_reads_python_batches(tmp_path: Path) -> None:
     assert label == test_labels[2] and torch.allclose(image, expected, atol=1e-5)
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (4, 3, 32, 32) and y.shape == (4,)
+
+
+def _write_cifar_jpegs(folder: Path, per_class: int) -> None:
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    for name in CIFAR10_CLASSES:
+        (folder / "train" / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = np.full((32, 32, 3), CIFAR10_CLASSES.index(name) * 20, dtype=np.uint8)
+            pixels[0, 0] = rng.integers(0, 256, 3)
+            Image.fromarray(pixels).save(folder / "train" / name / f"{i:04d}.jpg", quality=100)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_cifar10_reads_training_jpegs_with_a_seeded_held_out_split(tmp_path: Path, packed: bool) -> None:
+    """The JPEG tree (or its tar.gz): labels by folder in CIFAR-10's class order, ``val_size``
+    images held out by a seeded permutation, identical in every process, never trained on."""
+    _write_cifar_jpegs(tmp_path / "tree", per_class=3)
+    root = tmp_path / "tree"
+    if packed:
+        root = tmp_path / "packed"
+        root.mkdir()
+        with tarfile.open(root / CIFAR10_ARCHIVE, "w:gz") as tar:
+            tar.add(tmp_path / "tree" / "train", arcname="train")
+
+    def split(seed: int) -> CIFAR10DataModule:
+        dm = CIFAR10DataModule(root=str(root), download=False, val_size=8, split_seed=seed, num_workers=0, batch_size=4)
+        dm.prepare_data()
+        dm.setup()
+        return dm
+
+    dm = split(0)
+    assert dm.source() == ("archive" if packed else "folder")
+    assert len(dm.train_set) == 22 and len(dm.val_set) == 8
+    image, label = dm.val_set[0]  # each class's images are one grey level: label and pixels agree
+    grey = (label * 20 / 255 - torch.tensor(CIFAR10_MEAN)) / torch.tensor(CIFAR10_STD)
+    assert torch.allclose(image[:, 16, 16], grey, atol=0.05)
+    def contents(ds) -> set[bytes]:
+        return {image.numpy().tobytes() for image in ds.images}
+
+    assert len(contents(dm.train_set) | contents(dm.val_set)) == 30  # all distinct: a random corner pixel each
+    assert not contents(dm.train_set) & contents(dm.val_set)  # held out means never trained on
+    assert torch.equal(split(0).val_set.images, dm.val_set.images)  # same seed, same split: every rank agrees
+    assert not torch.equal(split(1).val_set.images, dm.val_set.images)
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 3, 32, 32) and y.shape == (4,)
+    subset = CIFAR10DataModule(root=str(root), download=False, val_size=8, train_size=5, num_workers=0)
+    subset.setup()
+    assert len(subset.train_set) == 5 and torch.equal(subset.val_set.images, dm.val_set.images)
+
+
+def test_cifar10_refuses_a_held_out_split_that_leaves_nothing_to_train_on(tmp_path: Path) -> None:
+    _write_cifar_jpegs(tmp_path, per_class=1)
+    with pytest.raises(ValueError, match="data.val_size=10 leaves no training images of the 10"):
+        CIFAR10DataModule(root=str(tmp_path), download=False, val_size=10).setup()
+    with pytest.raises(ValueError, match="data.train_size"):
+        CIFAR10DataModule(root=str(tmp_path), train_size=0)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "cifar10" / CIFAR10_ARCHIVE).is_file(), reason="no shared CIFAR-10 archive")
+def test_cifar10_reads_the_shared_training_archive_offline() -> None:
+    dm = CIFAR10DataModule(root=str(SHARED_DATA / "cifar10"), download=False, num_workers=0, batch_size=8)
+    dm.check_data()
+    dm.setup()
+    assert dm.source() == "archive" and len(dm.train_set) == 45_000 and len(dm.val_set) == 5_000
+    counts = torch.bincount(dm.val_set.labels, minlength=10)
+    assert counts.sum() == 5000 and counts.min() > 400  # a random 10 %: every class about 500
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (8, 3, 32, 32) and x.mean().abs() < 1.5 and y.max() < 10
 
 
 def test_imagenet_reads_an_image_folder(tmp_path: Path) -> None:

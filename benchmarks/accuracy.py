@@ -1,0 +1,192 @@
+"""Accuracy evidence: dense DDP and compressed training side by side, trained to a result.
+
+    python -m benchmarks.accuracy cifar10                 # run what is missing, then the table and curves
+    python -m benchmarks.accuracy cifar10 --report-only   # table and curves of the runs finished so far
+
+Each run is ``python train.py +recipe=<recipe> ...`` on 2 CPU processes with its own output
+directory ``<out>/<task>/<label>``; the runs of a task share the seed-dependent data order, the
+epochs, the batch and the learning-rate schedule, and differ only in the strategy (and the seed,
+where a task repeats the dense run to show the seed-to-seed spread). A run whose ``result.json``
+exists is not run again, so an interrupted benchmark continues where it stopped. The report is
+``<out>/<task>/table.md`` (final and best metric, wire compression, seconds per step, wall time)
+and ``<out>/<task>/curves.png`` (the validation metric after every epoch, one line per run).
+
+Tasks:
+
+* ``cifar10``: ResNet-20 on CIFAR-10's training JPEGs (``<data>/cifar10``), a seeded subset of
+  ``--train-size`` images, 5,000 held out for validation; SGD lr 0.1 (global batch 128), a step
+  decay at 60 % and 85 % of the epochs; dense DDP and DGC at 0.1 % (after the paper's 4-epoch
+  sparsity warm-up), each with seeds 0 and 1 so the seed-to-seed spread is known.
+
+Needs the shared data folder (``--data``, default ``../shared/data`` beside the checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of a task: a label, the recipe and the overrides it adds to the task's."""
+
+    label: str
+    recipe: str
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Task:
+    """Runs that share everything but the strategy (and seed): the comparison of one table."""
+
+    name: str
+    description: str
+    runs: tuple[Run, ...]
+    overrides: tuple[str, ...] = field(default=())
+
+
+def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
+    milestones = f"[{round(0.6 * epochs)},{round(0.85 * epochs)}]"
+    shared = (
+        f"data.root={data / 'cifar10'}",
+        "data.download=false",
+        f"data.train_size={train_size}",
+        "data.batch_size=64",
+        "data.num_workers=0",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        f"trainer.max_epochs={epochs}",
+        "trainer.enable_checkpointing=false",
+        "model.lr=0.1",
+        "model.lr_warmup_epochs=0",
+        f"model.lr_milestones={milestones}",
+    )
+    return Task(
+        name="cifar10",
+        description=(
+            f"ResNet-20, CIFAR-10 ({train_size:,} training JPEGs, 5,000 held out), {epochs} epochs, "
+            "2 CPU processes x batch 64"
+        ),
+        runs=(
+            Run("dense, seed 0", "resnet20_cifar10_dense", ("seed=0",)),
+            Run("DGC 0.1 %, seed 0", "resnet20_cifar10_dgc", ("seed=0",)),
+            Run("dense, seed 1", "resnet20_cifar10_dense", ("seed=1",)),
+            Run("DGC 0.1 %, seed 1", "resnet20_cifar10_dgc", ("seed=1",)),
+        ),
+        overrides=shared,
+    )
+
+
+def run_directory(out: Path, task: Task, run: Run) -> Path:
+    return out / task.name / run.label.replace(" ", "_").replace(",", "").replace("%", "pct").replace(".", "_")
+
+
+def train(task: Task, run: Run, directory: Path) -> dict[str, Any]:
+    """``train.py`` for one run (skipped when its result exists); the run's ``result.json``."""
+    result_file = directory / "result.json"
+    if not result_file.is_file():
+        command = [
+            sys.executable, "train.py", f"+recipe={run.recipe}", *task.overrides, *run.overrides,
+            f"hydra.run.dir={directory}",
+        ]  # fmt: skip
+        print(f"[{task.name}] {run.label}: {' '.join(command[1:])}", flush=True)
+        started = time.perf_counter()
+        done = subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if done.returncode != 0 or not result_file.is_file():
+            raise SystemExit(f"[{task.name}] {run.label} failed (exit {done.returncode}); see {directory}")
+        print(f"[{task.name}] {run.label}: {time.perf_counter() - started:.0f} s", flush=True)
+    return json.loads(result_file.read_text())
+
+
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.2f}"
+
+
+def table(task: Task, results: dict[str, dict[str, Any]]) -> str:
+    """The task's Markdown table: one row per finished run."""
+    lines = [
+        f"{task.description}.",
+        "",
+        "| run | final top-1 % | best top-1 % | wire compression (whole run / last step) | s/step | wall |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in task.runs:
+        result = results.get(run.label)
+        if result is None:
+            lines.append(f"| {run.label} | not run | | | | |")
+            continue
+        values = [v for _, v in result.get("curve", []) if v is not None]
+        last = result.get("last_step_wire_compression")
+        wire = f"{result['wire_compression']:.1f}x" + ("" if last is None else f" / {last:.0f}x")
+        lines.append(
+            f"| {run.label} | {_percent(result['metric'])} | {_percent(max(values) if values else None)} | {wire} "
+            f"| {result['step_time_s']:.3f} | {result['wall_s'] / 60:.1f} min |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(task: Task, results: dict[str, dict[str, Any]], out: Path) -> Path:
+    """Validation metric after every epoch, one line per finished run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for run in task.runs:
+        result = results.get(run.label)
+        if result is None or not result.get("curve"):
+            continue
+        epochs, values = zip(*[(e + 1, v) for e, v in result["curve"] if v is not None])
+        axes.plot(epochs, [100 * v for v in values], marker=".", label=run.label)
+    axes.set_xlabel("epoch")
+    axes.set_ylabel("validation top-1 (%)")
+    axes.set_title(task.description, fontsize=9)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("task", choices=["cifar10"])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
+    parser.add_argument("--out", type=Path, default=REPO / "outputs" / "accuracy")
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--train-size", type=int, default=20_000)
+    parser.add_argument("--report-only", action="store_true", help="only tabulate the runs already finished")
+    args = parser.parse_args(argv)
+    if not args.data.is_dir():
+        parser.error(f"--data {args.data} is not a directory: the accuracy runs need the shared data folder")
+    task = cifar10_task(args.data.resolve(), args.epochs, args.train_size)
+    results: dict[str, dict[str, Any]] = {}
+    for run in task.runs:
+        directory = run_directory(args.out, task, run)
+        if args.report_only:
+            if (directory / "result.json").is_file():
+                results[run.label] = json.loads((directory / "result.json").read_text())
+        else:
+            results[run.label] = train(task, run, directory)
+    text = table(task, results)
+    (args.out / task.name).mkdir(parents=True, exist_ok=True)
+    (args.out / task.name / "table.md").write_text(text)
+    print(text)
+    print(f"curves: {plot(task, results, args.out / task.name / 'curves.png')}")
+
+
+if __name__ == "__main__":
+    main()
