@@ -1,9 +1,12 @@
 """Lightning strategies: DDP whose gradient exchange goes through a compressor.
 
-:class:`GradientCompressionStrategy` wires a compressor and a compensation memory into DDP's comm
-hook and owns their lifecycle: registration on every device (Lightning's own ``DDPStrategy`` only
-registers comm hooks on CUDA and silently ignores them on CPU), handing SGD momentum over to the
-memory, logging ``gc/*`` statistics, and saving/restoring every rank's memory in checkpoints.
+:class:`GradientCompressionStrategy` is wiring: it parses its arguments into a compressor and
+:class:`~lightning_gc.settings.CompressionSettings`, and calls a
+:class:`~lightning_gc.session.CompressionSession` (which owns the hook, the memory, the momentum
+hand-over, the statistics and the checkpoint state) at Lightning's points: registration on every
+device (Lightning's own ``DDPStrategy`` only registers comm hooks on CUDA and silently ignores them
+on CPU), each optimizer step, logging ``gc/*`` statistics, the end of training, and saving and
+restoring every rank's state in checkpoints.
 
 :class:`DGCStrategy` is the Deep Gradient Compression preset, registered as ``"dgc_ddp"`` and
 ``"dgc_ddp_spawn"``.
@@ -15,13 +18,11 @@ import atexit
 import functools
 import inspect
 from collections.abc import Callable
-from contextlib import nullcontext
 from datetime import timedelta
 from difflib import get_close_matches
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
@@ -29,21 +30,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_gc.checkpoint import CHECKPOINT_KEY
 from lightning_gc.compressors.base import AdjustableRatio, Compressor
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
 from lightning_gc.compressors.registry import available as available_compressors
 from lightning_gc.compressors.registry import create as create_compressor
-from lightning_gc.consistency import verify_same_parameters, verify_same_setup
-from lightning_gc.guard import NONFINITE_POLICIES
-from lightning_gc.hook import CompressionHookState, compression_hook
+from lightning_gc.hook import CompressionHookState
 from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_momentum_specs, unwrap_optimizer
-from lightning_gc.policy import CompressionPolicy, agreed
-from lightning_gc.validation import check_bool, check_choice, check_int, check_range
+from lightning_gc.policy import CompressionPolicy
+from lightning_gc.session import CompressionSession
+from lightning_gc.settings import CompressionSettings
+from lightning_gc.validation import check_range
 
-CHECKPOINT_KEY = "lightning_gc"
-CHECKPOINT_FORMAT = 1
 PRESET_CLASSES: dict[str, str] = {"dgc": "DGCStrategy"}
 """Compressors whose ``<name>_ddp`` preset is a dedicated class (with that method's defaults)."""
 _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
@@ -192,61 +191,26 @@ class GradientCompressionStrategy(DDPStrategy):
                 "(use DDPStrategy directly for a custom hook)"
             )
         compressor = resolve_compressor(compressor, kwargs, owner=type(self).__name__)
-        for flag, value in (
-            ("momentum_correction", momentum_correction),
-            ("momentum_masking", momentum_masking),
-            ("log_stats", log_stats),
-        ):
-            check_bool(flag, value)
-        if error_feedback is not None:
-            check_bool("error_feedback", error_feedback)
-        if "timeout" in kwargs and not isinstance(kwargs["timeout"], timedelta):
-            seconds = check_range("timeout", kwargs["timeout"], 0.0, None, low_inclusive=False)
-            kwargs["timeout"] = timedelta(seconds=seconds)  # seconds, as configs write it
-        if momentum is not None:
-            check_range("momentum", momentum, 0.0, 1.0, high_inclusive=False)
-            if not momentum_correction:
-                raise ValueError(
-                    f"`momentum={momentum!r}` needs momentum_correction=True, got momentum_correction=False"
-                )
-        if clip_norm is not None:
-            check_range("clip_norm", clip_norm, 0.0, None, low_inclusive=False)
-        self.min_wire_ratio = check_range("min_wire_ratio", min_wire_ratio, 0.0, None, low_inclusive=False)
-        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        if verify_every_n_steps is not None:
-            check_int("verify_every_n_steps", verify_every_n_steps, 1)
-        self.verify_every_n_steps = verify_every_n_steps
-        self.delay = check_int("delay", delay, 0)
-        self.local_update = check_bool("local_update", local_update)
-        self.sync_warmup_steps = check_int("sync_warmup_steps", sync_warmup_steps, 0)
-        if local_update and not delay:
-            raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
-        if local_update and compressor.commits_after_decode:
-            raise ValueError(
-                f"`local_update=True` applies this rank's own contribution before the exchange, but compressor "
-                f"{compressor.name!r} knows what it sent only from the average; use local_update=False"
-            )
-        super().__init__(**kwargs)
-        self.compressor = compressor
-        self.explicit_momentum = momentum
-        if error_feedback is None:
-            error_feedback = compressor.biased or momentum_correction  # momentum correction needs it
-        elif momentum_correction and not error_feedback:
-            raise ValueError(
-                "`error_feedback=False` drops what was not sent, which momentum correction needs; "
-                "got momentum_correction=True"
-            )
-        self.memory = CompensationMemory(
+        settings = CompressionSettings(
             momentum_correction=momentum_correction,
+            momentum=momentum,
             momentum_masking=momentum_masking,
             clip_norm=clip_norm,
             error_feedback=error_feedback,
+            min_wire_ratio=min_wire_ratio,
+            compress_when=compress_when,
+            log_stats=log_stats,
+            nonfinite=nonfinite,
+            verify_every_n_steps=verify_every_n_steps,
+            delay=delay,
+            local_update=local_update,
+            sync_warmup_steps=sync_warmup_steps,
         )
-        self.compress_when = compress_when
-        self.log_stats = log_stats
-        self.totals = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "skipped_steps": 0}
-        self._hook_state: CompressionHookState | None = None
-        self._pending_state: dict[str, Any] | None = None
+        self.session = CompressionSession(compressor, settings, owner=type(self).__name__)
+        if "timeout" in kwargs and not isinstance(kwargs["timeout"], timedelta):
+            seconds = check_range("timeout", kwargs["timeout"], 0.0, None, low_inclusive=False)
+            kwargs["timeout"] = timedelta(seconds=seconds)  # seconds, as configs write it
+        super().__init__(**kwargs)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -259,6 +223,23 @@ class GradientCompressionStrategy(DDPStrategy):
                 )
 
     # ------------------------------------------------------------------ public knobs
+    @property
+    def compressor(self) -> Compressor:
+        return self.session.compressor
+
+    @property
+    def settings(self) -> CompressionSettings:
+        return self.session.settings
+
+    @property
+    def memory(self) -> CompensationMemory:
+        return self.session.memory
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Running sums over every step of the run: ``steps``, ``bytes_sent``, ``dense_bytes``, ``skipped_steps``."""
+        return self.session.totals
+
     @property
     def adjustable(self) -> AdjustableRatio | None:
         """The compressor as an :class:`~lightning_gc.compressors.base.AdjustableRatio`, or ``None``
@@ -282,11 +263,58 @@ class GradientCompressionStrategy(DDPStrategy):
     @property
     def hook_state(self) -> CompressionHookState | None:
         """The comm hook's state once DDP is set up (layouts, step counter, stats)."""
-        return self._hook_state
+        return self.session.hook_state
 
     # ------------------------------------------------------------------ wiring
+    def _register_ddp_hooks(self) -> None:
+        # Replaces DDPStrategy's, which registers comm hooks on CUDA only.
+        assert isinstance(self.model, DistributedDataParallel)
+        unused = bool(self._ddp_kwargs.get("find_unused_parameters", False))
+        self.session.attach(self.model, find_unused_parameters=unused)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.session.start_fit(self.optimizers)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self.session.before_step(self.optimizers, None if scaler is None else float(scaler.get_scale()))
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        try:
+            with self.session.stepping([optimizer]):
+                output = super().optimizer_step(optimizer, self._settling(closure, optimizer), model, **kwargs)
+        except _SkippedStep:
+            output = None
+            rank_zero_warn(f"lightning_gc: non-finite gradient; step {self.lightning_module.global_step} skipped")
+        self._log(self.session.after_step())
+        assert isinstance(self.model, DistributedDataParallel)
+        self.session.verify(self.model)
+        return output
+
+    def _settling(self, closure: Callable[[], Any], optimizer: Any) -> Callable[[], Any]:
+        """``closure`` (forward + backward), then the step's non-finite check settled on every rank:
+        a skipped step never reaches the optimizer."""
+
+        def settled() -> Any:
+            result = closure()
+            if self.session.settle(optimizer):
+                raise _SkippedStep
+            return result
+
+        return settled
+
+    def _log(self, metrics: dict[str, float] | None) -> None:
+        module = self.lightning_module
+        if metrics is None or not self.settings.log_stats or module is None or module._current_fx_name is None:
+            return
+        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
     def on_train_end(self) -> None:
-        self._apply_delayed_averages()
+        assert isinstance(self.model, DistributedDataParallel)
+        self.session.finish(self.model, self.optimizers)
         super().on_train_end()
         # Lightning shuts NCCL groups down at exit but leaves gloo's to interpreter finalization. Our
         # hook's futures carry Python callbacks; a gloo worker thread that drops one then needs the
@@ -296,202 +324,16 @@ class GradientCompressionStrategy(DDPStrategy):
         # mid-step could wait in the shutdown for its pending collectives until the timeout.
         shut_down_process_group_at_exit()
 
-    def _apply_delayed_averages(self) -> None:
-        """With a delay, the last ``delay`` steps' averages have not been applied when training
-        ends: apply them now, one optimizer step each (momentum-free, as in training), so that
-        every rank ends with the same parameters."""
-        line = None if self._hook_state is None else self._hook_state.delay_line
-        if line is None:
-            return
-        assert isinstance(self.model, DistributedDataParallel)
-        params = dict(self.model.module.named_parameters())
-        for owed in line.pending(self._hook_state.step, since=self.sync_warmup_steps):
-            for optimizer in self.optimizers:
-                optimizer.zero_grad(set_to_none=True)
-            for name, value in owed.items():
-                params[name].grad = value.to(params[name].dtype).clone()
-            for optimizer in self.optimizers:
-                with momentum_free([optimizer]) if self._moves_momentum else nullcontext():
-                    unwrap_optimizer(optimizer).step()
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-
-    def _register_ddp_hooks(self) -> None:
-        # Replaces DDPStrategy's, which registers comm hooks on CUDA only.
-        assert isinstance(self.model, DistributedDataParallel)
-        names = {id(p): (name, order) for order, (name, p) in enumerate(self.model.module.named_parameters())}
-        pays = agreed(self.compress_when, self.model.process_group)
-        self._hook_state = CompressionHookState(
-            self.compressor,
-            self.memory,
-            names,
-            self.model.process_group,
-            min_wire_ratio=self.min_wire_ratio,
-            pays=pays,
-            nonfinite=self.nonfinite,
-            find_unused_parameters=bool(self._ddp_kwargs.get("find_unused_parameters", False)),
-            delay=self.delay,
-            local_update=self.local_update,
-            sync_warmup_steps=self.sync_warmup_steps,
-        )
-        verify_same_setup(self._setup_description(), self.model.process_group)
-        if self._pending_state is not None:
-            own_parameters = self._pending_state.pop("parameters", None)
-            if own_parameters is not None:  # after DDP broadcast rank 0's: this rank's own, as saved
-                with torch.no_grad():
-                    for name, param in self.model.module.named_parameters():
-                        param.copy_(own_parameters[name])
-            self._hook_state.load_state_dict(self._pending_state)
-            self._pending_state = None
-        self.model.register_comm_hook(self._hook_state, compression_hook)
-
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            if self.memory.momentum_correction and len(self.optimizers) > 1:
-                raise ValueError(
-                    f"momentum_correction=True moves one optimizer's momentum into the compression memory, but "
-                    f"the model configures {len(self.optimizers)} optimizers; use one optimizer (param groups "
-                    "for different settings) or momentum_correction=False"
-                )
-            self._hand_over_momentum(announce=True)
-            if self.local_update:
-                inner = [unwrap_optimizer(o) for o in self.optimizers]
-                others = sorted({type(o).__name__ for o in inner if not isinstance(o, torch.optim.SGD)})
-                if others:
-                    raise ValueError(
-                        f"local_update=True adds this rank's own update now and swaps it for the average later, "
-                        f"which is exact only for a linear update (torch.optim.SGD); the model configures {others}. "
-                        "Use local_update=False (the plain stale average) with these optimizers"
-                    )
-
-    def _setup_description(self) -> dict[str, Any]:
-        """What every rank must agree on: compressor, memory settings and the model's parameters."""
-        assert isinstance(self.model, DistributedDataParallel)
-        return {
-            "compressor": self.compressor.config(),
-            "memory": self.memory.config(),
-            "strategy": {
-                "min_wire_ratio": self.min_wire_ratio,
-                "nonfinite": self.nonfinite,
-                "delay": self.delay,
-                "local_update": self.local_update,
-                "sync_warmup_steps": self.sync_warmup_steps,
-            },
-            "parameters": [
-                (name, tuple(p.shape), str(p.dtype), p.requires_grad)
-                for name, p in self.model.module.named_parameters()
-            ],
-        }
-
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self._hand_over_momentum(announce=False)  # picks up momentum rewritten by a scheduler
-        if self._hook_state is not None:
-            scaler = getattr(self.precision_plugin, "scaler", None)
-            self._hook_state.grad_scale = None if scaler is None else float(scaler.get_scale())
-
-    @property
-    def _moves_momentum(self) -> bool:
-        """Whether the memory applies SGD's momentum (and the optimizer must step without it)."""
-        return self.memory.momentum_correction and self._hook_state is not None
-
-    def _hand_over_momentum(self, *, announce: bool) -> None:
-        if not self._moves_momentum:
-            return
-        from_sgd = sgd_momentum_specs(self.optimizers)
-        if self.explicit_momentum is not None:
-            conflicting = sorted({s.momentum for s in from_sgd.values() if s.momentum != 0.0})
-            if conflicting:
-                raise ValueError(
-                    f"momentum is set both on the optimizer ({conflicting}) and on {type(self).__name__} "
-                    f"(momentum={self.explicit_momentum}); set it in one place"
-                )
-        fallback = MomentumSpec(momentum=self.explicit_momentum or 0.0)
-        names = self._hook_state.names
-        specs = {}
-        for pid, (name, _) in names.items():
-            spec = from_sgd.get(pid)
-            specs[name] = spec if spec is not None and spec.momentum != 0.0 else fallback
-        self.memory.set_specs(specs)
-        if announce and all(spec.momentum == 0.0 for spec in specs.values()):
-            rank_zero_info(
-                "lightning_gc: no SGD momentum to correct; compressed updates use plain error feedback "
-                "(the optimizer keeps its own state)"
-            )
-
-    # ------------------------------------------------------------------ stats
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        try:
-            with momentum_free([optimizer]) if self._moves_momentum else nullcontext():
-                output = super().optimizer_step(optimizer, self._settling(closure, optimizer), model, **kwargs)
-        except _SkippedStep:
-            output = None
-            rank_zero_warn(f"lightning_gc: non-finite gradient; step {self.lightning_module.global_step} skipped")
-        self._log_stats()
-        if self.verify_every_n_steps and self._hook_state is not None:
-            if self._hook_state.step % self.verify_every_n_steps == 0:
-                verify_same_parameters(self.model.module, self._hook_state.process_group)
-        return output
-
-    def _settling(self, closure: Callable[[], Any], optimizer: Any) -> Callable[[], Any]:
-        """``closure`` (forward + backward) followed by settling the step's non-finite check on
-        every rank: a skipped step never reaches the optimizer (with a grad scaler, its gradients
-        are made infinite so the scaler skips the step and backs off its scale)."""
-
-        def settled() -> Any:
-            result = closure()
-            if self._hook_state is not None and self._hook_state.settle_step():
-                self.totals["skipped_steps"] += 1
-                if self._hook_state.grad_scale is None:
-                    raise _SkippedStep
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        if param.grad is not None:
-                            param.grad.fill_(float("inf"))
-            return result
-
-        return settled
-
-    def _log_stats(self) -> None:
-        if self._hook_state is None:
-            return
-        metrics = self._hook_state.stats.pop_metrics()
-        if metrics is None:
-            return
-        self.totals["steps"] += 1
-        self.totals["bytes_sent"] += metrics["gc/bytes_sent"]
-        self.totals["dense_bytes"] += metrics["gc/dense_bytes"]
-        module = self.lightning_module
-        if not self.log_stats or module is None or module._current_fx_name is None:
-            return
-        module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
-
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Adds every rank's compression state; must be called on all ranks (Lightning does)."""
-        if self._hook_state is not None:
-            checkpoint[CHECKPOINT_KEY] = self._gather_state()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def _gather_state(self) -> dict[str, Any]:
-        assert self._hook_state is not None
-        local = self._hook_state.state_dict()
-        if self.local_update:  # each rank's parameters and optimizer state hold its own latest terms,
-            # and Lightning saves rank 0's only
+        if self.hook_state is not None:
             assert isinstance(self.model, DistributedDataParallel)
-            local["parameters"] = {n: p.detach().cpu().clone() for n, p in self.model.module.named_parameters()}
-            local["optimizer_states"] = [self.optimizer_state(optimizer) for optimizer in self.optimizers]
-        group = self._hook_state.process_group
-        ranks: list[Any] | None = [None] * self.world_size if self.global_rank == 0 else None
-        dist.gather_object(local, ranks, dst=0, group=group)
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "world_size": self.world_size,
-            "compressor": self.compressor.config(),
-            "ranks": ranks,
-            "totals": dict(self.totals),
-        }
+            optimizer_states = [self.optimizer_state(o) for o in self.optimizers] if self.settings.local_update else []
+            checkpoint[CHECKPOINT_KEY] = self.session.checkpoint_entry(
+                self.model, optimizer_states, rank=self.global_rank, world_size=self.world_size
+            )
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -502,24 +344,13 @@ class GradientCompressionStrategy(DDPStrategy):
         if entry is None:
             rank_zero_info("lightning_gc: checkpoint holds no compression state; memory starts empty")
             return checkpoint
-        if entry.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(
-                f"checkpoint {checkpoint_path} holds compression state in format {entry.get('format')!r}; this "
-                f"version of lightning_gc reads format {CHECKPOINT_FORMAT}"
-            )
-        if entry["world_size"] != self.world_size:
-            raise ValueError(
-                f"checkpoint {checkpoint_path} holds compression state of {entry['world_size']} ranks but this run "
-                f"has world_size={self.world_size}; residuals are per rank, so resume with "
-                f"{entry['world_size']} processes"
-            )
         # Lightning loads checkpoints before setup, and every fit's setup builds a new hook state
         # (a second fit on the same Trainer too), which takes this over.
-        self._pending_state = entry["ranks"][self.global_rank]
-        own_optimizer_states = self._pending_state.pop("optimizer_states", None)
+        own_optimizer_states = self.session.resume(
+            entry, source=checkpoint_path, rank=self.global_rank, world_size=self.world_size
+        )
         if own_optimizer_states is not None:  # local updates: this rank's, which Lightning restores next
             checkpoint["optimizer_states"] = own_optimizer_states
-        self.totals.update(entry.get("totals", {}))  # the running sums continue where they were
         return checkpoint
 
 

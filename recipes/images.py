@@ -110,7 +110,9 @@ class CIFARImages(Dataset):
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform: Callable[[torch.Tensor], torch.Tensor]):
         if images.dtype != torch.uint8 or images.dim() != 4 or len(images) != len(labels):
-            raise ValueError(f"expected N x C x H x W uint8 images and N labels, got {tuple(images.shape)} and {len(labels)}")
+            raise ValueError(
+                f"expected N x C x H x W uint8 images and N labels, got {tuple(images.shape)} and {len(labels)}"
+            )
         self.images, self.labels, self.transform = images, labels, transform
 
     def __len__(self) -> int:
@@ -133,7 +135,9 @@ def decode_cifar_jpegs(files: Iterable[tuple[str, bytes]]) -> tuple[torch.Tensor
         raise ValueError(f"CIFAR-10 JPEGs must sit in folders named after the classes {sorted(index)}, found {unknown}")
     labels = torch.tensor([index[PurePosixPath(path).parent.name] for path, _ in ordered])
     raw = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for _, data in ordered]
-    images = torch.stack(decode_jpeg(raw, mode=ImageReadMode.RGB)) if raw else torch.empty(0, 3, 32, 32, dtype=torch.uint8)
+    images = (
+        torch.stack(decode_jpeg(raw, mode=ImageReadMode.RGB)) if raw else torch.empty(0, 3, 32, 32, dtype=torch.uint8)
+    )
     return images, labels
 
 
@@ -211,7 +215,9 @@ class CIFAR10DataModule(ImageDataModule):
 
     def real_datasets(self) -> tuple[Dataset, Dataset]:
         normalize = transforms.Normalize(CIFAR10_MEAN, CIFAR10_STD)
-        train_tf = transforms.Compose([transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), normalize])
+        train_tf = transforms.Compose(
+            [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), normalize]
+        )
         source = self.source()
         if source == "batches":
             train = _CIFAR10Files(str(self.root), train=True)
@@ -220,10 +226,16 @@ class CIFAR10DataModule(ImageDataModule):
             val_images, val_labels = _chw(test.data), torch.tensor(test.targets)
             order = torch.randperm(len(train_images), generator=torch.Generator().manual_seed(self.split_seed))
         else:
-            files = _folder_files(self.root / "train") if source == "folder" else _archive_files(self.root / CIFAR10_ARCHIVE)
+            files = (
+                _folder_files(self.root / "train")
+                if source == "folder"
+                else _archive_files(self.root / CIFAR10_ARCHIVE)
+            )
             images, labels = decode_cifar_jpegs(files)
             if self.val_size >= len(images):
-                raise ValueError(f"data.val_size={self.val_size} leaves no training images of the {len(images)} in {self.root}")
+                raise ValueError(
+                    f"data.val_size={self.val_size} leaves no training images of the {len(images)} in {self.root}"
+                )
             permutation = torch.randperm(len(images), generator=torch.Generator().manual_seed(self.split_seed))
             held_out, order = permutation[: self.val_size], permutation[self.val_size :]
             val_images, val_labels = images[held_out], labels[held_out]

@@ -250,7 +250,9 @@ def test_stochastic_quantize_kernel_equals_reference_bit_for_bit(numel: int, lev
     ]
     for chunk_size, scales in cases:
         packed = _on_backend("triton", kernels.stochastic_quantize, values, scales, levels, 11, chunk_size)
-        assert torch.equal(packed, _on_backend("torch", kernels.stochastic_quantize, values, scales, levels, 11, chunk_size))
+        assert torch.equal(
+            packed, _on_backend("torch", kernels.stochastic_quantize, values, scales, levels, 11, chunk_size)
+        )
         decoded = kernels.stochastic_dequantize(packed, scales, levels, numel, chunk_size)
         steps = scales.reshape(-1).repeat_interleave(chunk_size or max(numel, 1))[:numel] / levels
         assert ((decoded - values.float()).abs() <= steps * (1 + 1e-5)).all()

@@ -12,7 +12,14 @@ import torch
 from apprun import SHARED_DATA
 
 from recipes.common import WarmupMultiStep
-from recipes.images import CIFAR10_ARCHIVE, CIFAR10_CLASSES, CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, ImageNetDataModule
+from recipes.images import (
+    CIFAR10_ARCHIVE,
+    CIFAR10_CLASSES,
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    CIFAR10DataModule,
+    ImageNetDataModule,
+)
 from recipes.language import PTBDataModule
 from recipes.speech import ALPHABET, SpeechDataModule, encode_text, greedy_decode, mel_filterbank
 from recipes.vision import ImageClassifier
@@ -139,6 +146,7 @@ def test_cifar10_reads_training_jpegs_with_a_seeded_held_out_split(tmp_path: Pat
     image, label = dm.val_set[0]  # each class's images are one grey level: label and pixels agree
     grey = (label * 20 / 255 - torch.tensor(CIFAR10_MEAN)) / torch.tensor(CIFAR10_STD)
     assert torch.allclose(image[:, 16, 16], grey, atol=0.05)
+
     def contents(ds) -> set[bytes]:
         return {image.numpy().tobytes() for image in ds.images}
 

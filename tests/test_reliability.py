@@ -17,7 +17,7 @@ from lightning_gc.compressors import DGCCompressor, create
 from lightning_gc.guard import StepGuard
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
-from lightning_gc.strategy import CHECKPOINT_KEY
+from lightning_gc.checkpoint import CHECKPOINT_KEY
 
 SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
 SMALL = {"hidden": [64], **SGD}
@@ -287,7 +287,7 @@ def test_ranks_set_up_differently_fail_at_setup_naming_the_difference(tmp_path: 
 
 def test_a_checkpoint_of_another_format_is_refused_naming_both(tmp_path: Path) -> None:
     from lightning_gc import GradientCompressionStrategy
-    from lightning_gc.strategy import CHECKPOINT_FORMAT
+    from lightning_gc.checkpoint import CHECKPOINT_FORMAT
 
     path = tmp_path / "future.ckpt"
     torch.save({CHECKPOINT_KEY: {"format": CHECKPOINT_FORMAT + 1, "world_size": 1, "ranks": [{}]}}, path)

@@ -366,7 +366,8 @@ def quantize_factor(scales: torch.Tensor, levels: int) -> torch.Tensor:
     multiply by the same correctly rounded factors (GPU division may be approximate)."""
     scales = scales.to(torch.float32)
     positive = scales > 0
-    return torch.where(positive, levels / torch.where(positive, scales, torch.ones_like(scales)), torch.zeros_like(scales))
+    safe = torch.where(positive, scales, torch.ones_like(scales))
+    return torch.where(positive, levels / safe, torch.zeros_like(scales))
 
 
 def per_element(per_block: torch.Tensor, chunk_size: int | None, start: int, count: int) -> torch.Tensor:

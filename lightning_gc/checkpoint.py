@@ -1,0 +1,64 @@
+"""Every rank's compression state in one checkpoint entry, and back.
+
+Lightning (and Fabric, and a user's own ``torch.save``) writes rank 0's checkpoint, but residuals,
+momenta, warm-start factors and delayed averages differ per rank. :func:`gather_entry` collects
+each rank's state on rank 0 (a collective: every rank calls it), and :func:`rank_state` hands a
+resumed rank its own part after checking that the entry can be resumed here.
+
+Entry layout (plain data, under :data:`CHECKPOINT_KEY` of the checkpoint)::
+
+    {"format": CHECKPOINT_FORMAT, "world_size": N, "compressor": {...config},
+     "ranks": [state of rank 0, ..., state of rank N-1], "totals": {...running sums}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+CHECKPOINT_KEY = "lightning_gc"
+CHECKPOINT_FORMAT = 1
+
+
+def gather_entry(
+    local: dict[str, Any],
+    *,
+    group: dist.ProcessGroup | None,
+    rank: int,
+    world_size: int,
+    compressor: dict[str, Any],
+    totals: dict[str, Any],
+) -> dict[str, Any]:
+    """The checkpoint entry with every rank's ``local`` state (complete on rank 0, ``ranks`` is
+    ``None`` elsewhere). A collective: every rank of ``group`` must call it."""
+    ranks: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(local, ranks, dst=0, group=group)
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "world_size": world_size,
+        "compressor": compressor,
+        "ranks": ranks,
+        "totals": dict(totals),
+    }
+
+
+def rank_state(entry: dict[str, Any], *, source: Any, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's part of ``entry`` (read from ``source``, named in errors).
+
+    Raises:
+        ValueError: an entry of another format, or written by another number of ranks (residuals
+            are per rank: they cannot be split or merged exactly).
+    """
+    if entry.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"checkpoint {source} holds compression state in format {entry.get('format')!r}; this "
+            f"version of lightning_gc reads format {CHECKPOINT_FORMAT}"
+        )
+    if entry["world_size"] != world_size:
+        raise ValueError(
+            f"checkpoint {source} holds compression state of {entry['world_size']} ranks but this run "
+            f"has world_size={world_size}; residuals are per rank, so resume with "
+            f"{entry['world_size']} processes"
+        )
+    return entry["ranks"][rank]

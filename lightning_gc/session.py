@@ -1,0 +1,207 @@
+"""One compressed DDP run, whatever drives it: the Lightning strategy is wiring around this.
+
+A front end (``GradientCompressionStrategy`` for the Trainer; Fabric and a plain DDP loop can
+call the same points) owns a :class:`CompressionSession` and calls, in order::
+
+    session.attach(ddp_model)                    once DDP has wrapped the model (registers the hook)
+    session.start_fit(optimizers)                before the first step of a fit
+    per optimizer step:
+        session.before_step(optimizers, grad_scale)
+        with session.stepping(optimizers):       around optimizer.step (momentum handed over)
+            ... backward (the hook runs), then session.settle(optimizer) -> skip?, then the step
+        session.after_step()                     -> the step's gc/* metrics or None
+        session.verify(ddp_model)                every verify_every_n_steps: ranks still agree?
+    session.finish(ddp_model, optimizers)        when training ends (applies owed delayed averages)
+    session.checkpoint_entry(...)                every rank, when a checkpoint is written
+    session.resume(entry, ...)                   before attach, when a checkpoint is loaded
+
+Invariants: the hook state is built once per ``attach``; state restored by :meth:`resume` is taken
+over by the next ``attach`` (each fit builds a new hook state); ``totals`` are running sums over
+every step of the run, resumed from checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gc.checkpoint import gather_entry, rank_state
+from lightning_gc.compressors.base import Compressor
+from lightning_gc.consistency import verify_same_parameters, verify_same_setup
+from lightning_gc.handover import MomentumHandOver
+from lightning_gc.hook import CompressionHookState, compression_hook
+from lightning_gc.momentum import unwrap_optimizer
+from lightning_gc.policy import agreed
+from lightning_gc.settings import CompressionSettings
+
+
+class CompressionSession:
+    """Compressor, memory, hand-over, statistics and checkpoint state of one run.
+
+    Args:
+        compressor: the compressor (built and validated).
+        settings: everything else the run does (see :class:`~lightning_gc.settings.CompressionSettings`).
+        owner: the front end's name, used in errors.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        settings: CompressionSettings,
+        *,
+        owner: str = "GradientCompressionStrategy",
+    ) -> None:
+        settings.check_compressor(compressor)
+        self.compressor = compressor
+        self.settings = settings
+        self.memory = settings.memory_for(compressor)
+        self.hand_over = MomentumHandOver(self.memory, settings.momentum, owner)
+        self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "skipped_steps": 0}
+        self.hook_state: CompressionHookState | None = None
+        self._pending_state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def attach(self, ddp: DistributedDataParallel, *, find_unused_parameters: bool = False) -> None:
+        """Build the hook state for ``ddp``, check every rank agrees on the set-up, take over state
+        from :meth:`resume`, and register the comm hook. ``find_unused_parameters``: what DDP was
+        told (parameters without a gradient are then expected)."""
+        names = {id(p): (name, order) for order, (name, p) in enumerate(ddp.module.named_parameters())}
+        settings = self.settings
+        self.hook_state = CompressionHookState(
+            self.compressor,
+            self.memory,
+            names,
+            ddp.process_group,
+            min_wire_ratio=settings.min_wire_ratio,
+            pays=agreed(settings.compress_when, ddp.process_group),
+            nonfinite=settings.nonfinite,
+            find_unused_parameters=find_unused_parameters,
+            delay=settings.delay,
+            local_update=settings.local_update,
+            sync_warmup_steps=settings.sync_warmup_steps,
+        )
+        verify_same_setup(self.description(ddp), ddp.process_group)
+        if self._pending_state is not None:
+            own_parameters = self._pending_state.pop("parameters", None)
+            if own_parameters is not None:  # after DDP broadcast rank 0's: this rank's own, as saved
+                with torch.no_grad():
+                    for name, param in ddp.module.named_parameters():
+                        param.copy_(own_parameters[name])
+            self.hook_state.load_state_dict(self._pending_state)
+            self._pending_state = None
+        ddp.register_comm_hook(self.hook_state, compression_hook)
+
+    def description(self, ddp: DistributedDataParallel) -> dict[str, Any]:
+        """What every rank must agree on: compressor, memory settings and the model's parameters."""
+        return {
+            "compressor": self.compressor.config(),
+            "memory": self.memory.config(),
+            "strategy": self.settings.shared(),
+            "parameters": [
+                (name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in ddp.module.named_parameters()
+            ],
+        }
+
+    def start_fit(self, optimizers: Sequence[Any]) -> None:
+        """Check the optimizers and hand their momentum over (before the first step of a fit)."""
+        self.hand_over.check(optimizers, local_update=self.settings.local_update)
+        if self.hook_state is not None:
+            self.hand_over.refresh(optimizers, self.hook_state.names, announce=True)
+
+    # ------------------------------------------------------------------ each step
+    def before_step(self, optimizers: Sequence[Any], grad_scale: float | None) -> None:
+        """Follow momentum a scheduler rewrote; tell the hook the loss scale of this step's gradients."""
+        if self.hook_state is None:
+            return
+        self.hand_over.refresh(optimizers, self.hook_state.names, announce=False)
+        self.hook_state.grad_scale = grad_scale
+
+    def stepping(self, optimizers: Sequence[Any]) -> AbstractContextManager[Any]:
+        """Around the optimizer step: without the momentum the memory applied."""
+        return self.hand_over.stepping(optimizers) if self.hook_state is not None else nullcontext()
+
+    def settle(self, optimizer: Any) -> bool:
+        """After backward: agree across ranks whether this step is skipped (a non-finite gradient
+        under ``nonfinite="skip"``). True when the front end must skip the optimizer step itself;
+        under a grad scaler the gradients are made infinite instead, so the scaler skips the step
+        and backs off its scale."""
+        if self.hook_state is None or not self.hook_state.settle_step():
+            return False
+        self.totals["skipped_steps"] += 1
+        if self.hook_state.grad_scale is None:
+            return True
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.fill_(float("inf"))
+        return False
+
+    def after_step(self) -> dict[str, float] | None:
+        """The step's ``gc/*`` metrics (``None`` when nothing was exchanged), added to ``totals``."""
+        if self.hook_state is None:
+            return None
+        metrics = self.hook_state.stats.pop_metrics()
+        if metrics is not None:
+            self.totals["steps"] += 1
+            self.totals["bytes_sent"] += metrics["gc/bytes_sent"]
+            self.totals["dense_bytes"] += metrics["gc/dense_bytes"]
+        return metrics
+
+    def verify(self, ddp: DistributedDataParallel) -> None:
+        """Every ``verify_every_n_steps`` optimizer steps, compare the parameters across ranks."""
+        every = self.settings.verify_every_n_steps
+        if every and self.hook_state is not None and self.hook_state.step % every == 0:
+            verify_same_parameters(ddp.module, self.hook_state.process_group)
+
+    # ------------------------------------------------------------------ the end of training
+    def finish(self, ddp: DistributedDataParallel, optimizers: Sequence[Any]) -> None:
+        """With a delay, the last ``delay`` steps' averages have not been applied when training
+        ends: apply them now, one optimizer step each (momentum-free, as in training), so that
+        every rank ends with the same parameters."""
+        line = None if self.hook_state is None else self.hook_state.delay_line
+        if line is None:
+            return
+        params = dict(ddp.module.named_parameters())
+        for owed in line.pending(self.hook_state.step, since=self.settings.sync_warmup_steps):
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            for name, value in owed.items():
+                params[name].grad = value.to(params[name].dtype).clone()
+            for optimizer in optimizers:
+                with self.hand_over.stepping([optimizer]):
+                    unwrap_optimizer(optimizer).step()
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_entry(
+        self, ddp: DistributedDataParallel, optimizer_states: Sequence[dict[str, Any]], *, rank: int, world_size: int
+    ) -> dict[str, Any] | None:
+        """Every rank's state for the checkpoint (a collective; ``None`` before :meth:`attach`).
+        With ``local_update`` each rank's parameters and optimizer states hold its own latest
+        terms, and front ends save rank 0's only: they go in too."""
+        if self.hook_state is None:
+            return None
+        local = self.hook_state.state_dict()
+        if self.settings.local_update:
+            local["parameters"] = {n: p.detach().cpu().clone() for n, p in ddp.module.named_parameters()}
+            local["optimizer_states"] = list(optimizer_states)
+        return gather_entry(
+            local,
+            group=self.hook_state.process_group,
+            rank=rank,
+            world_size=world_size,
+            compressor=self.compressor.config(),
+            totals=self.totals,
+        )
+
+    def resume(self, entry: dict[str, Any], *, source: Any, rank: int, world_size: int) -> list[Any] | None:
+        """Take this rank's state from a checkpoint entry for the next :meth:`attach`; this
+        rank's own optimizer states when they were saved (``local_update``), else ``None``."""
+        self._pending_state = rank_state(entry, source=source, rank=rank, world_size=world_size)
+        self.totals.update(entry.get("totals", {}))  # the running sums continue where they were
+        return self._pending_state.pop("optimizer_states", None)
