@@ -1,19 +1,47 @@
-"""Handing the optimizer's momentum over to the compression memory (DGC's momentum correction).
+"""Handing the optimizer's first moment over to the compression memory (momentum correction).
 
 With momentum correction the memory accumulates momentum-corrected updates, so the optimizer must
-step without its own momentum and weight decay (:func:`lightning_gc.momentum.momentum_free`) while
-the memory applies each SGD param group's values (:func:`lightning_gc.momentum.sgd_momentum_specs`,
-read again before every step so schedulers that rewrite them are followed). Parameters without SGD
-momentum get ``explicit_momentum`` when the user gave one, else plain error feedback.
+not apply that momentum again. This module is the one place that knows how an optimizer's state
+maps onto the memory; :func:`hand_over_for` picks the hand-over for the optimizers a fit uses.
 
-This is the one place that knows how an optimizer's state maps onto the memory; a hand-over for
-Adam's moments sits beside it, not inside the comm hook.
+**SGD** (:class:`MomentumHandOver`, DGC): the memory applies each SGD param group's momentum,
+Nesterov flag and weight decay (:func:`lightning_gc.momentum.sgd_momentum_specs`, read again before
+every step so schedulers that rewrite them are followed), and the optimizer steps without them
+(:func:`lightning_gc.momentum.momentum_free`). Parameters without SGD momentum get
+``explicit_momentum`` when the user gave one, else plain error feedback.
+
+**Adam / AdamW** (:class:`AdamHandOver`, frozen-variance compressed momentum as in 1-bit Adam,
+Tang et al. 2021, with DGC's sparsification in place of 1-bit codes): for the first
+``warmup_steps`` optimizer steps the gradients are averaged exactly as DDP does and the optimizer
+runs untouched. Then the second moment ``v`` is frozen, the first moment is handed to the memory
+preconditioned by the frozen denominator ``d = sqrt(v / (1 - b2^T)) + eps``: ``u <- exp_avg / d``
+once, then ``u <- b1 u + (1 - b1)(g + wd p) / d`` (the decay only for Adam's L2 form). Each step,
+with ``M'`` the decoded average of what the ranks sent and ``t`` Adam's step::
+
+    p <- p (1 - lr wd)                                     AdamW's decoupled decay
+    p <- p - lr / (1 - b1^t) * M'                          = Adam's update with m = M' d over frozen v
+    exp_avg <- M' d;  exp_avg_sq unchanged;  step <- t
+
+Preconditioning is what makes sparsification work here: under Adam every element moves about
+``lr`` per step whatever its gradient's size, so the top-k must pick by the preconditioned
+momentum; picked by raw magnitude, elements with small gradients wait hundreds of steps and then
+jump by hundreds of ``lr`` at once (a 2-rank MLP diverged so at 1 % density). With ``d`` frozen
+the recurrence stays linear, so error feedback still loses nothing.
+
+``T`` is the step at which ``v`` froze: its bias correction is the one of its last update (with
+``1 - b2^t`` the frozen estimate would shrink as ``t`` grows, raising every effective learning
+rate: 2.4x from step 10 to 60). Because ``v`` no longer changes, each element's effective learning
+rate is fixed, so what error feedback delays is applied later at the same rate: the reason
+compressing Adam's raw gradients (whose ``v`` is computed from compressed values) loses accuracy
+and this does not. The optimizer's state stays a valid Adam state throughout: a
+checkpoint of the compressed phase loads into plain Adam/AdamW.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -42,7 +70,7 @@ class MomentumHandOver:
         """Whether the memory applies the momentum (and the optimizers must step without it)."""
         return self.memory.momentum_correction
 
-    def check(self, optimizers: Sequence[Any], *, local_update: bool) -> None:
+    def check(self, optimizers: Sequence[Any], *, local_update: bool, delay: int = 0) -> None:
         """Raise ``ValueError`` for optimizers the run cannot hand over or update locally."""
         if self.active and len(optimizers) > 1:
             raise ValueError(
@@ -60,7 +88,19 @@ class MomentumHandOver:
                     "Use local_update=False (the plain stale average) with these optimizers"
                 )
 
-    def refresh(self, optimizers: Sequence[Any], names: dict[int, tuple[str, int]], *, announce: bool) -> None:
+    def exact_steps(self) -> int:
+        """Steps at the start averaged exactly, as DDP does (none: SGD's hand-over starts at once)."""
+        return 0
+
+    def refresh(
+        self,
+        optimizers: Sequence[Any],
+        names: dict[int, tuple[str, int]],
+        *,
+        step: int = 0,
+        announce: bool = False,
+        grad_scale: float | None = None,
+    ) -> None:
         """Give the memory each parameter's current momentum recurrence (``names``: parameter id ->
         (name, order)); ``announce`` says once when there is no momentum to correct."""
         if not self.active:
@@ -80,11 +120,225 @@ class MomentumHandOver:
             specs[name] = spec if spec is not None and spec.momentum != 0.0 else fallback
         self.memory.set_specs(specs)
         if announce and all(spec.momentum == 0.0 for spec in specs.values()):
+            kinds = sorted({type(unwrap_optimizer(o)).__name__ for o in optimizers})
             rank_zero_info(
-                "lightning_gc: no SGD momentum to correct; compressed updates use plain error feedback "
-                "(the optimizer keeps its own state)"
+                f"lightning_gc: no SGD momentum to correct in {kinds}; compressed updates use plain error "
+                "feedback under the optimizer's own state (SGD with momentum, Adam and AdamW get their "
+                "momentum handed over: see the README)"
             )
+
+    def release(self) -> None:
+        """Nothing to undo: SGD's values are zeroed only inside :meth:`stepping`."""
 
     def stepping(self, optimizers: Sequence[Any]) -> AbstractContextManager[Any]:
         """Around an optimizer step: the optimizers' momentum and decay zeroed while the memory owns them."""
         return momentum_free(optimizers) if self.active else nullcontext()
+
+
+ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _adam_groups(optimizers: Sequence[Any]) -> Iterator[tuple[Any, dict[str, Any]]]:
+    for optimizer in optimizers:
+        inner = unwrap_optimizer(optimizer)
+        for group in inner.param_groups:
+            yield inner, group
+
+
+def _decoupled(optimizer: Any, group: dict[str, Any]) -> bool:
+    """Whether weight decay is AdamW's (decoupled) rather than Adam's L2 term in the gradient."""
+    return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+
+
+class AdamHandOver:
+    """Adam's first moment applied by ``memory`` after ``warmup_steps`` dense steps, over a frozen,
+    preconditioned second moment (module docstring). Needs exactly one ``torch.optim.Adam``/``AdamW``.
+
+    Args:
+        memory: the compensation memory (with momentum correction).
+        warmup_steps: optimizer steps of plain, exactly averaged Adam before the variance freezes.
+        owner: the front end's name, used in errors.
+    """
+
+    def __init__(self, memory: CompensationMemory, warmup_steps: int, owner: str) -> None:
+        self.memory = memory
+        self.warmup_steps = warmup_steps
+        self.owner = owner
+        self.active = False  # set per step: whether this step is compressed (past the warm-up)
+        self.compressed_steps = 0  # set per step: compressed steps before this one
+        self.denominators: dict[torch.Tensor, torch.Tensor] = {}  # param -> sqrt(v_hat) + eps, frozen
+        self._hooks: list[Any] = []
+        self._loss_scale = 1.0
+
+    def check(self, optimizers: Sequence[Any], *, local_update: bool, delay: int = 0) -> None:
+        inner = [unwrap_optimizer(o) for o in optimizers]
+        if len(inner) != 1:
+            raise ValueError(
+                f"the Adam hand-over moves one optimizer's first moment into the compression memory, but the "
+                f"model configures {len(inner)} optimizers; use one (param groups for different settings)"
+            )
+        for _, group in _adam_groups(optimizers):
+            for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
+                if group.get(flag, False):
+                    raise ValueError(
+                        f"the Adam hand-over does not support {type(inner[0]).__name__}({flag}=True); "
+                        f"set {flag}=False or pass momentum_correction=False to {self.owner}"
+                    )
+        if delay:
+            raise ValueError(
+                f"delay={delay} with the Adam hand-over is not supported; use delay=0, or "
+                f"momentum_correction=False (plain error feedback under Adam's own state)"
+            )
+
+    def exact_steps(self) -> int:
+        return self.warmup_steps
+
+    def refresh(
+        self,
+        optimizers: Sequence[Any],
+        names: dict[int, tuple[str, int]],
+        *,
+        step: int = 0,
+        announce: bool = False,
+        grad_scale: float | None = None,
+    ) -> None:
+        """Before step ``step``: nothing during the warm-up; from the freeze on, gradients are
+        preconditioned by the frozen ``sqrt(v_hat) + eps`` (built again after a resume) and the
+        memory's momentum starts, at the freeze, from ``exp_avg`` preconditioned the same way."""
+        if announce:
+            rank_zero_info(
+                f"lightning_gc: Adam hand-over: plain Adam for the first {self.warmup_steps} steps (gradients "
+                "averaged exactly), then the second moment freezes and the first moment is compressed"
+            )
+        self.active = step >= self.warmup_steps
+        self.compressed_steps = max(0, step - self.warmup_steps)
+        self._loss_scale = 1.0 if grad_scale is None else grad_scale
+        if not self.active:
+            self.release()
+            self.memory.set_specs({})
+            return
+        if not self.denominators:
+            self._freeze(optimizers)
+        specs, moments = {}, {}
+        by_id = {pid: name for pid, (name, _) in names.items()}
+        for optimizer, group in _adam_groups(optimizers):
+            beta1 = float(group["betas"][0])
+            spec = MomentumSpec(momentum=beta1, dampening=beta1)  # Adam's L2 decay is in the gradient hook
+            for param in group["params"]:
+                name = by_id.get(id(param))
+                if name is None or param not in self.denominators:
+                    continue
+                specs[name] = spec
+                moments[name] = optimizer.state[param]["exp_avg"] / self.denominators[param]
+        self.memory.set_specs(specs)
+        if step == self.warmup_steps:  # the freeze: u starts from Adam's first moment
+            self.memory.seed_momentum(moments)
+
+    def _freeze(self, optimizers: Sequence[Any]) -> None:
+        """Each parameter's frozen ``sqrt(v / (1 - b2^T)) + eps`` (``T``: the step of v's last update)
+        and a gradient hook dividing by it (adding Adam's L2 decay first)."""
+        for optimizer, group in _adam_groups(optimizers):
+            beta2, eps = float(group["betas"][1]), float(group["eps"])
+            decay = 0.0 if _decoupled(optimizer, group) else float(group["weight_decay"])
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                if "exp_avg_sq" not in state:
+                    continue  # never stepped (no gradient during the warm-up): stays plain Adam-less
+                frozen_at = float(state["step"]) - self.compressed_steps
+                denominator = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**frozen_at)).add_(eps)
+                self.denominators[param] = denominator
+                self._hooks.append(param.register_hook(self._preconditioner(param, denominator, decay)))
+
+    def _preconditioner(self, param: torch.Tensor, denominator: torch.Tensor, decay: float) -> Any:
+        def precondition(grad: torch.Tensor) -> torch.Tensor:
+            if decay != 0.0:  # Adam's L2 term, scaled like the gradient under a grad scaler
+                grad = grad + (decay * self._loss_scale) * param.detach()
+            return grad / denominator
+
+        return precondition
+
+    def release(self) -> None:
+        """Remove the gradient hooks (at the end of a fit, or before a new hand-over)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.denominators.clear()
+
+    def stepping(self, optimizers: Sequence[Any]) -> AbstractContextManager[Any]:
+        """Around an optimizer step of the compressed phase: the optimizer's ``step`` is the
+        frozen-variance step of the module docstring (the user's precision plugin and grad
+        scaler still call it as they would Adam's own)."""
+        return _frozen_variance_steps(optimizers, self.denominators) if self.active else nullcontext()
+
+
+@contextmanager
+def _frozen_variance_steps(
+    optimizers: Sequence[Any], denominators: dict[torch.Tensor, torch.Tensor]
+) -> Iterator[None]:
+    inner = [unwrap_optimizer(o) for o in optimizers]
+    # An LR scheduler wraps the instance's ``step`` to record that it ran: keep that wrapper to restore.
+    saved = [o.__dict__.get("step") for o in inner]
+    for optimizer in inner:
+        optimizer.step = _frozen_step_of(optimizer, denominators)
+    try:
+        yield
+    finally:
+        for optimizer, step in zip(inner, saved):
+            if step is None:
+                del optimizer.step
+            else:
+                optimizer.step = step
+
+
+def _frozen_step_of(optimizer: Any, denominators: dict[torch.Tensor, torch.Tensor]) -> Any:
+    def step(closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        frozen_variance_step(optimizer, denominators)
+        optimizer._opt_called = True  # what a scheduler's own wrapper records (no "step order" warning)
+        return loss
+
+    return step
+
+
+@torch.no_grad()
+def frozen_variance_step(optimizer: Any, denominators: dict[torch.Tensor, torch.Tensor]) -> None:
+    """One Adam/AdamW step with ``p.grad`` the averaged, preconditioned compressed momentum
+    ``M' = M / d`` (``d = denominators[p]``, the frozen ``sqrt(v_hat) + eps``)::
+
+        p <- p (1 - lr wd)   (AdamW);   p <- p - lr / (1 - b1^t) * M';   exp_avg <- M' d;   step <- t
+    """
+    for group in optimizer.param_groups:
+        beta1 = float(group["betas"][0])
+        lr, decay = float(group["lr"]), float(group["weight_decay"])
+        decoupled = _decoupled(optimizer, group)
+        for param in group["params"]:
+            if param.grad is None or param not in denominators:
+                continue
+            state = optimizer.state[param]
+            state["step"] += 1
+            t = float(state["step"])
+            if decoupled and decay != 0.0:
+                param.mul_(1 - lr * decay)
+            param.add_(param.grad, alpha=-lr / (1 - beta1**t))
+            torch.mul(param.grad, denominators[param], out=state["exp_avg"])
+
+
+def hand_over_for(
+    optimizers: Sequence[Any], memory: CompensationMemory, *, explicit_momentum: float | None,
+    adam_warmup_steps: int, owner: str,
+) -> MomentumHandOver | AdamHandOver:  # fmt: skip
+    """The hand-over for a fit's optimizers: Adam's when they are Adam/AdamW and momentum
+    correction is on (and no explicit momentum replaces theirs), SGD's otherwise."""
+    inner = [unwrap_optimizer(o) for o in optimizers]
+    adam = [o for o in inner if isinstance(o, ADAM_TYPES)]
+    if memory.momentum_correction and adam:
+        if explicit_momentum is not None:
+            raise ValueError(
+                f"momentum={explicit_momentum} on {owner} replaces a missing SGD momentum, but the model uses "
+                f"{type(adam[0]).__name__}, whose first moment is handed over; remove momentum="
+            )
+        return AdamHandOver(memory, adam_warmup_steps, owner)
+    return MomentumHandOver(memory, explicit_momentum, owner)

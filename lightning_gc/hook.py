@@ -67,6 +67,9 @@ class CompressionHookState:
         sync_warmup_steps: with ``delay``, the first steps are synchronous.
 
     Attributes:
+        exact_steps: steps before this one are averaged exactly as DDP's own all-reduce does
+            (``g / N`` summed over ranks), bypassing memory and compressor: a dense warm-up, e.g.
+            Adam's before its variance freezes (:mod:`lightning_gc.handover`). Set by the session.
         grad_scale: the loss scale of a mixed-precision grad scaler, set by the strategy before
             each step (``None``: none). Memory then works on unscaled gradients (``g / s``) and
             the decoded result is scaled back, so the scaler's unscaling and overflow checks see
@@ -108,6 +111,7 @@ class CompressionHookState:
         if self.delay_line is not None:
             self.guard.before_roll_back = self.delay_line.drain  # a skipped step's exchange must land first
         self.step = 0
+        self.exact_steps = 0
         self.stats = CompressionStats()
         self.layouts: dict[int, BucketLayout] = {}
         self.layouts_built = 0
@@ -190,12 +194,26 @@ def exchange_failed(state: CompressionHookState, layout: BucketLayout, step: int
     )
 
 
+def exact_average(state: CompressionHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """DDP's own averaging of a bucket, bit for bit: divide by the world size, then all-reduce."""
+    grad = bucket.buffer()
+    if bucket.is_last():
+        state.step += 1
+    size = grad.numel() * grad.element_size()
+    state.stats.add(bytes_sent=size, dense_bytes=size, elements_sent=grad.numel(), elements_total=grad.numel())
+    grad.div_(state.world_size)
+    work = dist.all_reduce(grad, group=state.process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
 def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """DDP comm hook implementing compressed gradient exchange; register with ``register_comm_hook``.
 
     (This module avoids ``from __future__ import annotations``: DDP checks these annotations at runtime.)
     """
     grad = bucket.buffer()
+    if state.step < state.exact_steps:
+        return exact_average(state, bucket)
     layout = state.layout_for(bucket)
     params = bucket.parameters()
     absent = state.unused_everywhere(layout, params, grad.device)

@@ -4,6 +4,7 @@ Per parameter, with local gradient ``g`` (DGC §3, Lin et al. 2018)::
 
     g <- clip(g, clip_norm / sqrt(N))            optional, per tensor
     g <- g + wd * p                              only where momentum moved here (see momentum.py)
+    g <- (1 - dampening) * g                     Adam's first moment: dampening = beta1
     u <- m*u + g          (Nesterov: u <- m*(u + g))
     v <- v + u            (Nesterov: v <- v + u + g)      with m == 0: v <- v + g (error feedback)
 
@@ -52,6 +53,7 @@ class CompensationPiece:
     momentum: float
     nesterov: bool
     weight_decay: float = 0.0
+    dampening: float = 0.0
     segment: int | None = None
 
 
@@ -151,7 +153,7 @@ class CompensationMemory:
                 not alone
                 and last is not None
                 and last.segment is None
-                and (last.momentum, last.nesterov) == (spec.momentum, spec.nesterov)
+                and (last.momentum, last.nesterov, last.dampening) == (spec.momentum, spec.nesterov, spec.dampening)
             ):
                 last.stop = segment.stop
                 continue
@@ -162,6 +164,7 @@ class CompensationMemory:
                     momentum=spec.momentum,
                     nesterov=spec.nesterov,
                     weight_decay=spec.weight_decay,
+                    dampening=spec.dampening,
                     segment=position if alone else None,
                 )
             )
@@ -213,6 +216,9 @@ class CompensationMemory:
             if threshold is not None:
                 # min(1, thr/||g||) stays on the device: no host sync.
                 scale = (threshold / (torch.linalg.vector_norm(g) + 1e-12)).clamp_(max=1.0)
+            keep = 1.0 - piece.dampening  # folded into the gradient's scale and the decay: (1 - d)(g s + wd p)
+            if keep != 1.0:
+                scale = torch.tensor(keep, device=g.device) if scale is None else scale.mul_(keep)
             param = None
             if piece.weight_decay != 0.0:
                 assert piece.segment is not None
@@ -224,7 +230,7 @@ class CompensationMemory:
                 momentum=piece.momentum,
                 nesterov=piece.nesterov,
                 grad_scale=scale,
-                weight_decay=piece.weight_decay,
+                weight_decay=piece.weight_decay * keep,
                 param=param,
             )
         return memory.velocity
@@ -293,6 +299,14 @@ class CompensationMemory:
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every parameter's state by name, as standalone CPU tensors (see :mod:`lightning_gc.flatstate`)."""
         return self._state.state_dict()
+
+    def seed_momentum(self, moments: dict[str, torch.Tensor]) -> None:
+        """Start each named parameter's momentum ``u`` from the given tensor, keeping its velocity
+        (Adam's first moment at the freeze, :mod:`lightning_gc.handover`)."""
+        state = self.state_dict()
+        for name, moment in moments.items():
+            state.setdefault(name, {})["momentum"] = moment.detach().reshape(-1).cpu().clone()
+        self.load_state_dict(state)
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Replace all state; it is copied into bucket buffers as buckets are next seen."""

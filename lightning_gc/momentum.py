@@ -35,13 +35,15 @@ _MOVED = ("momentum", "nesterov", "weight_decay")
 class MomentumSpec:
     """The momentum recurrence the memory applies to one parameter.
 
-    ``u <- m*u + g`` (plain) or ``u <- m*(u + g)`` (Nesterov), with ``g`` the local gradient
-    plus ``weight_decay * p``. ``momentum == 0`` means plain error feedback.
+    ``u <- m*u + (1 - dampening)*g`` (plain) or ``u <- m*(u + g)`` (Nesterov), with ``g`` the
+    local gradient plus ``weight_decay * p``. ``momentum == 0`` means plain error feedback.
+    SGD's hand-over has ``dampening = 0``; Adam's first moment is ``m = dampening = beta1``.
     """
 
     momentum: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
+    dampening: float = 0.0
 
 
 NO_MOMENTUM = MomentumSpec()

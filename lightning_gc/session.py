@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gc.checkpoint import gather_entry, rank_state
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.consistency import verify_same_parameters, verify_same_setup
-from lightning_gc.handover import MomentumHandOver
+from lightning_gc.handover import AdamHandOver, MomentumHandOver, hand_over_for
 from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.momentum import unwrap_optimizer
 from lightning_gc.policy import agreed
@@ -59,7 +59,8 @@ class CompressionSession:
         self.compressor = compressor
         self.settings = settings
         self.memory = settings.memory_for(compressor)
-        self.hand_over = MomentumHandOver(self.memory, settings.momentum, owner)
+        self.owner = owner
+        self.hand_over: MomentumHandOver | AdamHandOver = MomentumHandOver(self.memory, settings.momentum, owner)
         self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "skipped_steps": 0}
         self.hook_state: CompressionHookState | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -107,17 +108,27 @@ class CompressionSession:
         }
 
     def start_fit(self, optimizers: Sequence[Any]) -> None:
-        """Check the optimizers and hand their momentum over (before the first step of a fit)."""
-        self.hand_over.check(optimizers, local_update=self.settings.local_update)
+        """Pick and check the hand-over for the fit's optimizers (SGD's or Adam's), and hand their
+        momentum over (before the first step of a fit)."""
+        self.hand_over.release()
+        self.hand_over = hand_over_for(
+            optimizers,
+            self.memory,
+            explicit_momentum=self.settings.momentum,
+            adam_warmup_steps=self.settings.adam_warmup_steps,
+            owner=self.owner,
+        )
+        self.hand_over.check(optimizers, local_update=self.settings.local_update, delay=self.settings.delay)
         if self.hook_state is not None:
-            self.hand_over.refresh(optimizers, self.hook_state.names, announce=True)
+            self.hook_state.exact_steps = self.hand_over.exact_steps()
+            self.hand_over.refresh(optimizers, self.hook_state.names, step=self.hook_state.step, announce=True)
 
     # ------------------------------------------------------------------ each step
     def before_step(self, optimizers: Sequence[Any], grad_scale: float | None) -> None:
         """Follow momentum a scheduler rewrote; tell the hook the loss scale of this step's gradients."""
         if self.hook_state is None:
             return
-        self.hand_over.refresh(optimizers, self.hook_state.names, announce=False)
+        self.hand_over.refresh(optimizers, self.hook_state.names, step=self.hook_state.step, grad_scale=grad_scale)
         self.hook_state.grad_scale = grad_scale
 
     def stepping(self, optimizers: Sequence[Any]) -> AbstractContextManager[Any]:
@@ -161,7 +172,13 @@ class CompressionSession:
     def finish(self, ddp: DistributedDataParallel, optimizers: Sequence[Any]) -> None:
         """With a delay, the last ``delay`` steps' averages have not been applied when training
         ends: apply them now, one optimizer step each (momentum-free, as in training), so that
-        every rank ends with the same parameters."""
+        every rank ends with the same parameters. Then the hand-over lets go of the model."""
+        try:
+            self._apply_owed(ddp, optimizers)
+        finally:
+            self.hand_over.release()
+
+    def _apply_owed(self, ddp: DistributedDataParallel, optimizers: Sequence[Any]) -> None:
         line = None if self.hook_state is None else self.hook_state.delay_line
         if line is None:
             return

@@ -44,6 +44,7 @@ class CompressionSettings:
     delay: int = 0
     local_update: bool = False
     sync_warmup_steps: int = 0
+    adam_warmup_steps: int = 1000
 
     def __post_init__(self) -> None:
         for flag in ("momentum_correction", "momentum_masking", "log_stats", "local_update"):
@@ -64,6 +65,7 @@ class CompressionSettings:
             check_int("verify_every_n_steps", self.verify_every_n_steps, 1)
         check_int("delay", self.delay, 0)
         check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
+        check_int("adam_warmup_steps", self.adam_warmup_steps, 0)
         if self.local_update and not self.delay:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
         if self.momentum_correction and self.error_feedback is False:
@@ -101,4 +103,5 @@ class CompressionSettings:
             "delay": self.delay,
             "local_update": self.local_update,
             "sync_warmup_steps": self.sync_warmup_steps,
+            "adam_warmup_steps": self.adam_warmup_steps,
         }

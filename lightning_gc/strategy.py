@@ -122,8 +122,10 @@ class GradientCompressionStrategy(DDPStrategy):
             :class:`~lightning_gc.compressors.Compressor` object.
         momentum_correction: hand the momentum (and the weight decay inside it) of every
             ``torch.optim.SGD`` param group over to the compression memory, which accumulates
-            momentum-corrected updates (DGC); the optimizer then takes momentum-free steps.
-            Parameters of other optimizers (or SGD without momentum) use plain error feedback.
+            momentum-corrected updates (DGC); the optimizer then takes momentum-free steps. With
+            ``torch.optim.Adam``/``AdamW``: after ``adam_warmup_steps`` the second moment freezes
+            and the first moment is handed over the same way. Parameters of other optimizers (or
+            SGD without momentum) use plain error feedback.
         momentum: momentum applied by the memory for parameters whose optimizer has none to hand
             over (e.g. Adam, or SGD with ``momentum=0``); ``None`` takes it from SGD only.
         momentum_masking: zero the momentum where values were sent sparsely (DGC §3.3).
@@ -157,6 +159,10 @@ class GradientCompressionStrategy(DDPStrategy):
             during training. Needs ``torch.optim.SGD`` (a linear update) and a compressor that
             knows what it sent before the exchange (not PowerSGD).
         sync_warmup_steps: with ``delay``, the first optimizer steps are synchronous.
+        adam_warmup_steps: with ``torch.optim.Adam``/``AdamW`` and ``momentum_correction``, the
+            optimizer steps of plain Adam (gradients averaged exactly as DDP does) before the second
+            moment freezes and the first moment is compressed (:mod:`lightning_gc.handover`;
+            1-bit Adam freezes after 15-25 % of training).
         **kwargs: the named compressor's arguments (e.g. ``compress_ratio``), and anything
             :class:`~lightning.pytorch.strategies.DDPStrategy` or ``DistributedDataParallel``
             take (e.g. ``bucket_cap_mb``, ``find_unused_parameters``, ``start_method``,
@@ -182,6 +188,7 @@ class GradientCompressionStrategy(DDPStrategy):
         delay: int = 0,
         local_update: bool = False,
         sync_warmup_steps: int = 0,
+        adam_warmup_steps: int = 1000,
         **kwargs: Any,
     ) -> None:
         owned = sorted(set(kwargs) & set(_OWNED_DDP_ARGUMENTS))
@@ -205,6 +212,7 @@ class GradientCompressionStrategy(DDPStrategy):
             delay=delay,
             local_update=local_update,
             sync_warmup_steps=sync_warmup_steps,
+            adam_warmup_steps=adam_warmup_steps,
         )
         self.session = CompressionSession(compressor, settings, owner=type(self).__name__)
         if "timeout" in kwargs and not isinstance(kwargs["timeout"], timedelta):

@@ -75,8 +75,8 @@ class DigitsClassifier(L.LightningModule):
 
     Args:
         hidden: widths of the hidden layers.
-        lr, momentum, nesterov, weight_decay: the optimizer settings (Adam ignores momentum/nesterov).
-        optimizer: ``"sgd"`` or ``"adam"``.
+        lr, momentum, nesterov, weight_decay: the optimizer settings (Adam and AdamW ignore momentum/nesterov).
+        optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``.
     """
 
     metric_name = "val/acc"
@@ -92,7 +92,7 @@ class DigitsClassifier(L.LightningModule):
         optimizer: str = "sgd",
     ) -> None:
         super().__init__()
-        check_choice("model.optimizer", optimizer, ("sgd", "adam"))
+        check_choice("model.optimizer", optimizer, ("sgd", "adam", "adamw"))
         for width in hidden:
             check_int("model.hidden[]", width, 1)
         check_range("model.lr", lr, 0.0, None, low_inclusive=False)
@@ -129,6 +129,8 @@ class DigitsClassifier(L.LightningModule):
         h = self.hparams
         if h.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)
+        if h.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)
         return torch.optim.SGD(
             self.parameters(), lr=h.lr, momentum=h.momentum, nesterov=h.nesterov, weight_decay=h.weight_decay
         )

@@ -114,8 +114,10 @@ def test_momentum_given_to_the_strategy_equals_momentum_taken_from_sgd(run_ranks
 
 
 def test_adam_trains_with_plain_error_feedback(run_ranks) -> None:
+    """momentum_correction=False: the compressed raw gradient under Adam's own state (the Adam
+    hand-over, the default with momentum correction, is tested in test_adam.py)."""
     fit = {
-        "strategy": {"kind": "dgc", "compress_ratio": 0.01},
+        "strategy": {"kind": "dgc", "compress_ratio": 0.01, "momentum_correction": False},
         "model": {"hidden": [256], "lr": 1e-2, "optimizer": "adam"},
         "epochs": 3,
     }

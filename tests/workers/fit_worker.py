@@ -7,7 +7,8 @@ as they are (no re-launch). Each fit of the plan is a dict::
     {"strategy": {"kind": "ddp" | "dgc" | "gc", ...strategy kwargs},
      "rank_strategy": {"<rank>": {...strategy kwargs overriding "strategy" on that rank}},
      "model": {...DigitsClassifier kwargs},
-     "variant": "groups" | "unused" | "used_on_one_rank" | "evaluable" | "rewrites_optimizer" | None,
+     "variant": "groups" | "unused" | "used_on_one_rank" | "evaluable" | "rewrites_optimizer"
+                | "frozen_adamw_reference" | None,
      "data": {...DigitsDataModule kwargs},
      "epochs": int, "seed": int, "warmup": {...SparsityWarmup kwargs} | None,
      "checkpoint_dir": str | None, "resume_from": str | None, "csv_dir": str | None,
@@ -150,7 +151,55 @@ class RewritesItsOptimizer(DigitsClassifier):
                 group["momentum"] = 0.0
 
 
+class FrozenVarianceAdamW(torch.optim.AdamW):
+    """Reference, written independently of lightning_gc.handover: AdamW for the first
+    ``freeze_after`` steps, then ``exp_avg <- b1 exp_avg + (1 - b1) g`` over the second moment
+    as it was (bias-corrected as at the freeze), with AdamW's decoupled decay."""
+
+    def __init__(self, params: Any, freeze_after: int, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.freeze_after = freeze_after
+        self.steps_taken = 0
+
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.steps_taken += 1
+        if self.steps_taken <= self.freeze_after:
+            super().step()
+            return loss
+        with torch.no_grad():
+            for group in self.param_groups:
+                (b1, b2), lr = group["betas"], group["lr"]
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    state["step"] += 1
+                    t = float(state["step"])
+                    p.mul_(1 - lr * group["weight_decay"])
+                    state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                    denom = state["exp_avg_sq"].sqrt() / (1 - b2**self.freeze_after) ** 0.5 + group["eps"]
+                    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1**t))
+        return loss
+
+
+class FrozenAdamWReference(DigitsClassifier):
+    """DigitsClassifier trained by :class:`FrozenVarianceAdamW` (``freeze_after`` in the model kwargs)."""
+
+    def __init__(self, freeze_after: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.freeze_after = freeze_after
+
+    def configure_optimizers(self) -> Any:
+        h = self.hparams
+        return FrozenVarianceAdamW(self.parameters(), self.freeze_after, lr=h.lr, weight_decay=h.weight_decay)
+
+
 VARIANTS = {
+    "frozen_adamw_reference": FrozenAdamWReference,
     None: DigitsClassifier,
     "groups": GroupsAndScheduler,
     "unused": WithUnusedLayer,
@@ -228,6 +277,8 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
         result["memory"] = hook.memory.state_dict()
         result["totals"] = dict(strategy.totals)
         result["grad_scale"] = hook.grad_scale
+    state = trainer.optimizers[0].state
+    result["exp_avg_sq"] = [state[p]["exp_avg_sq"].clone() for p in model.parameters() if "exp_avg_sq" in state[p]]
     return result
 
 

@@ -1,0 +1,148 @@
+"""Adam and AdamW through the strategy: dense warm-up, then frozen-variance compressed momentum
+(lightning_gc.handover.AdamHandOver), on two real gloo processes (tests/workers/fit_worker.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_gc import DGCStrategy
+from lightning_gc.checkpoint import CHECKPOINT_KEY
+
+ADAMW = {"hidden": [64, 64], "optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.01}
+STEPS_PER_EPOCH = 22  # 1,437 digits / (2 ranks x 32)
+
+
+def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_warm_up_is_plain_adamw_and_the_frozen_phase_matches_a_hand_written_reference(run_ranks) -> None:
+    """Before the freeze: bitwise plain AdamW under DDP. After it, at compress_ratio=1: a
+    hand-written frozen-variance AdamW (tests/workers/fit_worker.py) within 1e-5."""
+    freeze = 10
+    fits = [
+        {"strategy": {"kind": "ddp"}, "model": ADAMW, "epochs": 2},
+        {"strategy": {"kind": "dgc", "adam_warmup_steps": 1000}, "model": ADAMW, "epochs": 2},
+        {
+            "strategy": {"kind": "ddp"},
+            "variant": "frozen_adamw_reference",
+            "model": {**ADAMW, "freeze_after": freeze},
+            "epochs": 2,
+        },
+        {"strategy": {"kind": "dgc", "compress_ratio": 1.0, "adam_warmup_steps": freeze}, "model": ADAMW, "epochs": 2},
+    ]
+    rank0, rank1 = run_ranks({"fits": fits})
+    ddp, warm, reference, frozen = rank0
+    assert ddp["global_step"] == 2 * STEPS_PER_EPOCH
+    assert torch.equal(warm["params"], ddp["params"])  # the whole run inside the warm-up: bit for bit
+    assert warm["totals"]["bytes_sent"] == warm["totals"]["dense_bytes"]  # and nothing compressed
+    assert _relative_difference(frozen["params"], reference["params"]) < 1e-5
+    assert _relative_difference(frozen["params"], ddp["params"]) > 1e-3  # the freeze changed the run
+    for a, b in zip(frozen["exp_avg_sq"], reference["exp_avg_sq"]):
+        assert torch.equal(a, b)  # v frozen at the same value, never updated after step 10
+    assert frozen["memory_entries"] == ["momentum", "velocity"]
+    for fit0, fit1 in zip(rank0, rank1):
+        assert torch.equal(fit0["params"], fit1["params"])
+
+
+def test_dgc_compresses_adamw_momentum_and_trains(run_ranks) -> None:
+    fit = {
+        "strategy": {"kind": "dgc", "compress_ratio": 0.01, "adam_warmup_steps": 10},
+        "model": {**ADAMW, "hidden": [256, 256]},
+        "epochs": 3,
+    }
+    rank0, rank1 = run_ranks({"fits": [fit]})
+    assert torch.equal(rank0[0]["params"], rank1[0]["params"])
+    losses = [m["train/loss_epoch"] for m in rank0[0]["epoch_metrics"]]
+    assert losses[-1] < 0.3 * losses[0], losses
+    assert rank0[0]["epoch_metrics"][-1]["gc/wire_ratio"] > 20  # the last step was compressed
+
+
+def test_exact_resume_across_the_freeze_and_the_checkpoint_loads_into_plain_adamw(run_ranks, tmp_path: Path) -> None:
+    """Freeze at step 30 (inside epoch 2): resuming epoch 1's checkpoint (before the freeze) or
+    epoch 2's (after it) gives the straight run's parameters bit for bit; epoch 2's optimizer
+    state is a plain AdamW state that DDP + AdamW resumes from."""
+    ckpt_dir = tmp_path / "ckpts"
+    common = {
+        "strategy": {"kind": "dgc", "compress_ratio": 0.05, "adam_warmup_steps": 30},
+        "model": ADAMW,
+        "epochs": 3,
+    }
+    straight = run_ranks({"fits": [{**common, "checkpoint_dir": str(ckpt_dir)}]}, name="straight")
+    before, after = ckpt_dir / "epoch=0.ckpt", ckpt_dir / "epoch=1.ckpt"
+    resumed = run_ranks(
+        {"fits": [{**common, "resume_from": str(before)}, {**common, "resume_from": str(after)}]}, name="resumed"
+    )
+    for rank in range(2):
+        for fit in resumed[rank]:
+            assert torch.equal(fit["params"], straight[0][0]["params"])
+
+    checkpoint = torch.load(after, weights_only=True)
+    assert checkpoint[CHECKPOINT_KEY]["ranks"][0]["step"] == 2 * STEPS_PER_EPOCH
+    plain = run_ranks(
+        {"fits": [{"strategy": {"kind": "ddp"}, "model": ADAMW, "epochs": 3, "resume_from": str(after)}]},
+        name="plain",
+    )
+    assert plain[0][0]["global_step"] == 3 * STEPS_PER_EPOCH
+    assert torch.isfinite(plain[0][0]["params"]).all()
+    assert torch.equal(plain[0][0]["params"], plain[1][0]["params"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"adam_warmup_steps": -1}, "`adam_warmup_steps` must be an integer >= 0, got -1"),
+        ({"adam_warmup_steps": 2.5}, "`adam_warmup_steps` must be an integer >= 0, got 2.5"),
+    ],
+)
+def test_bad_adam_settings_fail_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        DGCStrategy(**kwargs)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "settings", "message"),
+    [
+        (lambda p: torch.optim.AdamW(p, amsgrad=True), {}, "does not support AdamW(amsgrad=True)"),
+        (lambda p: torch.optim.Adam(p), {"delay": 1}, "delay=1 with the Adam hand-over is not supported"),
+    ],
+)
+def test_adam_settings_the_hand_over_cannot_honour_are_refused(optimizer, settings: dict, message: str) -> None:
+    from lightning_gc.handover import hand_over_for
+    from lightning_gc.settings import CompressionSettings
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    memory = CompressionSettings(momentum_correction=True).memory_for(DGCStrategy().compressor)
+    hand_over = hand_over_for([optimizer(params)], memory, explicit_momentum=None, adam_warmup_steps=5, owner="X")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        hand_over.check([optimizer(params)], local_update=False, delay=settings.get("delay", 0))
+
+
+def test_the_frozen_step_is_adams_update_with_the_preconditioned_momentum() -> None:
+    """``p.grad`` = M' (momentum already divided by the frozen d = sqrt(v_hat) + eps): the step is
+    AdamW's with exp_avg = M' d, decoupled decay and step t's first-moment bias correction, and
+    leaves a plain AdamW state (exp_avg = M' d, v untouched, step + 1)."""
+    from lightning_gc.handover import frozen_variance_step
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(50))
+    optimizer = torch.optim.AdamW([param], lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        param.grad = torch.randn(50)
+        optimizer.step()
+    before, v = param.detach().clone(), optimizer.state[param]["exp_avg_sq"].clone()
+    (b1, b2), t = optimizer.param_groups[0]["betas"], 4
+    d = v.sqrt() / (1 - b2**3) ** 0.5 + 1e-8
+    momentum = torch.randn(50)
+    param.grad = momentum / d
+    frozen_variance_step(optimizer, {param: d})
+    expected = before * (1 - 1e-2 * 0.1) - 1e-2 / (1 - b1**t) * momentum / d
+    torch.testing.assert_close(param.detach(), expected)
+    assert torch.equal(optimizer.state[param]["exp_avg_sq"], v)
+    torch.testing.assert_close(optimizer.state[param]["exp_avg"], momentum)
+    assert float(optimizer.state[param]["step"]) == t
