@@ -2,6 +2,7 @@
 
     python -m benchmarks.accuracy cifar10                 # run what is missing, then the table and curves
     python -m benchmarks.accuracy cifar10 --report-only   # table and curves of the runs finished so far
+    python -m benchmarks.accuracy ptb_adamw --steps 600 --freeze 120
 
 Each run is ``python train.py +recipe=<recipe> ...`` on 2 CPU processes with its own output
 directory ``<out>/<task>/<label>``; the runs of a task share the seed-dependent data order, the
@@ -9,10 +10,13 @@ epochs, the batch and the learning-rate schedule, and differ only in the strateg
 where a task repeats the dense run to show the seed-to-seed spread). A run whose ``result.json``
 exists is not run again, so an interrupted benchmark continues where it stopped. The report is
 ``<out>/<task>/table.md`` (final and best metric, wire compression, seconds per step, wall time)
-and ``<out>/<task>/curves.png`` (the validation metric after every epoch, one line per run).
+and ``<out>/<task>/curves.png`` (the validation metric after every validation, one line per run).
 
 Tasks:
 
+* ``ptb_adamw``: a 2-layer causal transformer on PTB with AdamW (the Adam hand-over's evidence):
+  dense AdamW, DGC 0.1 % with plain error feedback under AdamW's own state, DGC 0.1 % and onebit
+  with the frozen-variance hand-over (``--freeze`` dense steps first); curves by step.
 * ``cifar10``: ResNet-20 on CIFAR-10's training JPEGs (``<data>/cifar10``), a seeded subset of
   ``--train-size`` images, 5,000 held out for validation; SGD lr 0.1 (global batch 128), a step
   decay at 60 % and 85 % of the epochs; dense DDP and DGC at 0.1 % (after the paper's 4-epoch
@@ -48,12 +52,20 @@ class Run:
 
 @dataclass(frozen=True)
 class Task:
-    """Runs that share everything but the strategy (and seed): the comparison of one table."""
+    """Runs that share everything but the strategy (and seed): the comparison of one table.
+
+    ``metric``: the validation metric's label; ``percent``: shown x 100; ``higher_is_better``;
+    ``by_step``: learning curves against the optimizer step instead of the epoch.
+    """
 
     name: str
     description: str
     runs: tuple[Run, ...]
     overrides: tuple[str, ...] = field(default=())
+    metric: str = "top-1 %"
+    percent: bool = True
+    higher_is_better: bool = True
+    by_step: bool = False
 
 
 def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
@@ -88,6 +100,41 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
     )
 
 
+def ptb_adamw_task(data: Path, steps: int, freeze: int) -> Task:
+    shared = (
+        f"data.root={data / 'ptb'}",
+        "data.download=false",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        f"trainer.max_steps={steps}",
+        f"trainer.val_check_interval={max(1, steps // 10)}",
+        "trainer.enable_checkpointing=false",
+    )
+    frozen = (f"strategy.adam_warmup_steps={freeze}",)
+    return Task(
+        name="ptb_adamw",
+        description=(
+            f"2-layer causal transformer (d = 128), PTB, AdamW lr 1e-3 wd 0.01, {steps} steps, "
+            f"2 CPU processes x 16 x 64 tokens; variance frozen after {freeze} steps"
+        ),
+        runs=(
+            Run("dense AdamW", "transformer_ptb_dense"),
+            Run("DGC 0.1 %, plain error feedback", "transformer_ptb_dgc", ("strategy.momentum_correction=false",)),
+            Run("DGC 0.1 %, frozen variance", "transformer_ptb_dgc", frozen),
+            Run(
+                "onebit, frozen variance",
+                "transformer_ptb_dense",  # the DGC recipe's compress_ratio is not onebit's
+                ("strategy=onebit", "strategy.momentum_correction=true", *frozen),
+            ),
+        ),
+        overrides=shared,
+        metric="perplexity",
+        percent=False,
+        higher_is_better=False,
+        by_step=True,
+    )
+
+
 def run_directory(out: Path, task: Task, run: Run) -> Path:
     return out / task.name / run.label.replace(" ", "_").replace(",", "").replace("%", "pct").replace(".", "_")
 
@@ -109,8 +156,20 @@ def train(task: Task, run: Run, directory: Path) -> dict[str, Any]:
     return json.loads(result_file.read_text())
 
 
-def _percent(value: float | None) -> str:
-    return "—" if value is None else f"{100 * value:.2f}"
+def _shown(task: Task, value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{100 * value:.2f}" if task.percent else f"{value:.1f}"
+
+
+def curve(result: dict[str, Any], by_step: bool) -> list[tuple[int, float]]:
+    """(epoch or step, metric) after each validation; entries are [epoch, step, metric] (or the
+    older [epoch, metric])."""
+    points = []
+    for entry in result.get("curve", []):
+        if entry[-1] is not None:
+            points.append((entry[1] if by_step and len(entry) == 3 else entry[0] + 1, entry[-1]))
+    return points
 
 
 def table(task: Task, results: dict[str, dict[str, Any]]) -> str:
@@ -118,7 +177,7 @@ def table(task: Task, results: dict[str, dict[str, Any]]) -> str:
     lines = [
         f"{task.description}.",
         "",
-        "| run | final top-1 % | best top-1 % | wire compression (whole run / last step) | s/step | wall |",
+        f"| run | final {task.metric} | best {task.metric} | wire compression (run / last step) | s/step | wall |",
         "|---|---|---|---|---|---|",
     ]
     for run in task.runs:
@@ -126,11 +185,12 @@ def table(task: Task, results: dict[str, dict[str, Any]]) -> str:
         if result is None:
             lines.append(f"| {run.label} | not run | | | | |")
             continue
-        values = [v for _, v in result.get("curve", []) if v is not None]
+        values = [v for _, v in curve(result, task.by_step)]
+        best = (max if task.higher_is_better else min)(values) if values else None
         last = result.get("last_step_wire_compression")
         wire = f"{result['wire_compression']:.1f}x" + ("" if last is None else f" / {last:.0f}x")
         lines.append(
-            f"| {run.label} | {_percent(result['metric'])} | {_percent(max(values) if values else None)} | {wire} "
+            f"| {run.label} | {_shown(task, result['metric'])} | {_shown(task, best)} | {wire} "
             f"| {result['step_time_s']:.3f} | {result['wall_s'] / 60:.1f} min |"
         )
     return "\n".join(lines) + "\n"
@@ -146,12 +206,15 @@ def plot(task: Task, results: dict[str, dict[str, Any]], out: Path) -> Path:
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for run in task.runs:
         result = results.get(run.label)
-        if result is None or not result.get("curve"):
+        points = [] if result is None else curve(result, task.by_step)
+        if not points:
             continue
-        epochs, values = zip(*[(e + 1, v) for e, v in result["curve"] if v is not None])
-        axes.plot(epochs, [100 * v for v in values], marker=".", label=run.label)
-    axes.set_xlabel("epoch")
-    axes.set_ylabel("validation top-1 (%)")
+        xs, values = zip(*points)
+        axes.plot(xs, [100 * v if task.percent else v for v in values], marker=".", label=run.label)
+    axes.set_xlabel("optimizer step" if task.by_step else "epoch")
+    axes.set_ylabel(f"validation {task.metric}")
+    if not task.higher_is_better:
+        axes.set_yscale("log")
     axes.set_title(task.description, fontsize=9)
     axes.grid(alpha=0.3)
     axes.legend()
@@ -163,16 +226,22 @@ def plot(task: Task, results: dict[str, dict[str, Any]], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", choices=["cifar10"])
+    parser.add_argument("task", choices=["cifar10", "ptb_adamw"])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "accuracy")
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--train-size", type=int, default=20_000)
+    parser.add_argument("--train-size", type=int, default=20_000, help="cifar10: training images")
+    parser.add_argument("--steps", type=int, default=600, help="ptb_adamw: optimizer steps")
+    parser.add_argument("--freeze", type=int, default=120, help="ptb_adamw: steps before Adam's variance freezes")
     parser.add_argument("--report-only", action="store_true", help="only tabulate the runs already finished")
     args = parser.parse_args(argv)
     if not args.data.is_dir():
         parser.error(f"--data {args.data} is not a directory: the accuracy runs need the shared data folder")
-    task = cifar10_task(args.data.resolve(), args.epochs, args.train_size)
+    data = args.data.resolve()
+    if args.task == "cifar10":
+        task = cifar10_task(data, args.epochs, args.train_size)
+    else:
+        task = ptb_adamw_task(data, args.steps, args.freeze)
     results: dict[str, dict[str, Any]] = {}
     for run in task.runs:
         directory = run_directory(args.out, task, run)

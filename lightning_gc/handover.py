@@ -14,7 +14,8 @@ every step so schedulers that rewrite them are followed), and the optimizer step
 Tang et al. 2021, with DGC's sparsification in place of 1-bit codes): for the first
 ``warmup_steps`` optimizer steps the gradients are averaged exactly as DDP does and the optimizer
 runs untouched. Then the second moment ``v`` is frozen, the first moment is handed to the memory
-preconditioned by the frozen denominator ``d = sqrt(v / (1 - b2^T)) + eps``: ``u <- exp_avg / d``
+preconditioned by the frozen denominator ``d = sqrt(v / (1 - b2^T)) + eps`` (where ``v`` is still 0,
+the tensor's mean ``sqrt(v_hat)``: see :meth:`AdamHandOver._freeze`): ``u <- exp_avg / d``
 once, then ``u <- b1 u + (1 - b1)(g + wd p) / d`` (the decay only for Adam's L2 form). Each step,
 with ``M'`` the decoded average of what the ranks sent and ``t`` Adam's step::
 
@@ -235,19 +236,34 @@ class AdamHandOver:
             self.memory.seed_momentum(moments)
 
     def _freeze(self, optimizers: Sequence[Any]) -> None:
-        """Each parameter's frozen ``sqrt(v / (1 - b2^T)) + eps`` (``T``: the step of v's last update)
-        and a gradient hook dividing by it (adding Adam's L2 decay first)."""
+        """Each parameter's frozen ``d = sqrt(v / (1 - b2^T)) + eps`` (``T``: the step of v's last
+        update) and a gradient hook dividing by it (adding Adam's L2 decay first).
+
+        An element whose ``v`` is still 0 never had a gradient during the warm-up (an embedding row
+        of a word not yet seen): ``d = eps`` would turn its first gradient into a step of ``lr/eps``.
+        It takes its tensor's mean ``sqrt(v_hat)`` instead (or, for a tensor without any gradient
+        yet, the mean over all tensors): the same value on every rank, as ``v`` is."""
+        roots: dict[torch.Tensor, tuple[torch.Tensor, float, float]] = {}
         for optimizer, group in _adam_groups(optimizers):
             beta2, eps = float(group["betas"][1]), float(group["eps"])
             decay = 0.0 if _decoupled(optimizer, group) else float(group["weight_decay"])
             for param in group["params"]:
                 state = optimizer.state.get(param, {})
                 if "exp_avg_sq" not in state:
-                    continue  # never stepped (no gradient during the warm-up): stays plain Adam-less
+                    continue  # never stepped: the optimizer holds no moments to hand over
                 frozen_at = float(state["step"]) - self.compressed_steps
-                denominator = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**frozen_at)).add_(eps)
-                self.denominators[param] = denominator
-                self._hooks.append(param.register_hook(self._preconditioner(param, denominator, decay)))
+                roots[param] = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**frozen_at), eps, decay)
+        seen = [root[root > 0] for root, _, _ in roots.values()]
+        overall = torch.cat(seen).mean() if any(s.numel() for s in seen) else None
+        for param, (root, eps, decay) in roots.items():
+            unseen = root == 0
+            if unseen.any():
+                typical = root[~unseen].mean() if not unseen.all() else overall
+                if typical is not None:
+                    root = torch.where(unseen, typical, root)
+            denominator = root.add_(eps)
+            self.denominators[param] = denominator
+            self._hooks.append(param.register_hook(self._preconditioner(param, denominator, decay)))
 
     def _preconditioner(self, param: torch.Tensor, denominator: torch.Tensor, decay: float) -> Any:
         def precondition(grad: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,8 @@
   and of the bytes plain DDP would have all-reduced; ``wire_compression = dense_bytes / bytes_sent``
   (1 for dense DDP, whose ``bytes_sent`` is the dense gradient bytes times the steps), and
   ``last_step_wire_compression`` the last step's (after any sparsity warm-up);
-- ``curve``: ``[epoch, metric]`` after each validation run of the fit (sanity checks excluded),
-  for learning curves;
+- ``curve``: ``[epoch, global step, metric]`` after each validation run of the fit (sanity checks
+  excluded), for learning curves;
 - ``step_time_s``: median wall time between the ends of consecutive training batches within an
   epoch (data loading included; each epoch's first batch excluded), and
   ``samples_per_s = batch_size * world_size / step_time_s`` across all processes.
@@ -65,7 +65,7 @@ class RunRecorder(Callback):
         self._last_end: float | None = None
         self._start = 0.0
         self.target_ratio: float | None = None
-        self.curve: list[tuple[int, float | None]] = []
+        self.curve: list[tuple[int, int, float | None]] = []
         self.result: dict[str, Any] | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -93,7 +93,7 @@ class RunRecorder(Callback):
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         metric = trainer.callback_metrics.get(self.metric_name)
         if not trainer.sanity_checking and metric is not None:
-            self.curve.append((trainer.current_epoch, _number(metric)))
+            self.curve.append((trainer.current_epoch, trainer.global_step, _number(metric)))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         steps = trainer.global_step

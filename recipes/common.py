@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gc.validation import check_int, check_range
+from lightning_gc.validation import check_choice, check_int, check_range
 
 
 class WarmupMultiStep:
@@ -48,15 +48,18 @@ class WarmupMultiStep:
         return self.gamma ** bisect.bisect_right(self.milestones, epoch)
 
 
-class SGDTask(L.LightningModule):
-    """Base of the recipes' modules: a plain ``torch.optim.SGD`` with :class:`WarmupMultiStep`.
+class RecipeTask(L.LightningModule):
+    """Base of the recipes' modules: a plain ``torch.optim.SGD`` (or ``AdamW``) with :class:`WarmupMultiStep`.
 
     The optimizer keeps its momentum and weight decay; a DGC strategy takes them over itself
-    (momentum correction), a dense strategy leaves them where they are.
+    (momentum correction; for AdamW after its variance freezes), a dense strategy leaves them where
+    they are.
 
     Args:
+        optimizer: ``"sgd"`` or ``"adamw"`` (``torch.optim.AdamW``, betas (0.9, 0.999)).
         lr: peak learning rate (reached at the end of the warm-up).
-        momentum, nesterov, weight_decay: ``torch.optim.SGD``'s.
+        momentum, nesterov: ``torch.optim.SGD``'s (AdamW ignores them).
+        weight_decay: SGD's L2 term or AdamW's decoupled decay.
         lr_warmup_epochs: length of the linear warm-up in epochs (0: none).
         lr_warmup_start: factor of ``lr`` the warm-up starts from.
         lr_milestones: epochs at which the learning rate is multiplied by ``lr_gamma``.
@@ -70,6 +73,7 @@ class SGDTask(L.LightningModule):
 
     def __init__(
         self,
+        optimizer: str = "sgd",
         lr: float = 0.1,
         momentum: float = 0.9,
         nesterov: bool = False,
@@ -81,6 +85,7 @@ class SGDTask(L.LightningModule):
     ) -> None:
         super().__init__()
         # checked here, with the config's names, so a bad value fails before any process starts
+        self.optimizer_name = check_choice("model.optimizer", optimizer, ("sgd", "adamw"))
         check_range("model.lr", lr, 0.0, low_inclusive=False)
         check_range("model.momentum", momentum, 0.0, 1.0, high_inclusive=False)
         check_range("model.weight_decay", weight_decay, 0.0)
@@ -94,13 +99,17 @@ class SGDTask(L.LightningModule):
         self.lr_milestones, self.lr_gamma = list(lr_milestones), lr_gamma
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = torch.optim.SGD(
-            self.parameters(),
-            lr=self.lr,
-            momentum=self.momentum,
-            nesterov=self.nesterov,
-            weight_decay=self.weight_decay,
-        )
+        optimizer: torch.optim.Optimizer
+        if self.optimizer_name == "adamw":
+            optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        else:
+            optimizer = torch.optim.SGD(
+                self.parameters(),
+                lr=self.lr,
+                momentum=self.momentum,
+                nesterov=self.nesterov,
+                weight_decay=self.weight_decay,
+            )
         trainer = self.trainer
         trainer.estimated_stepping_batches  # noqa: B018 - loads the train loader, sets num_training_batches
         batches = trainer.num_training_batches

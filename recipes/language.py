@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from torch.utils.data import Dataset, TensorDataset
 from torchmetrics.text import Perplexity
 
 from lightning_gc.validation import check_int, check_range
-from recipes.common import RecipeDataModule, SGDTask, SyntheticDataset, dataset_missing, fetching
+from recipes.common import RecipeDataModule, RecipeTask, SyntheticDataset, dataset_missing, fetching
 
 PTB_SPLITS = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}
 PTB_URL = "http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz"
@@ -142,15 +143,42 @@ class PTBDataModule(RecipeDataModule):
         self.val_set = windows(torch.tensor([self.vocab[w] for w in read_tokens(self._path("valid"))]), self.bptt)
 
 
-class LSTMLanguageModel(SGDTask):
-    """Embedding -> ``num_layers`` LSTM -> linear decoder (weights tied to the embedding when
-    ``tie_weights`` and sizes match), dropout between layers (Zaremba et al. 2014; Press & Wolf 2017).
-
-    Reports validation perplexity ``val/ppl`` (lower is better).
-    """
+class _LanguageModel(RecipeTask):
+    """Base of the language models: next-token cross-entropy, validation perplexity ``val/ppl``
+    (lower is better), and a check that the model's vocabulary is the corpus's."""
 
     metric_name = "val/ppl"
     metric_mode = "min"
+
+    def __init__(self, vocab_size: int, **optim: Any) -> None:
+        super().__init__(**optim)
+        check_int("model.vocab_size", vocab_size, 2)
+        self.val_ppl = Perplexity()
+
+    def setup(self, stage: str) -> None:
+        data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
+        if data_vocab is not None and data_vocab != self.hparams.vocab_size:
+            raise ValueError(
+                f"`model.vocab_size={self.hparams.vocab_size}` but the corpus has {data_vocab} words; "
+                f"set model.vocab_size={data_vocab} (or data.vocab_size for synthetic data)"
+            )
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train/loss", loss, on_step=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.val_ppl(self(x), y)
+        self.log("val/ppl", self.val_ppl, prog_bar=True, sync_dist=True)
+
+
+class LSTMLanguageModel(_LanguageModel):
+    """Embedding -> ``num_layers`` LSTM -> linear decoder (weights tied to the embedding when
+    ``tie_weights`` and sizes match), dropout between layers (Zaremba et al. 2014; Press & Wolf 2017).
+    """
 
     def __init__(
         self,
@@ -160,10 +188,9 @@ class LSTMLanguageModel(SGDTask):
         num_layers: int = 2,
         dropout: float = 0.65,
         tie_weights: bool = True,
-        **sgd: float,
+        **optim: Any,
     ) -> None:
-        super().__init__(**sgd)
-        check_int("model.vocab_size", vocab_size, 2)
+        super().__init__(vocab_size, **optim)
         check_int("model.num_layers", num_layers, 1)
         check_range("model.dropout", dropout, 0.0, 1.0, high_inclusive=False)
         self.save_hyperparameters()
@@ -179,27 +206,54 @@ class LSTMLanguageModel(SGDTask):
                 )
             self.decoder.weight = self.embed.weight
         nn.init.uniform_(self.embed.weight, -0.1, 0.1)
-        self.val_ppl = Perplexity()
-
-    def setup(self, stage: str) -> None:
-        data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
-        if data_vocab is not None and data_vocab != self.hparams.vocab_size:
-            raise ValueError(
-                f"`model.vocab_size={self.hparams.vocab_size}` but the corpus has {data_vocab} words; "
-                f"set model.vocab_size={data_vocab} (or data.vocab_size for synthetic data)"
-            )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         out, _ = self.lstm(self.drop(self.embed(tokens)))
         return self.decoder(self.drop(out))
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
-        self.log("train/loss", loss, on_step=True, prog_bar=True)
-        return loss
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.val_ppl(self(x), y)
-        self.log("val/ppl", self.val_ppl, prog_bar=True, sync_dist=True)
+class TransformerLanguageModel(_LanguageModel):
+    """A causal (GPT-style) transformer: token and learned position embeddings, ``num_layers``
+    pre-norm self-attention blocks under a causal mask, a final LayerNorm and a decoder tied to
+    the token embedding. Trained with AdamW in the recipes (``model.optimizer=adamw``).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 10_000,
+        d_model: int = 256,
+        num_heads: int = 4,
+        num_layers: int = 4,
+        ff_size: int = 1024,
+        dropout: float = 0.1,
+        max_length: int = 256,
+        **optim: Any,
+    ) -> None:
+        super().__init__(vocab_size, **optim)
+        check_int("model.d_model", d_model, 1)
+        check_int("model.num_heads", num_heads, 1)
+        if d_model % num_heads:
+            raise ValueError(f"`model.d_model={d_model}` must be a multiple of model.num_heads={num_heads}")
+        check_int("model.num_layers", num_layers, 1)
+        check_int("model.ff_size", ff_size, 1)
+        check_range("model.dropout", dropout, 0.0, 1.0, high_inclusive=False)
+        check_int("model.max_length", max_length, 1)
+        self.save_hyperparameters()
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.position = nn.Embedding(max_length, d_model)
+        self.drop = nn.Dropout(dropout)
+        block = nn.TransformerEncoderLayer(d_model, num_heads, ff_size, dropout, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, num_layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.decoder = nn.Linear(d_model, vocab_size, bias=False)
+        self.decoder.weight = self.embed.weight
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.position.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if length > self.hparams.max_length:
+            raise ValueError(f"windows of {length} tokens exceed model.max_length={self.hparams.max_length}")
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        hidden = self.drop(self.embed(tokens) + self.position(torch.arange(length, device=tokens.device)))
+        return self.decoder(self.norm(self.blocks(hidden, mask=mask, is_causal=True)))

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from torchmetrics.text import WordErrorRate
 
 from lightning_gc.validation import check_choice, check_int
-from recipes.common import RecipeDataModule, SGDTask, SyntheticDataset, dataset_missing, fetching
+from recipes.common import RecipeDataModule, RecipeTask, SyntheticDataset, dataset_missing, fetching
 
 ALPHABET = "_ '" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """Output classes: ``_`` is the CTC blank (class 0)."""
@@ -216,7 +216,7 @@ class SpeechDataModule(RecipeDataModule):
         return {"collate_fn": pad_batch}
 
 
-class DeepSpeech(SGDTask):
+class DeepSpeech(RecipeTask):
     """DeepSpeech-style acoustic model (Amodei et al. 2016): two 2-D convolutions over
     (time, frequency) with batch norm and hardtanh, ``rnn_layers`` bidirectional recurrent layers
     (summed directions), a linear layer to the characters, CTC loss.

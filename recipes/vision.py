@@ -9,7 +9,7 @@ from torchvision.models import resnet50
 from torchvision.models.resnet import BasicBlock
 
 from lightning_gc.validation import check_choice, check_int
-from recipes.common import SGDTask
+from recipes.common import RecipeTask
 
 ARCHS = ("resnet20", "resnet32", "resnet44", "resnet56", "resnet110", "resnet50")
 
@@ -56,14 +56,14 @@ def build_backbone(arch: str, num_classes: int) -> nn.Module:
     return resnet_cifar(int(arch.removeprefix("resnet")), num_classes)
 
 
-class ImageClassifier(SGDTask):
+class ImageClassifier(RecipeTask):
     """Cross-entropy classifier; reports top-1 validation accuracy ``val/acc`` (and top-5 when
     there are more than 5 classes).
 
     Args:
         arch: one of :data:`ARCHS`.
         num_classes: output classes.
-        **sgd: :class:`~recipes.common.SGDTask`'s optimizer and schedule arguments.
+        **sgd: :class:`~recipes.common.RecipeTask`'s optimizer and schedule arguments.
     """
 
     metric_name = "val/acc"

@@ -19,6 +19,15 @@ SMALL = {
     "resnet110_cifar10": ["data.batch_size=2", "data.synthetic_size=8"],
     "resnet50": ["data.batch_size=2", "data.synthetic_size=8", "data.image_size=32"],
     "lstm_ptb": ["data.batch_size=2", "data.synthetic_size=8", "model.embedding_size=64", "model.hidden_size=64"],
+    "transformer_ptb": [  # AdamW: one plain step, then the variance freezes (a one-step v: small lr)
+        "model.lr=1e-5",
+        "data.batch_size=2",
+        "data.synthetic_size=8",
+        "model.d_model=32",
+        "model.ff_size=64",
+        "strategy.adam_warmup_steps=1",
+        "trainer.val_check_interval=null",
+    ],
     "deepspeech_librispeech": [
         "data.batch_size=2",
         "data.synthetic_size=8",
@@ -29,7 +38,7 @@ SMALL = {
 }
 
 
-@pytest.mark.parametrize("recipe", [f"{r}_dgc" for r in RECIPES] + ["lstm_ptb_dense"])
+@pytest.mark.parametrize("recipe", [f"{r}_dgc" for r in RECIPES] + ["lstm_ptb_dense", "transformer_ptb_dgc"])
 def test_recipe_trains_two_steps_on_two_processes(recipe: str, tmp_path: Path) -> None:
     task = recipe.rsplit("_", 1)[0]
     asked = ["trainer.enable_checkpointing=true"] if recipe == "lstm_ptb_dense" else []
@@ -44,7 +53,7 @@ def test_recipe_trains_two_steps_on_two_processes(recipe: str, tmp_path: Path) -
     assert f"[{recipe}] {result['metric_name']}" in done.stdout  # the run's summary line
     if recipe.endswith("_dgc"):
         assert result["strategy"] == "DGCStrategy" and result["compress_ratio"] == 0.001
-        assert result["bytes_sent"] < result["dense_bytes"]  # warm-up already sends only 25 %
+        assert result["bytes_sent"] < result["dense_bytes"]  # warm-up already sends only 25 % (Adam: step 2)
     else:
         assert result["strategy"] == "DDPStrategy" and result["compress_ratio"] is None
         assert result["bytes_sent"] == result["dense_bytes"] > 0
