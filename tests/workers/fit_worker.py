@@ -154,7 +154,8 @@ class RewritesItsOptimizer(DigitsClassifier):
 class FrozenVarianceAdamW(torch.optim.AdamW):
     """Reference, written independently of lightning_gc.handover: AdamW for the first
     ``freeze_after`` steps, then ``exp_avg <- b1 exp_avg + (1 - b1) g`` over the second moment
-    as it was (bias-corrected as at the freeze), with AdamW's decoupled decay."""
+    as it was (bias-corrected as at the freeze; where it is 0, the tensor's mean), with AdamW's
+    decoupled decay."""
 
     def __init__(self, params: Any, freeze_after: int, **kwargs: Any) -> None:
         super().__init__(params, **kwargs)
@@ -181,7 +182,10 @@ class FrozenVarianceAdamW(torch.optim.AdamW):
                     t = float(state["step"])
                     p.mul_(1 - lr * group["weight_decay"])
                     state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
-                    denom = state["exp_avg_sq"].sqrt() / (1 - b2**self.freeze_after) ** 0.5 + group["eps"]
+                    root = state["exp_avg_sq"].sqrt() / (1 - b2**self.freeze_after) ** 0.5
+                    if (root == 0).any() and (root > 0).any():  # never had a gradient: the tensor's typical
+                        root = torch.where(root == 0, root[root > 0].mean(), root)
+                    denom = root + group["eps"]
                     p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1**t))
         return loss
 
