@@ -2,11 +2,13 @@
 
 Importing the package registers the strategy names (``"dgc_ddp"``, ``"dgc_ddp_spawn"``, and
 ``"<compressor>_ddp"`` for every compressor in :func:`lightning_gc.compressors.available`) with
-``lightning.pytorch``'s strategy registry, so ``Trainer(strategy="dgc_ddp")`` works.
+``lightning.pytorch``'s strategy registry, so ``Trainer(strategy="dgc_ddp")`` works. A plain
+``DistributedDataParallel`` loop uses :func:`attach` instead.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_gc.attach import AttachedCompression, attach
 from lightning_gc.callbacks import PAPER_WARMUP_DENSITIES, SparsityWarmup
 from lightning_gc.compressors import Compressor, DGCCompressor, available
 from lightning_gc.strategy import DGCStrategy, GradientCompressionStrategy
@@ -19,6 +21,8 @@ DGCStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "PAPER_WARMUP_DENSITIES",
+    "AttachedCompression",
+    "attach",
     "Compressor",
     "available",
     "DGCCompressor",

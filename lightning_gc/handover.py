@@ -288,9 +288,7 @@ class AdamHandOver:
 
 
 @contextmanager
-def _frozen_variance_steps(
-    optimizers: Sequence[Any], denominators: dict[torch.Tensor, torch.Tensor]
-) -> Iterator[None]:
+def _frozen_variance_steps(optimizers: Sequence[Any], denominators: dict[torch.Tensor, torch.Tensor]) -> Iterator[None]:
     inner = [unwrap_optimizer(o) for o in optimizers]
     # An LR scheduler wraps the instance's ``step`` to record that it ran: keep that wrapper to restore.
     saved = [o.__dict__.get("step") for o in inner]

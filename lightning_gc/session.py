@@ -86,15 +86,21 @@ class CompressionSession:
             sync_warmup_steps=settings.sync_warmup_steps,
         )
         verify_same_setup(self.description(ddp), ddp.process_group)
-        if self._pending_state is not None:
-            own_parameters = self._pending_state.pop("parameters", None)
-            if own_parameters is not None:  # after DDP broadcast rank 0's: this rank's own, as saved
-                with torch.no_grad():
-                    for name, param in ddp.module.named_parameters():
-                        param.copy_(own_parameters[name])
-            self.hook_state.load_state_dict(self._pending_state)
-            self._pending_state = None
+        self.take_over_pending(ddp)
         ddp.register_comm_hook(self.hook_state, compression_hook)
+
+    def take_over_pending(self, ddp: DistributedDataParallel) -> None:
+        """Load the state :meth:`resume` took from a checkpoint into the hook state (and, saved
+        with ``local_update``, this rank's own parameters, which DDP overwrote with rank 0's)."""
+        if self._pending_state is None or self.hook_state is None:
+            return
+        own_parameters = self._pending_state.pop("parameters", None)
+        if own_parameters is not None:
+            with torch.no_grad():
+                for name, param in ddp.module.named_parameters():
+                    param.copy_(own_parameters[name])
+        self.hook_state.load_state_dict(self._pending_state)
+        self._pending_state = None
 
     def description(self, ddp: DistributedDataParallel) -> dict[str, Any]:
         """What every rank must agree on: compressor, memory settings and the model's parameters."""

@@ -56,14 +56,22 @@ def _ddp_argument_names() -> set[str]:
     return names - set_by_lightning
 
 
-def resolve_compressor(compressor: str | Compressor, kwargs: dict[str, Any], *, owner: str) -> Compressor:
+def resolve_compressor(
+    compressor: str | Compressor,
+    kwargs: dict[str, Any],
+    *,
+    owner: str,
+    others: dict[str, set[str]] | None = None,
+) -> Compressor:
     """The compressor named (built from the arguments it takes, popped from ``kwargs``) or given;
-    whatever remains in ``kwargs`` must be a DDP argument.
+    whatever remains in ``kwargs`` must be a name of ``others`` (what else the caller takes, by
+    who takes it; default: DDP's arguments).
 
     Raises:
         ValueError: unknown compressor name, bad compressor arguments, or an argument neither the
-            compressor nor DDP takes (named with its value).
+            compressor nor the others take (named with its value, and the close name if any).
     """
+    others = {"DDP": _ddp_argument_names()} if others is None else others
     if isinstance(compressor, str):
         accepted = argument_names(compressor_class(compressor))
         compressor = create_compressor(compressor, **{k: kwargs.pop(k) for k in list(kwargs) if k in accepted})
@@ -71,17 +79,18 @@ def resolve_compressor(compressor: str | Compressor, kwargs: dict[str, Any], *, 
         raise ValueError(
             f"`compressor` must be one of {available_compressors()} or a lightning_gc Compressor, got {compressor!r}"
         )
-    unknown = {name: kwargs[name] for name in sorted(set(kwargs) - _ddp_argument_names())}
+    allowed = set().union(*others.values())
+    unknown = {name: kwargs[name] for name in sorted(set(kwargs) - allowed)}
     if unknown:
-        known = argument_names(type(compressor)) | _ddp_argument_names() | _strategy_argument_names()
+        known = argument_names(type(compressor)) | allowed | _strategy_argument_names()
         hints = [
             f"`{name}`: did you mean `{close[0]}`?" for name in unknown if (close := get_close_matches(name, known, 1))
         ]
+        takes = "".join(f", {who} takes {sorted(names)}" for who, names in others.items())
         raise ValueError(
             f"unknown argument(s) {unknown} for {owner}"
             + (f" ({'; '.join(hints)})" if hints else "")
-            + f": compressor {compressor.name!r} takes "
-            f"{sorted(argument_names(type(compressor)))}, DDP takes {sorted(_ddp_argument_names())}"
+            + f": compressor {compressor.name!r} takes {sorted(argument_names(type(compressor)))}{takes}"
         )
     return compressor
 
