@@ -121,6 +121,15 @@ def ptb_adamw_task(data: Path, steps: int, freeze: int) -> Task:
             Run("dense AdamW", "transformer_ptb_dense"),
             Run("DGC 0.1 %, plain error feedback", "transformer_ptb_dgc", ("strategy.momentum_correction=false",)),
             Run("DGC 0.1 %, frozen variance", "transformer_ptb_dgc", frozen),
+            Run(  # the paper's exponential sparsity warm-up, one stage per `freeze` steps after the freeze
+                "DGC 0.1 %, frozen variance, sparsity warm-up",
+                "transformer_ptb_dgc",
+                (
+                    *frozen,
+                    "warmup={_target_:lightning_gc.SparsityWarmup,densities:[1.0,0.0625,0.015625,0.00390625],"
+                    f"interval:step,steps_per_stage:{freeze}}}",
+                ),
+            ),
             Run(
                 "onebit, frozen variance",
                 "transformer_ptb_dense",  # the DGC recipe's compress_ratio is not onebit's
