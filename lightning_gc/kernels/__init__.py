@@ -1,13 +1,13 @@
 """The compression hot path: selection, compensation and decompression primitives.
 
 One module per operation, each torch implementation (any device) beside its Triton twin, which
-must equal it (bit for bit where the op is exact)::
+must compute the same (``tests/test_kernels.py`` compares them; packing and rng bit for bit)::
 
     selection     sampled-threshold top-k (DGC §3.1)            selection_triton
     compensation  momentum correction / error feedback          compensation_triton
     sparse        commit sent pairs to memory; scatter-average  sparse_triton
-    packing       bit packing, stochastic quantisation           packing_triton
-    rng           counter-based uniforms and their constants     rng_triton
+    packing       bit packing, stochastic quantisation          packing_triton
+    rng           counter-based uniforms and their constants    rng_triton
 
 :mod:`.dispatch` picks Triton for CUDA tensors and torch otherwise (overridable for tests). The
 ``*_triton`` modules (and :mod:`.launch`, through which they launch) are imported only when the
