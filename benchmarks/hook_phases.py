@@ -34,7 +34,7 @@ from lightning_gc.calibration import layout_of_shapes
 from lightning_gc.compressors import DGCCompressor
 from lightning_gc.exchange import LocalExchange
 from lightning_gc.guard import StepGuard
-from lightning_gc.kernels import reference
+from lightning_gc.kernels import selection
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
 from lightning_gc.pipeline import Timeline, run_bucket
@@ -55,8 +55,8 @@ def _screen_by_isfinite(values: torch.Tensor) -> bool:
     return bool(torch.isfinite(values).all())
 
 
-def _search_by_row_maxima(values: torch.Tensor, threshold: torch.Tensor, scratch: reference.SelectionScratch) -> object:
-    return reference._CandidateSearch(values, scratch).at_least(threshold)
+def _search_by_row_maxima(values: torch.Tensor, threshold: torch.Tensor, scratch: selection.SelectionScratch) -> object:
+    return selection._CandidateSearch(values, scratch).at_least(threshold)
 
 
 def _search_by_mask(
@@ -80,7 +80,7 @@ def measure(model: str, repeats: int, ratio: float, world_size: int = 2) -> dict
     largest = max(layout.segments, key=lambda s: s.numel)
     threshold = torch.tensor(0.0)
     magnitude, mask = torch.empty(largest.numel), torch.empty(largest.numel, dtype=torch.bool)
-    scratch = reference.SelectionScratch()
+    scratch = selection.SelectionScratch()
     times: dict[str, list[float]] = {name: [] for name in PHASES + REFERENCES}
     for step in range(repeats + 2):  # two warm-up steps fill buffers and plans
         gradient = gradients[step % len(gradients)]

@@ -17,7 +17,7 @@ import time
 import torch
 import torchvision
 
-from lightning_gc.kernels import reference
+from lightning_gc.kernels import selection
 
 
 def main() -> None:
@@ -34,17 +34,17 @@ def main() -> None:
     for name, param in model.named_parameters():
         gradient = param.grad.reshape(-1)
         k = math.ceil(args.ratio * gradient.numel())
-        plan = reference.sample_plan(gradient.numel(), k, 0.01, salt=7)
+        plan = selection.sample_plan(gradient.numel(), k, 0.01, salt=7)
         if param.dim() < 2 or plan is None:
             continue
         magnitude = gradient.abs()
-        threshold = torch.topk(magnitude[reference.sample_positions(plan, "cpu")], plan.rank).values.min()
+        threshold = torch.topk(magnitude[selection.sample_positions(plan, "cpu")], plan.rank).values.min()
         candidates = int((magnitude >= threshold).sum())
         short += candidates < k
         times = []
         for _ in range(args.repeats):
             started = time.perf_counter()
-            reference.sampled_topk_indices(gradient, k, sample_ratio=0.01, salt=7)
+            selection.sampled_topk_indices(gradient, k, sample_ratio=0.01, salt=7)
             times.append(time.perf_counter() - started)
         total += statistics.median(times)
         print(f"| {name} | {gradient.numel():,} | {k:,} | {candidates:,} | {statistics.median(times) * 1e3:.2f} |")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_gc import kernels
-from lightning_gc.kernels import dispatch, reference
+from lightning_gc.kernels import compensation, dispatch, rng, selection
 
 triton = pytest.importorskip("triton")
 
@@ -40,7 +40,7 @@ def test_compensate_kernel_equals_reference(numel: int, dtype: torch.dtype, vari
     # Reference in fp32 from the same inputs, rounded once at the end, as the kernel does.
     u_ref, v_ref = u.float(), v.float()
     ref_kwargs = {**kwargs, "param": p.float()}
-    reference.compensate_(g.float(), v_ref, u_ref, **ref_kwargs)
+    compensation.compensate_(g.float(), v_ref, u_ref, **ref_kwargs)
     g_before, u_before = g.clone(), u.clone()
     with kernels.use_backend("triton"):
         assert kernels.backend_for(g) == "triton"
@@ -131,7 +131,7 @@ def test_sync_free_selection_equals_exact_selection(numel: int, k: int, dtype: t
 def test_sync_free_selection_pads_with_no_ops_when_the_threshold_is_too_high() -> None:
     # Every sampled position holds the maximum: the threshold admits only the sample, fewer than k.
     numel, k = 100_000, 5_000
-    positions = reference.sample_positions(reference.sample_plan(numel, k, 0.01, salt=0), DEVICE)
+    positions = selection.sample_positions(selection.sample_plan(numel, k, 0.01, salt=0), DEVICE)
     values = torch.ones(numel, device=DEVICE)
     values[positions] = 100.0
     indices, sent = _select(values, k, "triton", salt=0)
@@ -204,12 +204,12 @@ def _on_backend(backend: str, fn, *args):
 
 def test_counter_rng_is_uniform_and_seeded() -> None:
     offsets = torch.arange(200_000)
-    u = reference.counter_uniform(7, offsets)
+    u = rng.counter_uniform(7, offsets)
     assert 0 <= u.min() and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
     assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()) < 0.01  # neighbours independent
-    assert torch.equal(u, reference.counter_uniform(7, offsets))
-    other = reference.counter_uniform(2**33 + 7, offsets)  # the high seed bits matter
+    assert torch.equal(u, rng.counter_uniform(7, offsets))
+    other = rng.counter_uniform(2**33 + 7, offsets)  # the high seed bits matter
     assert (other != u).float().mean() > 0.99
 
 

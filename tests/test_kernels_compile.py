@@ -51,8 +51,9 @@ def test_an_integer_argument_equal_to_one_would_be_a_constant_the_kernel_must_no
     outcome = _compiled(
         """
 import json
-from lightning_gc.kernels import aot, triton_kernels as tk
-launch = next(l for l in aot.wrapper_launches() if l.kernel is tk._stochastic_quantize_kernel and l.args[6] == 1)
+from lightning_gc.kernels import aot, packing_triton
+kernel = packing_triton._stochastic_quantize_kernel
+launch = next(l for l in aot.wrapper_launches() if l.kernel is kernel and l.args[6] == 1)
 variant = aot.variant_of(launch)
 signature, constants = {**variant.signature, "levels": "constexpr"}, {**variant.constexprs, "levels": 1}
 constant = aot.Variant(variant.kernel, signature, constants)

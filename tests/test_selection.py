@@ -73,7 +73,7 @@ def test_sample_size_guarantees_enough_hits() -> None:
 def test_jittered_sample_covers_every_block_and_breaks_periodic_layouts() -> None:
     """One position per stride block, anywhere in it; a 3x3-kernel-like period of 9 under a
     stride of 36 is sampled at every phase (a plain strided sample sees a single one)."""
-    from lightning_gc.kernels.reference import sample_plan, sample_positions
+    from lightning_gc.kernels.selection import sample_plan, sample_positions
 
     numel, k = 589_824, 590
     plan = sample_plan(numel, k, 0.01, salt=11)

@@ -205,7 +205,7 @@ def test_pack_returns_the_decoded_values_in_the_callers_order() -> None:
 def test_triton_no_op_pairs_lie_inside_the_bucket() -> None:
     """The Triton selection pads with (segment-local index 0, value 0): the bucket index is the
     segment's start, inside ``[0, bucket numel)``; such repeats round-trip as no-ops."""
-    source = (Path(__file__).parents[1] / "lightning_gc" / "kernels" / "triton_kernels.py").read_text()
+    source = (Path(__file__).parents[1] / "lightning_gc" / "kernels" / "selection_triton.py").read_text()
     assert "cand_index = torch.zeros(capacity" in source  # unfilled candidates are index 0
     layout = _layout([(30, 40), (20,), (50, 20)])
     wire = EliasFanoIndices(torch.float32)
@@ -294,10 +294,10 @@ def test_one_pair_per_rank_decodes_the_same_through_the_triton_kernels(encoding:
 
 def test_triton_kernels_refuse_strided_tensors() -> None:
     pytest.importorskip("triton")
-    from lightning_gc.kernels import triton_kernels
+    from lightning_gc.kernels import packing_triton
 
     with pytest.raises(ValueError, match="not contiguous"):
-        triton_kernels.pack_signs(torch.randn(64)[::2])
+        packing_triton.pack_signs(torch.randn(64)[::2])
 
 
 @pytest.mark.parametrize("dense_dtype", ["float16", "bfloat16"])

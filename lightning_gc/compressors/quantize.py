@@ -34,7 +34,7 @@ import torch
 from lightning_gc import kernels
 from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor, aligned, mean_into
 from lightning_gc.compressors.registry import register
-from lightning_gc.kernels.reference import packed_bytes
+from lightning_gc.kernels.packing import packed_bytes
 from lightning_gc.layout import BucketLayout
 from lightning_gc.validation import check_int
 

@@ -20,7 +20,7 @@ import torch
 
 from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
 from lightning_gc.compressors.registry import register
-from lightning_gc.kernels.reference import counter_uniform
+from lightning_gc.kernels.rng import counter_uniform
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_int
 

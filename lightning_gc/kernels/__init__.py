@@ -1,27 +1,36 @@
 """The compression hot path: selection, compensation and decompression primitives.
 
-Each op has a torch implementation in :mod:`lightning_gc.kernels.reference` (any device) and, where
-written, a Triton kernel in :mod:`lightning_gc.kernels.triton_kernels`; :mod:`.dispatch` picks
-Triton for CUDA tensors and torch otherwise (overridable for tests).
+One module per operation, each torch implementation (any device) beside its Triton twin, which
+must compute the same (``tests/test_kernels.py`` compares them; packing and rng bit for bit)::
+
+    selection     sampled-threshold top-k (DGC §3.1)            selection_triton
+    compensation  momentum correction / error feedback          compensation_triton
+    sparse        commit sent pairs to memory; scatter-average  sparse_triton
+    packing       bit packing, stochastic quantisation          packing_triton
+    rng           counter-based uniforms and their constants    rng_triton
+
+:mod:`.dispatch` picks Triton for CUDA tensors and torch otherwise (overridable for tests). The
+``*_triton`` modules (and :mod:`.launch`, through which they launch) are imported only when the
+Triton backend is chosen, so CPU users never import Triton.
 """
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from lightning_gc.kernels import reference
+from lightning_gc.kernels import compensation, packing, selection, sparse
 from lightning_gc.kernels.dispatch import backend_for, use_backend
-from lightning_gc.kernels.reference import (
+from lightning_gc.kernels.packing import code_width, stochastic_dequantize
+from lightning_gc.kernels.rng import counter_uniform
+from lightning_gc.kernels.selection import (
     MIN_SAMPLE_HITS,
     SelectionScratch,
-    code_width,
-    counter_uniform,
     sample_size,
     sampled_topk_indices,
-    stochastic_dequantize,
     topk_indices,
 )
 
@@ -32,40 +41,40 @@ def compensate_(
     momentum_buf: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> None:
-    """DGC compensation of one slice in place (see :func:`reference.compensate_`), dispatched."""
-    _implementation(grad).compensate_(grad, velocity, momentum_buf, **kwargs)
+    """DGC compensation of one slice in place (see :func:`.compensation.compensate_`), dispatched."""
+    _implementation(grad, compensation).compensate_(grad, velocity, momentum_buf, **kwargs)
 
 
 def sampled_topk_(values: torch.Tensor, k: int, **kwargs: Any) -> None:
-    """Top-k (index, value) pairs via a sampled threshold (see :func:`reference.sampled_topk_`), dispatched."""
-    _implementation(values).sampled_topk_(values, k, **kwargs)
+    """Top-k (index, value) pairs via a sampled threshold (see :func:`.selection.sampled_topk_`), dispatched."""
+    _implementation(values, selection).sampled_topk_(values, k, **kwargs)
 
 
 def commit_sparse_(
     velocity: torch.Tensor, momentum_buf: torch.Tensor | None, indices: torch.Tensor, sent: torch.Tensor
 ) -> None:
-    """Remove sent pairs from memory, masking momentum (see :func:`reference.commit_sparse_`), dispatched."""
-    _implementation(velocity).commit_sparse_(velocity, momentum_buf, indices, sent)
+    """Remove sent pairs from memory, masking momentum (see :func:`.sparse.commit_sparse_`), dispatched."""
+    _implementation(velocity, sparse).commit_sparse_(velocity, momentum_buf, indices, sent)
 
 
 def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, world_size: int) -> None:
-    """Scatter-add gathered pairs divided by the world size (see :func:`reference.scatter_average_`), dispatched."""
-    _implementation(out).scatter_average_(out, indices, values, world_size)
+    """Scatter-add gathered pairs divided by the world size (see :func:`.sparse.scatter_average_`), dispatched."""
+    _implementation(out, sparse).scatter_average_(out, indices, values, world_size)
 
 
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """Pack ``width``-bit uint8 codes into bytes (see :func:`reference.pack_codes`), dispatched."""
-    return _implementation(codes).pack_codes(codes, width)
+    """Pack ``width``-bit uint8 codes into bytes (see :func:`.packing.pack_codes`), dispatched."""
+    return _implementation(codes, packing).pack_codes(codes, width)
 
 
 def unpack_codes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`, dispatched."""
-    return _implementation(packed).unpack_codes(packed, width, numel)
+    return _implementation(packed, packing).unpack_codes(packed, width, numel)
 
 
 def pack_signs(values: torch.Tensor) -> torch.Tensor:
-    """Sign bits, 8 per byte (see :func:`reference.pack_signs`), dispatched."""
-    return _implementation(values).pack_signs(values)
+    """Sign bits, 8 per byte (see :func:`.packing.pack_signs`), dispatched."""
+    return _implementation(values, packing).pack_signs(values)
 
 
 def stochastic_quantize(
@@ -73,15 +82,15 @@ def stochastic_quantize(
 ) -> torch.Tensor:
     """Unbiased, reproducible stochastic rounding to packed level codes (QSGD, TernGrad), one scale
     per tensor or per ``chunk_size`` elements, dispatched."""
-    return _implementation(values).stochastic_quantize(values, scales, levels, seed, chunk_size)
+    return _implementation(values, packing).stochastic_quantize(values, scales, levels, seed, chunk_size)
 
 
-def _implementation(tensor: torch.Tensor) -> ModuleType:
+def _implementation(tensor: torch.Tensor, torch_module: ModuleType) -> ModuleType:
+    """``torch_module`` (e.g. :mod:`.packing`) or, when Triton runs ``tensor``'s ops, its twin
+    ``<module>_triton``, imported on first use."""
     if backend_for(tensor) == "triton":
-        from lightning_gc.kernels import triton_kernels
-
-        return triton_kernels
-    return reference
+        return importlib.import_module(f"{torch_module.__name__}_triton")
+    return torch_module
 
 
 __all__ = [

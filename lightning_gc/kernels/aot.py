@@ -5,9 +5,9 @@ the Python of a kernel without compiling it, and accepts programs the compiler r
 compiles what a GPU would compile, with ``triton.compile`` for a ``GPUTarget`` (ptxas ships with
 triton), so such programs fail here:
 
-1. :func:`wrapper_launches` runs every public wrapper of :mod:`lightning_gc.kernels.triton_kernels`
+1. :func:`wrapper_launches` runs every public wrapper of the Triton modules (``*_triton.py``)
    on CPU tensors of every dtype and flag combination it accepts, recording each launch's kernel,
-   arguments and compile-time constants instead of launching;
+   arguments and compile-time constants instead of launching (through :func:`.launch.intercepted`);
 2. :func:`variant_of` turns a launch into the signature Triton's JIT would compile, including its
    *specialisation*: an integer argument equal to 1 becomes a compile-time constant unless the
    kernel lists it in ``do_not_specialize`` (``ones=True`` forces every such argument to 1, the
@@ -22,6 +22,8 @@ triton), so such programs fail here:
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import re
 import subprocess
 import tempfile
@@ -86,25 +88,29 @@ class Compiled:
 @contextmanager
 def recording() -> Iterator[list[Launch]]:
     """Within the block, the wrappers record their launches here instead of launching."""
-    from lightning_gc.kernels import triton_kernels
+    from lightning_gc.kernels.launch import intercepted
 
     launches: list[Launch] = []
-    real = triton_kernels._launch
 
     def record(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         launches.append(Launch(kernel, args, meta))
 
-    triton_kernels._launch = record
-    try:
+    with intercepted(record):
         yield launches
-    finally:
-        triton_kernels._launch = real
+
+
+def triton_modules() -> list[Any]:
+    """Every Triton module of :mod:`lightning_gc.kernels` (``*_triton``), imported."""
+    import lightning_gc.kernels as package
+
+    names = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name.endswith("_triton"))
+    return [importlib.import_module(f"{package.__name__}.{name}") for name in names]
 
 
 def wrapper_launches() -> list[Launch]:
     """Every launch the wrappers make over the dtypes and flags they accept (on made-up data)."""
-    from lightning_gc.kernels import triton_kernels as tk
-    from lightning_gc.kernels.reference import SelectionScratch
+    from lightning_gc.kernels import compensation_triton, packing_triton, selection_triton, sparse_triton
+    from lightning_gc.kernels.selection import SelectionScratch
 
     numel, k = 4096, 8
     indices = torch.arange(k, dtype=torch.int64)
@@ -115,24 +121,29 @@ def wrapper_launches() -> list[Launch]:
             for scale in (None, torch.ones(())):
                 for decay in (0.0, 1e-4):
                     calls.append(
-                        partial(tk.compensate_, g, g.clone(), g.clone(), momentum=momentum, nesterov=nesterov,
-                                grad_scale=scale, weight_decay=decay, param=g)
+                        partial(compensation_triton.compensate_, g, g.clone(), g.clone(), momentum=momentum,
+                                nesterov=nesterov, grad_scale=scale, weight_decay=decay, param=g)
                     )  # fmt: skip
         large = torch.randn(1 << 20).to(dtype)  # large enough for the sampled threshold (small ones go exact)
         calls.append(
-            partial(tk.sampled_topk_, large, 1024, sample_ratio=0.01, salt=1, scratch=SelectionScratch(),
-                    out_indices=torch.empty(1024, dtype=torch.int64), out_values=torch.empty(1024, dtype=dtype))
+            partial(selection_triton.sampled_topk_, large, 1024, sample_ratio=0.01, salt=1,
+                    scratch=SelectionScratch(), out_indices=torch.empty(1024, dtype=torch.int64),
+                    out_values=torch.empty(1024, dtype=dtype))
         )  # fmt: skip
         for masking in (False, True):
-            calls.append(partial(tk.commit_sparse_, g.clone(), g.clone() if masking else None, indices, g[:k]))
+            calls.append(
+                partial(sparse_triton.commit_sparse_, g.clone(), g.clone() if masking else None, indices, g[:k])
+            )
         for values_dtype in FLOAT_DTYPES:
-            calls.append(partial(tk.scatter_average_, g.clone(), indices, g[:k].to(values_dtype), 2))
-        calls.append(partial(tk.pack_signs, g))
+            calls.append(partial(sparse_triton.scatter_average_, g.clone(), indices, g[:k].to(values_dtype), 2))
+        calls.append(partial(packing_triton.pack_signs, g))
         for levels in (1, 3, 7, 15, 127):
-            calls.append(partial(tk.stochastic_quantize, g, torch.ones(()), levels, 11))
+            calls.append(partial(packing_triton.stochastic_quantize, g, torch.ones(()), levels, 11))
     for width in (1, 2, 4, 8):
-        calls.append(partial(tk.pack_codes, torch.zeros(numel, dtype=torch.uint8), width))
-        calls.append(partial(tk.unpack_codes, torch.zeros(numel * width // 8, dtype=torch.uint8), width, numel))
+        calls.append(partial(packing_triton.pack_codes, torch.zeros(numel, dtype=torch.uint8), width))
+        calls.append(
+            partial(packing_triton.unpack_codes, torch.zeros(numel * width // 8, dtype=torch.uint8), width, numel)
+        )
     with recording() as launches:
         for call in calls:
             call()
@@ -219,8 +230,6 @@ def compile_variant(variant: Variant, arch: int = 90) -> Compiled:
 def report(archs: tuple[int, ...] = (80, 90)) -> dict[str, Any]:
     """Compile every launched variant and its all-ones corner for each of ``archs``: per variant,
     registers and spilled bytes or the compiler's error; and which kernels the wrappers launch."""
-    from lightning_gc.kernels import triton_kernels
-
     launches = wrapper_launches()
     launched, corner = unique_variants(launches), unique_variants(launches, ones=True)
     rows = []
@@ -233,7 +242,7 @@ def report(archs: tuple[int, ...] = (80, 90)) -> dict[str, Any]:
             except Exception as error:  # every failing variant is reported, not only the first
                 row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"
             rows.append(row)
-    kernels = sorted(n for n in vars(triton_kernels) if n.startswith("_") and n.endswith("_kernel"))
+    kernels = sorted(n for m in triton_modules() for n in vars(m) if n.startswith("_") and n.endswith("_kernel"))
     return {"rows": rows, "kernels": kernels, "launched_kernels": sorted({v.kernel.fn.__name__ for v in launched})}
 
 

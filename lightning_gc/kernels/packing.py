@@ -1,0 +1,134 @@
+"""Bit packing and stochastic quantisation (QSGD, TernGrad), in torch; Triton twin: :mod:`.packing_triton`.
+
+Codes of ``width`` bits (1, 2, 4 or 8) are packed little-end first, ``8 // width`` to a byte: code
+``j`` of byte ``b`` sits at bits ``[j*width, (j+1)*width)``; the tail is zero-padded. Signs are
+1-bit codes, 1 where ``x < 0``. Stochastic quantisation rounds ``r = |x| / scale * levels``
+(clamped to ``levels``) to an integer level without bias::
+
+    level = floor(r) + [uniform < r - floor(r)]       uniform = rng.counter_uniform(seed, i)
+    code  = (level << 1) | (x < 0)                     at code_width(levels) bits
+    x'    = sign * level / levels * scale              (stochastic_dequantize; E[x'] = x)
+
+so the result is reproducible from ``seed``. ``scale`` is one per tensor or one per ``chunk_size``
+consecutive elements; QSGD uses the chunk's ``||x||_2``, TernGrad ``levels = 1`` with ``max |x|``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_gc.kernels.rng import counter_uniform
+
+CODE_WIDTHS = (1, 2, 4, 8)
+CHUNK = 1 << 18
+"""Elements per step of the chunked torch quantiser (a multiple of 8, so chunks start on bytes)."""
+
+
+def code_width(levels: int) -> int:
+    """Bits per code ``(level << 1) | negative`` for ``levels`` quantisation levels (a power of 2)."""
+    needed = 1 + int(levels).bit_length()
+    for width in CODE_WIDTHS[1:]:
+        if width >= needed:
+            return width
+    raise ValueError(f"`levels` must be in [1, 127] to fit 8-bit codes, got {levels!r}")
+
+
+def packed_bytes(numel: int, width: int) -> int:
+    return -(-numel * width // 8)
+
+
+def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Pack ``width``-bit codes (uint8, each < 2**width) little-end first: code j of byte b sits
+    at bits ``[j*width, (j+1)*width)`` of byte b. The tail is zero-padded. Chunked (:data:`CHUNK`)."""
+    per_byte = 8 // width
+    out = torch.empty(packed_bytes(codes.numel(), width), dtype=torch.uint8, device=codes.device)
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * width
+    for start in range(0, codes.numel(), CHUNK):
+        chunk = codes[start : start + CHUNK]
+        padded = torch.zeros(packed_bytes(chunk.numel(), width) * per_byte, dtype=torch.int32, device=codes.device)
+        padded[: chunk.numel()] = chunk
+        first = start // per_byte
+        out[first : first + padded.numel() // per_byte] = (padded.view(-1, per_byte) << shifts).sum(1)
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: the first ``numel`` codes as uint8. Chunked (:data:`CHUNK`)."""
+    per_byte = 8 // width
+    out = torch.empty(numel, dtype=torch.uint8, device=packed.device)
+    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * width
+    for start in range(0, numel, CHUNK):
+        stop = min(numel, start + CHUNK)
+        chunk = packed[start // per_byte : packed_bytes(stop, width)].to(torch.int32)
+        codes = (chunk.view(-1, 1) >> shifts) & ((1 << width) - 1)
+        out[start:stop] = codes.reshape(-1)[: stop - start]
+    return out
+
+
+def pack_signs(values: torch.Tensor) -> torch.Tensor:
+    """One bit per element, 1 where ``values < 0`` (so 0 counts as positive), 8 per byte."""
+    return pack_codes((values < 0).to(torch.uint8), 1)
+
+
+def quantize_factor(scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """``levels / scales`` as float32 (0 where a scale is 0), computed once so both implementations
+    multiply by the same correctly rounded factors (GPU division may be approximate)."""
+    scales = scales.to(torch.float32)
+    positive = scales > 0
+    safe = torch.where(positive, scales, torch.ones_like(scales))
+    return torch.where(positive, levels / safe, torch.zeros_like(scales))
+
+
+def per_element(per_block: torch.Tensor, chunk_size: int | None, start: int, count: int) -> torch.Tensor:
+    """Each of elements ``start .. start + count``'s entry of ``per_block``: entry ``i // chunk_size``,
+    or the single entry (broadcast) when ``chunk_size`` is ``None``."""
+    if chunk_size is None:
+        return per_block.reshape(1)
+    return per_block[torch.arange(start, start + count, device=per_block.device) // chunk_size]
+
+
+def stochastic_quantize(
+    values: torch.Tensor, scales: torch.Tensor, levels: int, seed: int, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Unbiased stochastic rounding of ``|values| / scale * levels`` to an integer level, packed.
+
+    ``level = floor(r) + [uniform < r - floor(r)]`` with ``r = |x| / scale * levels`` (clamped to
+    ``levels``) and the uniform drawn by :func:`counter_uniform` at offset = element index, so
+    ``E[sign * level / levels * scale] = x`` and the result is reproducible. ``scales`` holds one
+    scale for the whole tensor (``chunk_size=None``) or one per ``chunk_size`` consecutive elements.
+    QSGD uses ``scale = ||x||_2`` of the chunk; TernGrad is ``levels = 1`` with ``scale = max |x|``.
+    Codes are ``(level << 1) | negative`` at :func:`code_width` bits.
+
+    Works in chunks of :data:`CHUNK` elements: the integer temporaries then stay small, instead of
+    several gradient-sized int64 buffers that each fault their pages in again.
+    """
+    width = code_width(levels)
+    factors = quantize_factor(scales, levels)
+    flat = values.reshape(-1)
+    out = torch.empty(packed_bytes(flat.numel(), width), dtype=torch.uint8, device=flat.device)
+    per_byte = 8 // width
+    for start in range(0, flat.numel(), CHUNK):  # CHUNK is a multiple of 8: chunks start on byte boundaries
+        x = flat[start : start + CHUNK].to(torch.float32)
+        r = torch.clamp(x.abs() * per_element(factors, chunk_size, start, x.numel()), max=float(levels))
+        floor = torch.floor(r)
+        uniform = counter_uniform(seed, torch.arange(start, start + x.numel(), device=x.device))
+        level = (floor + (uniform < (r - floor)).to(torch.float32)).to(torch.int32)
+        codes = (level << 1) | (x < 0).to(torch.int32)
+        out[start // per_byte : start // per_byte + packed_bytes(x.numel(), width)] = pack_codes(
+            codes.to(torch.uint8), width
+        )
+    return out
+
+
+def stochastic_dequantize(
+    packed: torch.Tensor, scales: torch.Tensor, levels: int, numel: int, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Values (float32) of :func:`stochastic_quantize`'s codes: ``sign * level / levels * scale``."""
+    steps = scales.to(torch.float32).reshape(-1) / levels
+    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    codes = unpack_codes(packed, code_width(levels), numel)
+    for start in range(0, numel, CHUNK):
+        chunk = codes[start : start + CHUNK].to(torch.int32)
+        magnitude = (chunk >> 1).to(torch.float32) * per_element(steps, chunk_size, start, chunk.numel())
+        out[start : start + chunk.numel()] = torch.where((chunk & 1).bool(), -magnitude, magnitude)
+    return out
