@@ -13,11 +13,11 @@ import torch
 from conftest import REPO, launch_ranks, start_ranks
 
 from lightning_gc import available
+from lightning_gc.checkpoint import CHECKPOINT_KEY
 from lightning_gc.compressors import DGCCompressor, create
 from lightning_gc.guard import StepGuard
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
-from lightning_gc.checkpoint import CHECKPOINT_KEY
 
 SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
 SMALL = {"hidden": [64], **SGD}
