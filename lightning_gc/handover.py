@@ -41,6 +41,7 @@ checkpoint of the compressed phase loads into plain Adam/AdamW.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -52,7 +53,40 @@ from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_momentum_specs, unwrap_optimizer
 
 
-class MomentumHandOver:
+class HandOver(ABC):
+    """What a session asks of a hand-over (one per fit, chosen by :func:`hand_over_for`)."""
+
+    @abstractmethod
+    def check(self, optimizers: Sequence[Any], *, local_update: bool, delay: int = 0) -> None:
+        """Raise ``ValueError`` for optimizers or settings this hand-over cannot honour."""
+
+    @abstractmethod
+    def exact_steps(self) -> int:
+        """Optimizer steps at the start whose gradients are averaged exactly, as DDP does."""
+
+    @abstractmethod
+    def refresh(
+        self,
+        optimizers: Sequence[Any],
+        names: dict[int, tuple[str, int]],
+        *,
+        step: int = 0,
+        announce: bool = False,
+        grad_scale: float | None = None,
+    ) -> None:
+        """Before optimizer step ``step`` (its backward pass not yet run): give the memory each
+        parameter's momentum recurrence (``names``: parameter id -> (name, order))."""
+
+    @abstractmethod
+    def stepping(self, optimizers: Sequence[Any]) -> AbstractContextManager[Any]:
+        """The context to run the optimizer step in."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Undo whatever the hand-over put on the model (at the end of a fit)."""
+
+
+class MomentumHandOver(HandOver):
     """SGD momentum applied by ``memory`` instead of the optimizers (a no-op without momentum correction).
 
     Args:
@@ -90,8 +124,7 @@ class MomentumHandOver:
                 )
 
     def exact_steps(self) -> int:
-        """Steps at the start averaged exactly, as DDP does (none: SGD's hand-over starts at once)."""
-        return 0
+        return 0  # SGD's hand-over starts at once
 
     def refresh(
         self,
@@ -102,8 +135,7 @@ class MomentumHandOver:
         announce: bool = False,
         grad_scale: float | None = None,
     ) -> None:
-        """Give the memory each parameter's current momentum recurrence (``names``: parameter id ->
-        (name, order)); ``announce`` says once when there is no momentum to correct."""
+        """The SGD groups' current values; ``announce`` says once when there is no momentum to correct."""
         if not self.active:
             return
         from_sgd = sgd_momentum_specs(optimizers)
@@ -151,7 +183,7 @@ def _decoupled(optimizer: Any, group: dict[str, Any]) -> bool:
     return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
 
 
-class AdamHandOver:
+class AdamHandOver(HandOver):
     """Adam's first moment applied by ``memory`` after ``warmup_steps`` dense steps, over a frozen,
     preconditioned second moment (module docstring). Needs exactly one ``torch.optim.Adam``/``AdamW``.
 
@@ -343,7 +375,7 @@ def frozen_variance_step(optimizer: Any, denominators: dict[torch.Tensor, torch.
 def hand_over_for(
     optimizers: Sequence[Any], memory: CompensationMemory, *, explicit_momentum: float | None,
     adam_warmup_steps: int, owner: str,
-) -> MomentumHandOver | AdamHandOver:  # fmt: skip
+) -> HandOver:  # fmt: skip
     """The hand-over for a fit's optimizers: Adam's when they are Adam/AdamW and momentum
     correction is on (and no explicit momentum replaces theirs), SGD's otherwise."""
     inner = [unwrap_optimizer(o) for o in optimizers]

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gc.checkpoint import gather_entry, rank_state
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.consistency import verify_same_parameters, verify_same_setup
-from lightning_gc.handover import AdamHandOver, MomentumHandOver, hand_over_for
+from lightning_gc.handover import HandOver, MomentumHandOver, hand_over_for
 from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.momentum import unwrap_optimizer
 from lightning_gc.policy import agreed
@@ -60,7 +60,7 @@ class CompressionSession:
         self.settings = settings
         self.memory = settings.memory_for(compressor)
         self.owner = owner
-        self.hand_over: MomentumHandOver | AdamHandOver = MomentumHandOver(self.memory, settings.momentum, owner)
+        self.hand_over: HandOver = MomentumHandOver(self.memory, settings.momentum, owner)
         self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "skipped_steps": 0}
         self.hook_state: CompressionHookState | None = None
         self._pending_state: dict[str, Any] | None = None
