@@ -1,5 +1,6 @@
-"""One rank of a plain DDP loop (no Lightning): ``lightning_gc.attach`` or, with ``"compressor":
-null``, plain DDP + the same optimizer. Saves the final parameters; see test_attach.py."""
+"""One rank of plain DDP loops (no Lightning), one per entry of the plan's ``"runs"``:
+``lightning_gc.attach`` or, with ``"compressor": null``, plain DDP + the same optimizer. Saves each
+run's final parameters and totals; see test_attach.py."""
 
 from __future__ import annotations
 
@@ -14,26 +15,20 @@ from torch.nn.parallel import DistributedDataParallel
 import lightning_gc
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    with open(sys.argv[1]) as f:
-        plan = json.load(f)
-    rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+def train(run: dict, rank: int) -> dict:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     model = DistributedDataParallel(net)
-    if plan["optimizer"] == "sgd":
+    if run["optimizer"] == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     gc = None
-    if plan["compressor"] is not None:
-        gc = lightning_gc.attach(model, optimizer, plan["compressor"], **plan.get("kwargs", {}))
+    if run["compressor"] is not None:
+        gc = lightning_gc.attach(model, optimizer, run["compressor"], **run.get("kwargs", {}))
     generator = torch.Generator().manual_seed(100 + rank)
-    teacher = torch.Generator().manual_seed(7)
-    weights = torch.randn(32, 10, generator=teacher)
-    for _ in range(plan["steps"]):
+    weights = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
+    for _ in range(run["steps"]):
         x = torch.randn(16, 32, generator=generator)
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), (x @ weights).argmax(1)).backward()
@@ -41,12 +36,21 @@ def main() -> None:
             optimizer.step()
         else:
             gc.step()
-    if gc is not None:
-        gc.finish()
     result = {"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
     if gc is not None:
+        gc.finish()
         result["totals"] = dict(gc.totals)
-    torch.save(result, os.path.join(plan["out"], f"rank{rank}.pt"))
+    return result
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with open(sys.argv[1]) as f:
+        plan = json.load(f)
+    rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    results = [train(run, rank) for run in plan["runs"]]
+    torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
