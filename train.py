@@ -3,7 +3,7 @@
     python train.py                                  # quickstart: DGC vs dense DDP on digits, 2 CPU processes
     python train.py +recipe=resnet50_dgc             # a paper recipe (configs/recipe/)
     python train.py -m +recipe=resnet20_cifar10_dgc strategy.compress_ratio=0.001,0.01,0.1
-    python -m lightning_gc.report multirun/<date>/<time>
+    python -m recipes.report multirun/<date>/<time>
 
 Each run writes result.json / result.csv into its Hydra output directory (see recipes/app.py).
 """

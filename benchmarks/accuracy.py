@@ -20,7 +20,8 @@ Tasks:
 * ``cifar10``: ResNet-20 on CIFAR-10's training JPEGs (``<data>/cifar10``), a seeded subset of
   ``--train-size`` images, 5,000 held out for validation; SGD lr 0.1 (global batch 128), a step
   decay at 60 % and 85 % of the epochs; dense DDP and DGC at 0.1 % (after the paper's 4-epoch
-  sparsity warm-up), each with seeds 0 and 1 so the seed-to-seed spread is known.
+  sparsity warm-up), each with seeds 0 and 1 so the seed-to-seed spread is known, and DGC with
+  ``delay=1`` (seed 0) for delayed synchronisation's staleness cost.
 
 Needs the shared data folder (``--data``, default ``../shared/data`` beside the checkout).
 """
@@ -95,6 +96,8 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
             Run("DGC 0.1 %, seed 0", "resnet20_cifar10_dgc", ("seed=0",)),
             Run("dense, seed 1", "resnet20_cifar10_dense", ("seed=1",)),
             Run("DGC 0.1 %, seed 1", "resnet20_cifar10_dgc", ("seed=1",)),
+            # delayed synchronisation's staleness cost: the exchange of step t is applied at t + 1
+            Run("DGC 0.1 %, delay 1, seed 0", "resnet20_cifar10_dgc", ("seed=0", "strategy.delay=1")),
         ),
         overrides=shared,
     )

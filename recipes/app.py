@@ -1,7 +1,7 @@
 """What ``train.py`` does with a composed Hydra config: build, fit, record, compare.
 
 One run = one strategy fitted on the configured task, recorded by
-:class:`lightning_gc.results.RunRecorder` in the run's directory. With ``compare_dense=true``
+:class:`recipes.results.RunRecorder` in the run's directory. With ``compare_dense=true``
 (the quickstart) the same task is fitted again with dense DDP (in ``<run dir>/dense``) and the
 two are printed side by side.
 
@@ -31,7 +31,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_gc import GradientCompressionStrategy
-from lightning_gc.results import RESULT_FILE, RunRecorder
+from recipes.results import RESULT_FILE, RunRecorder
 
 
 class UsageError(ValueError):

@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from rich.console import Console
 
-from lightning_gc.report import main as report_main
-from lightning_gc.report import report
+from recipes.report import main as report_main
+from recipes.report import report
 from recipes.app import build, build_strategy
 
 
@@ -54,7 +54,7 @@ def test_report_without_results_says_what_it_needs(tmp_path: Path, capsys: pytes
     with pytest.raises(FileNotFoundError, match="no result.json under"):
         report(tmp_path, Console(file=io.StringIO()))
     with pytest.raises(SystemExit) as exit_info:
-        report_main([str(tmp_path)])  # python -m lightning_gc.report <dir>
+        report_main([str(tmp_path)])  # python -m recipes.report <dir>
     assert exit_info.value.code == 2 and "no result.json under" in capsys.readouterr().err
 
 
@@ -235,7 +235,7 @@ def test_report_tells_schemes_apart_and_skips_stale_and_failed_jobs(tmp_path: Pa
     import json
     import os
 
-    from lightning_gc.report import series, sweep_runs
+    from recipes.report import series, sweep_runs
 
     sweep = tmp_path / "sweep"
     old = sweep / "7"
@@ -273,7 +273,7 @@ def test_report_tells_schemes_apart_and_skips_stale_and_failed_jobs(tmp_path: Pa
 
 
 def test_summary_line_names_the_scheme() -> None:
-    from lightning_gc.results import summary_line
+    from recipes.results import summary_line
 
     line = summary_line({**_result("qsgd", None, [], 0.5), "wire_compression": 8.0}, Path("run"))
     assert "| qsgd | wire 8x |" in line

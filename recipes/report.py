@@ -1,6 +1,6 @@
-"""``python -m lightning_gc.report <sweep_dir>``: one table and one plot for a sweep's runs.
+"""``python -m recipes.report <sweep_dir>``: one table and one plot for a sweep's runs.
 
-Reads every ``result.json`` under the directory (see :mod:`lightning_gc.results`), prints a
+Reads every ``result.json`` under the directory (see :mod:`recipes.results`), prints a
 ``rich`` table (run, the overrides that differ between runs, scheme, compression ratio, final
 metric, wire compression, step time, throughput) sorted by scheme and ratio with dense runs last,
 and writes ``report.png`` into the directory: the metric and the throughput against the
@@ -22,7 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from lightning_gc.results import RESULT_FILE, load_results, scheme
+from recipes.results import RESULT_FILE, load_results, scheme
 
 Row = tuple[Path, dict[str, Any]]
 SWEEP_MARKER = "multirun.yaml"
@@ -147,7 +147,7 @@ def report(root: str | Path, console: Console | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_gc.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes.report", description=__doc__.splitlines()[0])
     parser.add_argument("sweep_dir", type=Path, help="a train.py multirun (or run) directory")
     args = parser.parse_args(argv)
     try:
