@@ -18,6 +18,7 @@ compressor configuration, gradient shapes, world size, device and torch version.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -30,6 +31,7 @@ import torch
 
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import argument_names, available, create
+from lightning_gc.compressors.two_phase import TwoPhaseExchange
 from lightning_gc.exchange import LocalExchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.layout import BucketLayout, Segment
@@ -156,12 +158,14 @@ def time_codec(
         if step:
             encode_times.append(max(0.0, timeline.seconds(*ENCODE_SIDE) - moved_s))
             decode_times.append(timeline.seconds(*DECODE_SIDE))
-    return CodecCost(
+    two_phase = isinstance(compressor, TwoPhaseExchange) and compressor.two_phase_at(world_size)
+    return CodecCost(  # a two-phase payload is the all-to-all's; its all-gather is the second phase
         name=compressor.name,
         summed_bytes=exchange.summed_bytes,
-        gathered_bytes=exchange.gathered_bytes,
+        gathered_bytes=0 if two_phase else exchange.gathered_bytes,
         encode_s=statistics.median(encode_times),
         decode_s=statistics.median(decode_times),
+        two_phase_bytes=exchange.scattered_bytes if two_phase else 0,
     )
 
 
@@ -205,7 +209,7 @@ def codec_cost(
         sizes = time_codec(
             compressor, shapes, world_size=world_size, device=device, repeats=1, momentum=momentum, gradients=gradients
         )
-        return CodecCost(name, sizes.summed_bytes, sizes.gathered_bytes, encode_s=measured[0], decode_s=measured[1])
+        return dataclasses.replace(sizes, encode_s=measured[0], decode_s=measured[1])
     key = _cache_key(compressor, shapes, world_size, device, momentum, gradients)
     stored = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
     if key in stored:

@@ -50,6 +50,13 @@ def allgather_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGrou
     return work.get_future().then(_resolving_to(out))
 
 
+def alltoall_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGroup) -> Future[torch.Tensor]:
+    """All-to-all of equal rows: ``payload``'s row ``j`` goes to rank ``j``, ``out``'s row ``i``
+    comes from rank ``i`` (both ``world_size`` equal rows, flat); resolves to ``out``."""
+    work = dist.all_to_all_single(out, payload, group=group, async_op=True)
+    return work.get_future().then(_resolving_to(out))
+
+
 def any_rank(flag: torch.Tensor, group: ProcessGroup) -> bool:
     """Whether ``flag`` (a boolean 0-d tensor) is true on any rank; blocking, called on every rank."""
     value = flag.to(torch.int32).reshape(1)

@@ -6,7 +6,9 @@ collectives *from the caller's thread* (the comm hook, in bucket order on every 
 :mod:`lightning_gc.comm`), returning a future of the round that decode is to read, whose
 
 * ``summed`` holds the sum over ranks of what they put there;
-* ``gathered_out`` holds every rank's ``gathered`` payload, in rank order.
+* ``gathered_out`` holds every rank's ``gathered`` payload, in rank order;
+* ``scattered_out`` holds, in rank order, the row of every rank's ``scattered`` payload meant for
+  this rank.
 
 The immediate exchanges below resolve to the round they were given; a delayed exchange resolves
 to a round launched earlier.
@@ -37,17 +39,20 @@ class Exchange(ABC):
 
 
 def _payloads(encoded: Encoded) -> None:
-    if encoded.summed is None and encoded.gathered is None:
-        raise RuntimeError("a compressor round sends nothing: Encoded needs `summed` or `gathered`")
+    if encoded.summed is None and encoded.gathered is None and encoded.scattered is None:
+        raise RuntimeError("a compressor round sends nothing: Encoded needs `summed`, `gathered` or `scattered`")
     if encoded.gathered is not None and encoded.gathered_out is None:
         raise RuntimeError("Encoded.gathered needs `gathered_out` to receive every rank's payload")
+    if encoded.scattered is not None and encoded.scattered_out is None:
+        raise RuntimeError("Encoded.scattered needs `scattered_out` to receive every rank's row")
 
 
 class CollectiveExchange(Exchange):
-    """The real collectives: an all-reduce of ``summed`` and an all-gather of ``gathered``.
+    """The real collectives: an all-reduce of ``summed``, an all-gather of ``gathered`` and an
+    all-to-all of ``scattered``, launched in that order.
 
-    Bytes per rank for a bucket payload of ``m`` bytes over ``N`` ranks: ring all-reduce
-    ``2 (N-1)/N m``, all-gather ``(N-1) m``.
+    Bytes on the wire per rank (:func:`traffic_bytes`) for a payload of ``m`` bytes over ``N``
+    ranks: ring all-reduce ``2 (N-1)/N m``, all-gather ``(N-1) m``, all-to-all ``(N-1)/N m``.
     """
 
     def __init__(self, group: comm.ProcessGroup = None) -> None:
@@ -61,6 +66,9 @@ class CollectiveExchange(Exchange):
         if encoded.gathered is not None:
             assert encoded.gathered_out is not None
             futures.append(comm.allgather_fixed(encoded.gathered, encoded.gathered_out, self.group))
+        if encoded.scattered is not None:
+            assert encoded.scattered_out is not None
+            futures.append(comm.alltoall_fixed(encoded.scattered, encoded.scattered_out, self.group))
         joined = futures[0] if len(futures) == 1 else collect_all(futures).then(_raise_first_error)
         return joined.then(lambda done: _completed(done, encoded))
 
@@ -68,24 +76,35 @@ class CollectiveExchange(Exchange):
 class LocalExchange(Exchange):
     """A stand-in without collectives, for timing and benchmarks: a world of ``world_size`` ranks
     that all send what this rank sends (the all-reduce sums ``world_size`` equal payloads, the
-    all-gather repeats this one). Completes at once. Counts the bytes each kind of payload would
-    hand to its collective over all rounds (``summed_bytes``, ``gathered_bytes``)."""
+    all-gather repeats this one, the all-to-all hands every rank row ``rank`` of this one's).
+    Completes at once. Counts the bytes each kind of payload would hand to its collective over all
+    rounds (``summed_bytes``, ``gathered_bytes``, ``scattered_bytes``) and the bytes each rank
+    would put on the wire (``traffic``, see :func:`traffic_bytes`)."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, rank: int = 0) -> None:
         self.world_size = world_size
+        self.rank = rank
         self.summed_bytes = 0
         self.gathered_bytes = 0
+        self.scattered_bytes = 0
+        self.traffic = 0.0
 
     def launch(self, encoded: Encoded) -> Future[Encoded]:
         _payloads(encoded)
         self.summed_bytes += payload_bytes(encoded.summed)
         self.gathered_bytes += payload_bytes(encoded.gathered)
+        self.scattered_bytes += payload_bytes(encoded.scattered)
+        self.traffic += traffic_bytes(encoded, self.world_size)
         if encoded.summed is not None:
             encoded.summed.mul_(self.world_size)
         if encoded.gathered is not None:
             assert encoded.gathered_out is not None
             rows = encoded.gathered_out.view(self.world_size, -1)
             rows.copy_(encoded.gathered.view(1, -1).expand(self.world_size, -1))
+        if encoded.scattered is not None:
+            assert encoded.scattered_out is not None
+            mine = encoded.scattered.view(self.world_size, -1)[self.rank]
+            encoded.scattered_out.view(self.world_size, -1).copy_(mine.view(1, -1).expand(self.world_size, -1))
         done: Future[Encoded] = Future()
         done.set_result(encoded)
         return done
@@ -99,6 +118,19 @@ def _raise_first_error(done: Future[list[Future[Any]]]) -> None:
 def _completed(done: Future[Any], encoded: Encoded) -> Encoded:
     done.value()  # a failed collective fails the round instead of passing on whatever the buffers hold
     return encoded
+
+
+def traffic_bytes(encoded: Encoded, world_size: int) -> float:
+    """Bytes one rank puts on the wire for one round (what it sends; with these algorithms, also
+    what it receives): ring all-reduce of ``summed`` ``2 (N-1)/N m``, all-gather of ``gathered``
+    ``(N-1) m`` (its payload to every peer), all-to-all of ``scattered`` ``(N-1)/N m`` (every row
+    but its own)."""
+    n = world_size
+    return (
+        2 * (n - 1) / n * payload_bytes(encoded.summed)
+        + (n - 1) * payload_bytes(encoded.gathered)
+        + (n - 1) / n * payload_bytes(encoded.scattered)
+    )
 
 
 def payload_bytes(payload: torch.Tensor | None) -> int:

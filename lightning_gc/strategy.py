@@ -36,6 +36,7 @@ from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
 from lightning_gc.compressors.registry import available as available_compressors
 from lightning_gc.compressors.registry import create as create_compressor
+from lightning_gc.compressors.two_phase import two_phase_compressors
 from lightning_gc.hook import CompressionHookState
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.policy import CompressionPolicy
@@ -80,6 +81,12 @@ def resolve_compressor(
             f"`compressor` must be one of {available_compressors()} or a lightning_gc Compressor, got {compressor!r}"
         )
     allowed = set().union(*others.values())
+    if "exchange" in kwargs and "exchange" not in allowed:
+        raise ValueError(
+            f"`exchange={kwargs['exchange']!r}` is not for compressor {compressor.name!r}: the two-phase exchange "
+            f"re-encodes averaged chunks, which only {two_phase_compressors()} can; sparse compressors (topk, dgc, "
+            "randomk) gather index-value pairs and powersgd is all-reduced already"
+        )
     unknown = {name: kwargs[name] for name in sorted(set(kwargs) - allowed)}
     if unknown:
         known = argument_names(type(compressor)) | allowed | _strategy_argument_names()

@@ -49,7 +49,7 @@ def test_arguments_go_to_the_compressor_or_to_ddp() -> None:
     [
         ({"compressor": "zip"}, f"must be one of {available()}, got 'zip'"),
         ({"compressor": "topk", "levels": 2}, "unknown argument(s) {'levels': 2}"),
-        ({"compressor": "fp16", "compress_ratio": 0.1}, "compressor 'fp16' takes []"),
+        ({"compressor": "fp16", "compress_ratio": 0.1}, "compressor 'fp16' takes ['exchange', 'server_feedback']"),
         ({"compressor": "topk", "bucket_cap": 4}, "DDP takes"),
         ({"compressor": "topk", "compress_ratio": 0}, "`compress_ratio` must be in (0, 1], got 0"),
         ({"compressor": 3}, "or a lightning_gc Compressor, got 3"),

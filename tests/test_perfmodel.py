@@ -19,9 +19,14 @@ from lightning_gc.perfmodel import (
     Workload,
     allgather_s,
     best,
+    comm_s,
+    exchange_bytes,
+    gather_loses_to_dense_at,
     pays,
     predict,
     ring_allreduce_s,
+    two_phase_cost,
+    two_phase_s,
 )
 from lightning_gc.perfmodel import __main__ as cli
 
@@ -44,6 +49,65 @@ def test_allgather_hand_computed():
     assert allgather_s(1e5, NET) == pytest.approx(0.003 + 0.3)
     # all-gather beats all-reduce on bytes only when r > p/2: at r = 2 = p/2 they tie on bandwidth
     assert allgather_s(5e5, Network(4, 1e6)) == pytest.approx(ring_allreduce_s(1e6, Network(4, 1e6)))
+
+
+def test_two_phase_hand_computed():
+    # m = 1e5 on p = 4: all-to-all (p-1)a + (p-1)/p m/B = 3 ms + 75 ms; all-gather of m/p = 25 kB
+    # per rank (p-1)a + (p-1) m/p / B = 3 ms + 75 ms
+    assert two_phase_s(1e5, NET) == pytest.approx(0.078 + 0.078)
+    assert two_phase_s(1e5, NET, rounds=2) == pytest.approx(2 * 0.006 + 0.15)
+    assert two_phase_s(1e5, NET) == pytest.approx(ring_allreduce_s(1e5, NET))  # same alpha-beta cost
+    assert two_phase_s(0, NET) == 0.0 and two_phase_s(1e5, Network(1, 1e6, 1e-3)) == 0.0
+    cost = CodecCost("q", summed_bytes=0, gathered_bytes=0, two_phase_bytes=100_000)
+    assert comm_s(cost, NET) == pytest.approx(0.156) and cost.bytes_sent == 100_000
+    assert cost.wire_bytes(4) == pytest.approx(150_000)
+
+
+def test_two_phase_bytes_stay_flat_in_world_size_where_gather_grows_linearly():
+    m = 1000.0
+    sizes = [2, 8, 64, 512]
+    two_phase = [exchange_bytes("two_phase", m, p) for p in sizes]
+    gather = [exchange_bytes("gather", m, p) for p in sizes]
+    assert two_phase == pytest.approx([2 * (p - 1) / p * m for p in sizes])
+    assert all(t < 2 * m for t in two_phase)  # bounded: 2(p-1)/p m < 2m at any p
+    assert gather == pytest.approx([(p - 1) * m for p in sizes])  # grows with p
+    assert exchange_bytes("allreduce", m, 4) == pytest.approx(1500.0)
+    assert exchange_bytes("gather", m, 1) == exchange_bytes("two_phase", m, 1) == 0.0
+    with pytest.raises(ValueError, match="`exchange` must be one of"):
+        exchange_bytes("ring", m, 4)
+
+
+def test_onebit_gather_loses_to_dense_beyond_64_ranks_two_phase_does_not():
+    dense = 102_400_000
+    onebit = dense // 32
+    assert gather_loses_to_dense_at(32) == 65  # p > 2r; at p = 64 the bytes tie
+    assert exchange_bytes("gather", onebit, 64) == pytest.approx(exchange_bytes("allreduce", dense, 64))
+    for p in (65, 128, 512):
+        assert exchange_bytes("gather", onebit, p) > exchange_bytes("allreduce", dense, p)
+        assert exchange_bytes("two_phase", onebit, p) < exchange_bytes("allreduce", dense, p)
+    assert gather_loses_to_dense_at(7.9) == 16 and gather_loses_to_dense_at(0.1) == 2
+    # in time, at p = 128 and 10 Gbit/s: gather slower than dense, two-phase faster
+    net = Network.from_bits(128, 10e9, 50e-6)
+    assert allgather_s(onebit, net) > ring_allreduce_s(dense, net) > two_phase_s(onebit, net)
+
+
+def test_two_phase_cost_moves_the_gathered_bytes_and_reencodes():
+    gathered = CodecCost("onebit", summed_bytes=8, gathered_bytes=1000, encode_s=0.004, decode_s=0.002)
+    phased = two_phase_cost(gathered, world_size=4)
+    assert phased.name == "onebit+two_phase" and phased.payloads == {"allreduce": 8, "gather": 0, "two_phase": 1000}
+    assert phased.encode_s == pytest.approx(0.005) and phased.decode_s == pytest.approx(0.0025)  # x (1 + 1/p)
+    assert set(cli.TWO_PHASE_QUANTISERS) <= set(available())
+
+
+@pytest.mark.parametrize("world_size, choice", [("2", "onebit"), ("128", "onebit+two_phase")])
+def test_cli_weighs_the_two_phase_exchange(world_size, choice, capsys):
+    """0.4 MB at 100 Mbit/s: on 2 ranks onebit's all-gather has fewer messages and less codec
+    work than two-phase; on 128 it sends 127 payloads, more than dense, and two-phase wins."""
+    cli.main(["--params", "1e5", "--compute-ms", "10", "--world-size", world_size, "--bandwidth", "100mbit",
+              "--compressor", "onebit", "--cost", "onebit=0.2,0.1", "--no-cache"])  # fmt: skip
+    stdout = capsys.readouterr().out
+    assert "| onebit | " in stdout and "| onebit+two_phase | " in stdout
+    assert f"use: {choice} (expected speedup" in stdout
 
 
 def test_overlap_and_speedup_hand_computed():

@@ -12,9 +12,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from rich.console import Console
 
+from recipes.app import build, build_strategy
 from recipes.report import main as report_main
 from recipes.report import report
-from recipes.app import build, build_strategy
 
 
 def test_multirun_over_the_ratio_writes_one_sweep_and_the_report(tmp_path: Path) -> None:

@@ -10,7 +10,10 @@ Payloads come in two kinds, and one bucket may use both:
 * ``summed`` -- a floating tensor whose element-wise sum over ranks is meaningful (dense
   values): all-reduced;
 * ``gathered`` -- a byte buffer of the same size on every rank (e.g. sparse values + indices):
-  all-gathered into ``gathered_out`` without a size exchange.
+  all-gathered into ``gathered_out`` without a size exchange;
+* ``scattered`` -- ``world_size`` equal rows, row ``j`` for rank ``j``: exchanged all-to-all into
+  ``scattered_out``, whose row ``i`` is what rank ``i`` sent to this rank (the first phase of the
+  two-phase exchange, :mod:`lightning_gc.compressors.two_phase`).
 
 A compressor may need several rounds of communication per bucket (PowerSGD all-reduces P, then
 Q computed from the reduced P). Its :meth:`Compressor.encode` then returns the first round with
@@ -43,6 +46,8 @@ class Encoded:
         elements_sent: number of gradient values this rank sends.
         summed: all-reduced in place (sum over ranks), or ``None``.
         gathered: all-gathered into ``gathered_out`` (``world_size`` x its size), or ``None``.
+        scattered: exchanged all-to-all: ``world_size`` equal rows, row ``j`` goes to rank ``j``
+            and row ``i`` of ``scattered_out`` comes from rank ``i``; or ``None``.
         sent_indices: bucket positions (int64) of the pairs sent sparsely, or ``None``.
         sent_values: the values of those pairs as receivers decode them; a pair with value 0
             is a no-op (the Triton selection pads with such pairs).
@@ -64,6 +69,8 @@ class Encoded:
     summed: torch.Tensor | None = None
     gathered: torch.Tensor | None = None
     gathered_out: torch.Tensor | None = None
+    scattered: torch.Tensor | None = None
+    scattered_out: torch.Tensor | None = None
     sent_indices: torch.Tensor | None = None
     sent_values: torch.Tensor | None = None
     dense_positions: torch.Tensor | None = None
@@ -332,24 +339,32 @@ class PlanKey:
     device: torch.device
     dtype: torch.dtype
 
+    @staticmethod
+    def of(compressor: Compressor, context: EncodeContext, like: torch.Tensor) -> PlanKey:
+        """The key of ``compressor``'s plan for ``context`` and values like ``like``: its settings
+        are every argument in its :meth:`~Compressor.config`."""
+        return PlanKey(
+            layout=context.layout,
+            layout_id=id(context.layout),
+            settings=tuple(compressor.config().items()),
+            world_size=context.world_size,
+            device=like.device,
+            dtype=like.dtype,
+        )
+
 
 class PlannedCompressor(Compressor, Generic[PlanT]):
     """A compressor whose per-bucket sizes and buffers (its *plan*) are built once and reused.
 
     Subclasses say only how to build a plan (:meth:`build_plan`). :meth:`plan` keeps one plan per
     bucket index and rebuilds it whenever anything it depends on changed: the layout object, any
-    setting (:meth:`plan_settings`: every argument in :meth:`~Compressor.config`, so a ratio set
+    setting (every argument in :meth:`~Compressor.config`, so a ratio set
     by :class:`~lightning_gc.SparsityWarmup` counts), the world size, or the velocity's device or
     dtype. Invariant: an encode never sees a plan built for other sizes or buffers than its own.
     """
 
     def __init__(self) -> None:
         self._plans: dict[int, tuple[PlanKey, PlanT]] = {}
-
-    def plan_settings(self) -> tuple[tuple[str, Any], ...]:
-        """The settings a plan depends on, as comparable plain data: by default every entry of
-        :meth:`~Compressor.config` (the name and every argument), so no setting can be forgotten."""
-        return tuple(self.config().items())
 
     @abstractmethod
     def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> PlanT:
@@ -360,14 +375,7 @@ class PlannedCompressor(Compressor, Generic[PlanT]):
         """The plan for ``context.layout`` and ``like`` (the velocity), built on first use and
         rebuilt whenever its :class:`PlanKey` changed."""
         layout = context.layout
-        key = PlanKey(
-            layout=layout,
-            layout_id=id(layout),
-            settings=self.plan_settings(),
-            world_size=context.world_size,
-            device=like.device,
-            dtype=like.dtype,
-        )
+        key = PlanKey.of(self, context, like)
         cached = self._plans.get(layout.index)
         if cached is not None and cached[0] == key:
             return cached[1]

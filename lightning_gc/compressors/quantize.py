@@ -20,13 +20,19 @@ dequantised values and divides by the world size.
   chunk, the mean of its non-negative and the mean of its negative elements (the reconstruction
   that minimises the squared error for a given sign pattern); error feedback.
 
-Rounding randomness is a pure function of (step, rank, tensor), so runs are reproducible and ranks
-draw independently.
+Rounding randomness is a pure function of (step, rank, tensor)
+(:func:`~lightning_gc.compressors.two_phase.encode_seed`), so runs are reproducible and ranks draw
+independently.
+
+Every quantiser takes ``exchange``: ``"gather"`` (default, the payload above all-gathered),
+``"two_phase"`` (a compressed all-reduce whose traffic per rank is flat in the world size, with
+server-side error feedback, :mod:`lightning_gc.compressors.two_phase`) or ``"auto"``.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,40 +40,49 @@ import torch
 from lightning_gc import kernels
 from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor, aligned, mean_into
 from lightning_gc.compressors.registry import register
+from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange, encode_seed
 from lightning_gc.kernels.packing import packed_bytes
-from lightning_gc.layout import BucketLayout
+from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_int
 
-_SEED_STEP, _SEED_RANK = 1_000_003, 7_919
 DEFAULT_CHUNK = 512
 """Elements sharing one scale in the unbiased quantisers by default (the QSGD paper's bucket size)."""
 
 
-@dataclass
-class _QuantPlan:
-    layout: BucketLayout
+@dataclass(frozen=True)
+class _CodeLayout:
+    """Where each tensor's scales and codes sit in a payload (see the module docstring)."""
+
     scale_starts: tuple[int, ...]  # first float32 scale slot of each tensor; last entry: the total
     code_offsets: tuple[int, ...]  # byte offset of each tensor's codes in the payload
     code_sizes: tuple[int, ...]
+
+
+@dataclass
+class _QuantPlan:
+    fmt: ChunkFormat  # the whole bucket's payload format
     payload: torch.Tensor
     gathered: torch.Tensor
     decoded: torch.Tensor  # this rank's values as receivers decode them (for error feedback)
     total: torch.Tensor  # float32 sum of every rank's decoded values (fp16 could overflow before /N)
 
 
-class _BlockQuantizer(PlannedCompressor[_QuantPlan]):
+class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
     """Shared payload layout, encode and decode; subclasses define scales and codes.
 
     A tensor's scales are ``scales_per_block`` float32 numbers for each block: the whole tensor,
-    or each run of ``chunk_size`` elements when ``chunk_size`` is set.
+    or each run of ``chunk_size`` elements when ``chunk_size`` is set. The payload is all-gathered
+    (``exchange="gather"``) or exchanged in two phases (:mod:`lightning_gc.compressors.two_phase`),
+    where a tensor split between two ranks' chunks has scales for each piece.
     """
 
     code_bits: int
     scales_per_block: int = 1
 
-    def __init__(self, chunk_size: int | None) -> None:
+    def __init__(self, chunk_size: int | None, exchange: str, server_feedback: bool | None) -> None:
         super().__init__()
         self.chunk_size = None if chunk_size is None else check_int("chunk_size", chunk_size, 8)
+        self.init_exchange(exchange, server_feedback)
 
     def scale_count(self, numel: int) -> int:
         """Scales stored for a tensor of ``numel`` elements (none for an empty tensor)."""
@@ -86,50 +101,68 @@ class _BlockQuantizer(PlannedCompressor[_QuantPlan]):
     def decode_codes(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
         """float32 values of packed ``codes``."""
 
-    def _layout_bytes(self, layout: BucketLayout) -> tuple[list[int], list[int], list[int], int]:
-        """(first scale slot of each tensor, byte offset of its codes, their sizes, the padded payload size)."""
+    # ------------------------------------------------------------------ one run of tensors
+    def chunk_format(self, segments: Sequence[Segment], dtype: torch.dtype | None = None) -> ChunkFormat:
+        """Scales of every tensor first, then each tensor's codes from a byte boundary, padded to 4 bytes."""
         scale_starts, slots = [], 0
-        for segment in layout.segments:
+        for segment in segments:
             scale_starts.append(slots)
             slots += self.scale_count(segment.numel)
         offset = 4 * slots
         offsets, sizes = [], []
-        for segment in layout.segments:
+        for segment in segments:
             offsets.append(offset)
             sizes.append(packed_bytes(segment.numel, self.code_bits))
             offset += sizes[-1]
-        return scale_starts + [slots], offsets, sizes, aligned(offset)
+        layout = _CodeLayout(tuple(scale_starts + [slots]), tuple(offsets), tuple(sizes))
+        return ChunkFormat(segments=tuple(segments), nbytes=aligned(offset), layout=layout)
 
+    def encode_chunk(
+        self, values: torch.Tensor, fmt: ChunkFormat, payload: torch.Tensor, decoded: torch.Tensor, seed: int
+    ) -> None:
+        codes_at: _CodeLayout = fmt.layout
+        all_scales = payload[: 4 * codes_at.scale_starts[-1]].view(torch.float32)
+        for position, segment in enumerate(fmt.segments):
+            if segment.numel == 0:  # nothing to scale or send (a zero-size parameter)
+                continue
+            run = segment.of(values)
+            scales = all_scales[codes_at.scale_starts[position] : codes_at.scale_starts[position + 1]]
+            scales.copy_(self.scales_of(run))
+            codes = self.encode_codes(run, scales, seed + segment.order)
+            start = codes_at.code_offsets[position]
+            payload[start : start + codes_at.code_sizes[position]].copy_(codes)
+            segment.of(decoded).copy_(self._decoded(codes, scales, segment.numel, decoded.dtype))
+
+    def add_decoded_chunk(
+        self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        codes_at: _CodeLayout = fmt.layout
+        all_scales = payload[: 4 * codes_at.scale_starts[-1]].view(torch.float32)
+        for position, segment in enumerate(fmt.segments):
+            if segment.numel == 0:
+                continue
+            start = codes_at.code_offsets[position]
+            codes = payload[start : start + codes_at.code_sizes[position]]
+            scales = all_scales[codes_at.scale_starts[position] : codes_at.scale_starts[position + 1]]
+            segment.of(total).add_(self._decoded(codes, scales, segment.numel, dtype))
+
+    # ------------------------------------------------------------------ the whole bucket, all-gathered
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
-        return self._layout_bytes(layout)[3]
+        return self.chunk_format(layout.segments).nbytes
 
     def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _QuantPlan:
-        scale_starts, offsets, sizes, payload_bytes = self._layout_bytes(layout)
+        fmt = self.chunk_format(layout.segments)
         return _QuantPlan(
-            layout=layout,
-            scale_starts=tuple(scale_starts),
-            code_offsets=tuple(offsets),
-            code_sizes=tuple(sizes),
-            payload=torch.zeros(payload_bytes, dtype=torch.uint8, device=like.device),
-            gathered=torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=like.device),
+            fmt=fmt,
+            payload=torch.zeros(fmt.nbytes, dtype=torch.uint8, device=like.device),
+            gathered=torch.empty(world_size * fmt.nbytes, dtype=torch.uint8, device=like.device),
             decoded=like.new_empty(layout.numel),
             total=torch.empty(layout.numel, dtype=torch.float32, device=like.device),
         )
 
-    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+    def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         plan = self.plan(context, velocity)
-        all_scales = plan.payload[: 4 * plan.scale_starts[-1]].view(torch.float32)
-        for position, segment in enumerate(context.layout.segments):
-            if segment.numel == 0:  # nothing to scale or send (a zero-size parameter)
-                continue
-            values = segment.of(velocity)
-            scales = all_scales[plan.scale_starts[position] : plan.scale_starts[position + 1]]
-            scales.copy_(self.scales_of(values))
-            seed = context.step * _SEED_STEP + context.rank * _SEED_RANK + segment.order
-            start = plan.code_offsets[position]
-            codes = self.encode_codes(values, scales, seed)
-            plan.payload[start : start + plan.code_sizes[position]].copy_(codes)
-            segment.of(plan.decoded).copy_(self._decoded(codes, scales, segment.numel, plan.decoded.dtype))
+        self.encode_chunk(velocity, plan.fmt, plan.payload, plan.decoded, encode_seed(context.step, context.rank))
         return Encoded(
             gathered=plan.payload,
             gathered_out=plan.gathered,
@@ -140,20 +173,12 @@ class _BlockQuantizer(PlannedCompressor[_QuantPlan]):
             dense_sent=plan.decoded,
         )
 
-    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+    def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         plan: _QuantPlan = encoded.context
-        rows = plan.gathered.view(world_size, -1)
         total = out if out.dtype == torch.float32 else plan.total
         total.zero_()
-        for row in rows:
-            all_scales = row[: 4 * plan.scale_starts[-1]].view(torch.float32)
-            for position, segment in enumerate(plan.layout.segments):
-                if segment.numel == 0:
-                    continue
-                start = plan.code_offsets[position]
-                codes = row[start : start + plan.code_sizes[position]]
-                scales = all_scales[plan.scale_starts[position] : plan.scale_starts[position + 1]]
-                segment.of(total).add_(self._decoded(codes, scales, segment.numel, out.dtype))
+        for row in plan.gathered.view(world_size, -1):
+            self.add_decoded_chunk(row, plan.fmt, total, out.dtype)
         mean_into(out, total, world_size)
 
     def _decoded(self, codes: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -204,11 +229,17 @@ class QSGDCompressor(_StochasticLevels):
     """
 
     name = "qsgd"
-    arguments = ("levels", "chunk_size")
+    arguments = ("levels", "chunk_size", *TwoPhaseExchange.exchange_arguments)
     biased = False
 
-    def __init__(self, levels: int = 7, chunk_size: int | None = DEFAULT_CHUNK) -> None:
-        super().__init__(chunk_size)
+    def __init__(
+        self,
+        levels: int = 7,
+        chunk_size: int | None = DEFAULT_CHUNK,
+        exchange: str = "gather",
+        server_feedback: bool | None = None,
+    ) -> None:
+        super().__init__(chunk_size, exchange, server_feedback)
         self.levels = check_int("levels", levels, 2, 127)
         self.code_bits = kernels.code_width(levels)
 
@@ -228,13 +259,15 @@ class TernGradCompressor(_StochasticLevels):
     """
 
     name = "terngrad"
-    arguments = ("chunk_size",)
+    arguments = ("chunk_size", *TwoPhaseExchange.exchange_arguments)
     biased = False
     levels = 1
     code_bits = 2
 
-    def __init__(self, chunk_size: int | None = DEFAULT_CHUNK) -> None:
-        super().__init__(chunk_size)
+    def __init__(
+        self, chunk_size: int | None = DEFAULT_CHUNK, exchange: str = "gather", server_feedback: bool | None = None
+    ) -> None:
+        super().__init__(chunk_size, exchange, server_feedback)
 
     def scales_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.abs().amax(dim=1)
@@ -253,10 +286,12 @@ class _SignQuantizer(_BlockQuantizer):
     """1 bit per element (the sign; 0 counts as positive), values rebuilt from per-block scales."""
 
     code_bits = 1
-    arguments = ("chunk_size",)
+    arguments = ("chunk_size", *TwoPhaseExchange.exchange_arguments)
 
-    def __init__(self, chunk_size: int | None = None) -> None:
-        super().__init__(chunk_size)
+    def __init__(
+        self, chunk_size: int | None = None, exchange: str = "gather", server_feedback: bool | None = None
+    ) -> None:
+        super().__init__(chunk_size, exchange, server_feedback)
 
     def encode_codes(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
         return kernels.pack_signs(values)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 import torch
 
 from lightning_gc.compressors.base import (
-    Compressor,
     EncodeContext,
     Encoded,
     PlannedCompressor,
+    aligned,
     decode_whole_bucket,
     encode_whole_bucket,
     mean_into,
@@ -16,43 +18,91 @@ from lightning_gc.compressors.base import (
 )
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
+from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange
 from lightning_gc.kernels import topk_indices
-from lightning_gc.layout import BucketLayout
+from lightning_gc.layout import BucketLayout, Segment
+
+
+class _DenseChunks(TwoPhaseExchange):
+    """Every value on the wire, in :meth:`chunk_wire_dtype` (a chunk is its values back to back):
+    the :class:`~lightning_gc.compressors.two_phase.ChunkCodec` of the exact and cast compressors.
+    Their two-phase form is a reduce-scatter + all-gather whose sums run in float32 on the owner."""
+
+    arguments = TwoPhaseExchange.exchange_arguments
+
+    def __init__(self, exchange: str = "gather", server_feedback: bool | None = None) -> None:
+        super().__init__()
+        self.init_exchange(exchange, server_feedback)
+
+    def chunk_wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The wire dtype of values of ``dtype``."""
+        return dtype
+
+    def chunk_format(self, segments: Sequence[Segment], dtype: torch.dtype) -> ChunkFormat:
+        """The segments' values back to back in the wire dtype (``layout``: that dtype)."""
+        wire = self.chunk_wire_dtype(dtype)
+        return ChunkFormat(
+            segments=tuple(segments), nbytes=aligned(sum(s.numel for s in segments) * wire.itemsize), layout=wire
+        )
+
+    def _wire_runs(self, payload: torch.Tensor, fmt: ChunkFormat) -> Iterator[tuple[Segment, torch.Tensor]]:
+        """Each segment with its run of the payload, viewed in the wire dtype."""
+        offset, itemsize = 0, fmt.layout.itemsize
+        for segment in fmt.segments:
+            yield segment, payload[offset : offset + segment.numel * itemsize].view(fmt.layout)
+            offset += segment.numel * itemsize
+
+    def encode_chunk(
+        self, values: torch.Tensor, fmt: ChunkFormat, payload: torch.Tensor, decoded: torch.Tensor, seed: int
+    ) -> None:
+        for segment, wire in self._wire_runs(payload, fmt):
+            segment.of(decoded).copy_(saturating_copy_(wire, segment.of(values)))
+
+    def add_decoded_chunk(
+        self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        for segment, wire in self._wire_runs(payload, fmt):
+            segment.of(total).add_(wire)
 
 
 @register
-class NoCompressor(Compressor):
+class NoCompressor(_DenseChunks):
     """Sends every value exactly through one all-reduce per bucket: DDP through the same path
-    (a baseline that still counts bytes and, with momentum correction, equals SGD momentum)."""
+    (a baseline that still counts bytes and, with momentum correction, equals SGD momentum).
+    ``exchange="two_phase"`` sends them through the two-phase exchange instead, which equals
+    DDP's all-reduce too (the check that the exchange itself is right)."""
 
     name = "none"
     biased = False
 
-    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+    def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         return encode_whole_bucket(velocity, out)
 
-    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+    def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         decode_whole_bucket(encoded, out, world_size)
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         return layout.numel * element_size
 
 
-class _CastCompressor(PlannedCompressor[torch.Tensor]):
+class _CastCompressor(_DenseChunks, PlannedCompressor[torch.Tensor]):
     """All-reduce of the velocity cast to ``wire_dtype``; the rounding stays in memory.
 
     The sum over ranks is accumulated in ``wire_dtype`` by the collective. 2 bytes per element.
     Values saturate at ``finfo(wire_dtype).max / world_size``, rounded down so the sum stays finite
-    (see :func:`saturation_limit`).
+    (see :func:`saturation_limit`). In the two-phase form the owner sums in float32.
     """
 
     wire_dtype: torch.dtype
+
+    def chunk_wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.wire_dtype
 
     def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> torch.Tensor:
         """The plan is the bucket's send buffer in ``wire_dtype``."""
         return torch.empty(layout.numel, dtype=self.wire_dtype, device=like.device)
 
-    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+    def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         wire = self.plan(context, velocity)
         saturating_copy_(wire, velocity, context.world_size)  # the sum over ranks stays finite
         return Encoded(
@@ -63,7 +113,7 @@ class _CastCompressor(PlannedCompressor[torch.Tensor]):
             dense_sent=wire,  # memory subtracts it in place (mixed dtypes): v keeps the rounding
         )
 
-    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+    def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         assert encoded.summed is not None
         mean_into(out, encoded.summed, world_size)
 

@@ -8,9 +8,20 @@ Communication (alpha-beta cost of the classic algorithms, per step)::
 
     ring all-reduce of M bytes            T_ar(M) = n * 2(p-1) a + 2(p-1)/p * M / B
     all-gather of m = M/r bytes per rank  T_ag(m) = n * (p-1) a   + (p-1) * m / B
+    two-phase of m bytes per rank         T_2p(m) = n * 2(p-1) a + 2(p-1)/p * m / B
 
-A compressor's payload has a summed part (all-reduced) and a gathered part (all-gathered):
-``T_comm = T_ar(summed) + T_ag(gathered)``; dense DDP is ``T_ar(M)``.
+Two-phase (DeepSpeed's compressed all-reduce, for payloads that cannot be summed encoded): the
+payload is split into p chunks; an all-to-all hands rank r every rank's chunk r
+(``(p-1) a + (p-1)/p * m / B``), rank r decodes, averages and re-encodes them, and an all-gather
+of the re-encoded chunk averages (``m/p`` bytes per rank: ``(p-1) a + (p-1) * m/p / B``) gives
+every rank the whole average. Its alpha-beta cost equals the ring all-reduce's of ``m`` bytes:
+per-rank bytes stay below ``2m`` at any p, where the all-gather's ``(p-1) m`` grow with p. With
+``m = M/r``, the all-gather sends more bytes than dense ring all-reduce exactly when
+``(p-1) M/r > 2(p-1)/p * M``, i.e. ``p > 2r`` (:func:`gather_loses_to_dense_at`).
+
+A compressor's payload has a summed part (all-reduced), a gathered part (all-gathered) and a
+two-phase part: ``T_comm = T_ar(summed) + T_ag(gathered) + T_2p(two_phase)``; dense DDP is
+``T_ar(M)``.
 
 Overlap: DDP launches a bucket's collective while backward still computes earlier layers. With
 per-step compute time ``C`` (forward + backward + optimizer of one worker, nothing exchanged) and
@@ -56,12 +67,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_gc.validation import check_int, check_range
+from lightning_gc.validation import check_choice, check_int, check_range
 
 DENSE = "dense"
 """Name of the reference: plain DDP ring all-reduce, no encode/decode."""
 
 BITS_PER_BYTE = 8
+
+ALLREDUCE = "allreduce"
+"""Exchange of a summable payload: ring all-reduce (``CodecCost.summed_bytes``)."""
+GATHER = "gather"
+"""Exchange of a payload that cannot be summed: all-gather (``CodecCost.gathered_bytes``)."""
+TWO_PHASE = "two_phase"
+"""All-to-all of chunks, decode + average + re-encode, all-gather (``CodecCost.two_phase_bytes``)."""
+EXCHANGES = (ALLREDUCE, GATHER, TWO_PHASE)
 
 
 @dataclass(frozen=True)
@@ -151,12 +170,16 @@ class Workload:
 class CodecCost:
     """What one compressor costs one worker per step, for the whole gradient.
 
+    The payload's bytes are split by the exchange that carries them (:data:`EXCHANGES`).
+
     Attributes:
         name: compressor name (``"dense"`` for plain DDP).
-        summed_bytes: bytes all-reduced per step.
-        gathered_bytes: bytes all-gathered per rank per step.
+        summed_bytes: bytes all-reduced per step (exchange ``"allreduce"``).
+        gathered_bytes: bytes all-gathered per rank per step (exchange ``"gather"``).
         encode_s: compensation + encoding (+ memory commit) time per step.
         decode_s: decoding time per step, for ``p`` ranks' payloads.
+        two_phase_bytes: encoded bytes per rank per step exchanged two-phase (exchange
+            ``"two_phase"``: all-to-all, then all-gather of the re-encoded chunk averages).
     """
 
     name: str
@@ -164,16 +187,30 @@ class CodecCost:
     gathered_bytes: int
     encode_s: float = 0.0
     decode_s: float = 0.0
+    two_phase_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_int("summed_bytes", self.summed_bytes, 0)
         check_int("gathered_bytes", self.gathered_bytes, 0)
         check_range("encode_s", self.encode_s, 0.0, None)
         check_range("decode_s", self.decode_s, 0.0, None)
+        check_int("two_phase_bytes", self.two_phase_bytes, 0)
+
+    @property
+    def payloads(self) -> dict[str, int]:
+        """Encoded bytes per rank per step by exchange: ``{"allreduce": .., "gather": .., "two_phase": ..}``."""
+        return {ALLREDUCE: self.summed_bytes, GATHER: self.gathered_bytes, TWO_PHASE: self.two_phase_bytes}
 
     @property
     def bytes_sent(self) -> int:
-        return self.summed_bytes + self.gathered_bytes
+        """Encoded payload bytes per rank per step, all exchanges together (on the wire:
+        :meth:`wire_bytes`)."""
+        return sum(self.payloads.values())
+
+    def wire_bytes(self, world_size: int) -> float:
+        """Bytes one rank sends per step on ``world_size`` ranks: :func:`exchange_bytes` summed over
+        the exchanges."""
+        return sum(exchange_bytes(kind, nbytes, world_size) for kind, nbytes in self.payloads.items())
 
     @classmethod
     def dense(cls, workload: Workload) -> CodecCost:
@@ -194,7 +231,8 @@ class Prediction:
             (a host slower than the link, ``T_host > T_comm``, makes the exchange all host time).
         step_s: ``C + codec_s + host_s + exposed_s``.
         speedup: dense step time / this step time (> 1: faster than dense).
-        bytes_sent: bytes this rank hands to the collectives per step.
+        bytes_sent: encoded payload bytes of this rank per step (what it puts on the wire:
+            :meth:`CodecCost.wire_bytes`).
         wire_ratio: dense bytes / bytes sent.
     """
 
@@ -225,9 +263,68 @@ def allgather_s(nbytes_per_rank: float, network: Network, rounds: int = 1) -> fl
     return rounds * (p - 1) * network.latency + (p - 1) * nbytes_per_rank / network.bandwidth
 
 
+def two_phase_s(nbytes_per_rank: float, network: Network, rounds: int = 1) -> float:
+    """``T_2p`` of ``m = nbytes_per_rank`` encoded bytes: an all-to-all of ``p`` chunks,
+    ``n (p-1) a + (p-1)/p * m / B``, then an all-gather of ``m/p`` bytes per rank,
+    ``n (p-1) a + (p-1) * (m/p) / B``; 0 when nothing is sent or ``p = 1``. Chunks are taken
+    padding-free (``m/p`` bytes each). The sum equals :func:`ring_allreduce_s` of ``m``."""
+    p = network.world_size
+    if nbytes_per_rank <= 0 or p == 1:
+        return 0.0
+    chunk = nbytes_per_rank / p
+    all_to_all = rounds * (p - 1) * network.latency + (p - 1) * chunk / network.bandwidth
+    all_gather = rounds * (p - 1) * network.latency + (p - 1) * chunk / network.bandwidth
+    return all_to_all + all_gather
+
+
+_EXCHANGE_S = {ALLREDUCE: ring_allreduce_s, GATHER: allgather_s, TWO_PHASE: two_phase_s}
+
+
+def exchange_bytes(kind: str, payload_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends to exchange ``m = payload_bytes`` on ``p = world_size`` ranks:
+    ``"allreduce"`` ``2(p-1)/p * m`` (ring), ``"gather"`` ``(p-1) * m``, ``"two_phase"``
+    ``(p-1)/p * m + (p-1) * m/p = 2(p-1)/p * m`` (padding-free chunks); 0 for ``p = 1``."""
+    check_choice("exchange", kind, EXCHANGES)
+    check_int("world_size", world_size, 1)
+    p = world_size
+    return (p - 1) * payload_bytes if kind == GATHER else 2 * (p - 1) / p * payload_bytes
+
+
+def gather_loses_to_dense_at(compression: float) -> int:
+    """Smallest world size ``p`` at which all-gathering a payload compressed ``r = compression``
+    times sends more bytes per rank than dense ring all-reduce: ``(p-1) M/r > 2(p-1)/p * M``
+    iff ``p > 2r``, so ``floor(2r) + 1`` (at ``p = 2r`` they tie; at least 2). Bytes only: the
+    all-gather's fewer messages (``(p-1) a`` against ``2(p-1) a``) move the time crossover a
+    little higher. Two-phase sends ``2(p-1)/p * M/r``, below dense at every ``p`` when ``r > 1``."""
+    check_range("compression", compression, 0.0, None, low_inclusive=False)
+    return max(2, math.floor(2 * compression) + 1)
+
+
 def comm_s(cost: CodecCost, network: Network, rounds: int = 1) -> float:
-    """``T_comm = T_ar(summed) + T_ag(gathered)``."""
-    return ring_allreduce_s(cost.summed_bytes, network, rounds) + allgather_s(cost.gathered_bytes, network, rounds)
+    """``T_comm = T_ar(summed) + T_ag(gathered) + T_2p(two_phase)``."""
+    return sum(_EXCHANGE_S[kind](nbytes, network, rounds) for kind, nbytes in cost.payloads.items())
+
+
+def two_phase_cost(cost: CodecCost, world_size: int) -> CodecCost:
+    """``cost``'s compressor with its gathered payload exchanged two-phase, named ``"<name>+two_phase"``.
+
+    Bytes: ``gathered_bytes`` move to ``two_phase_bytes`` (the summed part stays all-reduced).
+    Seconds: two-phase also decodes the ``p`` chunks it receives, averages them and re-encodes
+    the chunk average (``1/p`` of the payload) before its all-gather. Modelled as ``encode_s`` and
+    ``decode_s`` each times ``(1 + 1/p)``. ``decode_s`` is calibrated for decoding ``p`` whole
+    payloads, while two-phase decodes ``p`` chunks plus ``p`` chunk averages (two payloads' worth),
+    so this overstates the decode for large ``p``: a conservative bound, not a measurement.
+    """
+    check_int("world_size", world_size, 1)
+    factor = 1 + 1 / world_size
+    return CodecCost(
+        f"{cost.name}+{TWO_PHASE}",
+        summed_bytes=cost.summed_bytes,
+        gathered_bytes=0,
+        encode_s=cost.encode_s * factor,
+        decode_s=cost.decode_s * factor,
+        two_phase_bytes=cost.gathered_bytes + cost.two_phase_bytes,
+    )
 
 
 def host_s(cost: CodecCost, network: Network) -> float:

@@ -13,6 +13,12 @@ came within 0.8-1.0x of timing all 25.6 M (fp16, PowerSGD, top-k, DGC), but 2**2
 ``$XDG_CACHE_HOME/lightning_gc/perfmodel.json`` (``--cache``, or ``--no-cache``). The output says
 which costs were timed and which were given. Bad values exit with status 2 and a message naming
 the option, the value and the valid range.
+
+The gathered quantisers (:data:`TWO_PHASE_QUANTISERS`: onebit, qsgd, signsgd, terngrad) also get
+a ``<name>+two_phase`` row: the same compressor with ``exchange="two_phase"`` (all-to-all, decode +
+average + re-encode, all-gather; :func:`~lightning_gc.perfmodel.two_phase_cost`), so the ``use:``
+line weighs it too. Its encode and decode are the calibrated (or ``--cost``) ones, each times
+``(1 + 1/p)`` for the re-encoded chunk average: nothing more is timed.
 """
 
 from __future__ import annotations
@@ -39,8 +45,12 @@ from lightning_gc.perfmodel import (
     best,
     parse_rate,
     predict,
+    two_phase_cost,
 )
 from lightning_gc.validation import check_choice, check_int, check_range
+
+TWO_PHASE_QUANTISERS = ("onebit", "qsgd", "signsgd", "terngrad")
+"""Compressors whose all-gathered payload can also be exchanged two-phase (``<name>+two_phase`` rows)."""
 
 
 def _whole(value: float) -> float | int:
@@ -209,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             sampled = numel if name in measured else timed_numel
             costs.append(scaled_cost(name, numel, sample, sampled, arguments.get(name, {})))
+            if name in TWO_PHASE_QUANTISERS and arguments.get(name, {}).get("exchange", "gather") == "gather":
+                costs.append(two_phase_cost(costs[-1], network.world_size))
             progress.advance(timing)
     predictions = predict(workload, network, costs)
     print(

@@ -1,0 +1,114 @@
+"""Bytes on the wire per rank and step, all-gather vs two-phase, measured on real gloo processes.
+
+    python benchmarks/exchange_bytes.py [--world-sizes 2 4] [--model resnet18]
+
+``N`` processes (gloo on loopback) train a few steps of the model through the comm hook with
+``onebit`` and 4-bit ``qsgd``, each with ``exchange="gather"`` and ``"two_phase"``. The hook's
+exchange is the real :class:`~lightning_gc.exchange.CollectiveExchange`, wrapped to add up what
+every collective it launches puts on the wire per rank (:func:`lightning_gc.exchange.traffic_bytes`:
+all-gather ``(N-1) m``, all-to-all ``(N-1)/N m``, ring all-reduce ``2 (N-1)/N m``). The table
+compares the last step's bytes with ``2 (N-1)/N M/c``, where ``M`` is the dense gradient and ``c``
+the gathered form's compression (dense bytes / payload bytes of one rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gc.compressors import create
+from lightning_gc.compressors.base import Encoded
+from lightning_gc.exchange import CollectiveExchange, traffic_bytes
+from lightning_gc.hook import CompressionHookState, compression_hook
+from lightning_gc.settings import CompressionSettings
+
+SCHEMES = [("onebit", {}), ("qsgd", {"levels": 7})]
+EXCHANGES = ("gather", "two_phase")
+STEPS = 3
+
+
+class CountingExchange(CollectiveExchange):
+    """The real collectives, counting each rank's bytes on the wire (``traffic``) for the current step."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        self.world_size = world_size
+        self.traffic = 0.0
+        self.payload = 0
+
+    def launch(self, encoded: Encoded) -> Future[Encoded]:
+        self.traffic += traffic_bytes(encoded, self.world_size)
+        self.payload += encoded.bytes_sent if encoded.gathered is not None and encoded.scattered is None else 0
+        return super().launch(encoded)
+
+
+def model_for(name: str) -> torch.nn.Module:
+    import torchvision
+
+    torch.manual_seed(0)
+    return getattr(torchvision.models, name)(num_classes=10)
+
+
+def worker(rank: int, world_size: int, port: int, model_name: str, results: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    for name, arguments in SCHEMES:
+        for exchange in EXCHANGES:
+            model = model_for(model_name)
+            ddp = DistributedDataParallel(model)
+            compressor = create(name, exchange=exchange, **arguments)
+            names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
+            counting = CountingExchange(world_size)
+            state = CompressionHookState(compressor, CompressionSettings().memory_for(compressor), names, exchange=counting)
+            ddp.register_comm_hook(state, compression_hook)
+            for _ in range(STEPS):  # the last step runs on DDP's rebuilt buckets
+                counting.traffic, counting.payload = 0.0, 0
+                inputs = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(rank))
+                ddp(inputs).sum().backward()
+                model.zero_grad()
+            if rank == 0:
+                dense = sum(p.numel() * p.element_size() for p in model.parameters())
+                results[(world_size, name, exchange)] = (counting.traffic, counting.payload, dense)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--model", default="resnet18", help="a torchvision model name")
+    args = parser.parse_args()
+    results = mp.Manager().dict()
+    for world_size in args.world_sizes:
+        mp.spawn(worker, args=(world_size, free_port(), args.model, results), nprocs=world_size, join=True)
+    print(f"{args.model}: bytes on the wire per rank at step {STEPS} (real gloo processes)\n")
+    print("| N | compressor | exchange | bytes per rank | c (gathered) | 2(N-1)/N M/c | measured / ideal |")
+    print("|---|---|---|---|---|---|---|")
+    for world_size in args.world_sizes:
+        for name, _ in SCHEMES:
+            _, payload, dense = results[(world_size, name, "gather")]
+            ratio = dense / payload
+            ideal = 2 * (world_size - 1) / world_size * dense / ratio
+            for exchange in EXCHANGES:
+                traffic = results[(world_size, name, exchange)][0]
+                print(
+                    f"| {world_size} | {name} | {exchange} | {traffic:,.0f} | {ratio:.1f} | {ideal:,.0f} "
+                    f"| {traffic / ideal:.3f} |"
+                )
+
+
+if __name__ == "__main__":
+    main()

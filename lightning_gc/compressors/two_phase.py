@@ -1,0 +1,275 @@
+"""The two-phase exchange: a compressed all-reduce whose traffic per rank does not grow with N.
+
+Gathering quantised payloads costs every rank ``(N-1) M/c`` bytes for a bucket of ``M`` bytes
+compressed ``c`` times, more than a dense ring all-reduce (``2 (N-1)/N M``) once ``N > 2c``.
+The two-phase exchange (DeepSpeed's compressed all-reduce for 1-bit Adam, Tang et al. 2021,
+Alg. 1; Bagua's ByteGrad; CGX) gives every rank ``j`` a chunk of the bucket to own: the ``j``-th
+of ``N`` equal pieces of every tensor in it::
+
+    phase 1, all-to-all:  rank i sends p_ij = encode(v_i[chunk j]) to rank j, for every j
+    at rank j:            a_j = (1/N) sum_i decode(p_ij)                the chunk's mean
+                          s_j = a_j + e_j ;  q_j = encode(s_j) ;  e_j <- s_j - decode(q_j)
+    phase 2, all-gather:  every rank receives every q_j and writes decode(q_j) into chunk j
+
+Chunks made of per-tensor pieces make who owns an element, how it is encoded (scales per piece,
+random rounding salted by step, sender, chunk and tensor) and so the whole result independent of
+how DDP buckets the parameters: the same before and after DDP's bucket rebuild and across a resume.
+
+Worker error feedback is the memory's, as in the gathered form: the rank's residual keeps
+``v_i - decode(p_i*)``. Server error feedback ``e_j`` keeps what re-encoding the mean dropped
+(``server_feedback``; by default on for the biased codecs, off for the unbiased QSGD and TernGrad,
+see :attr:`TwoPhaseExchange.feeds_server_error`). It lives on the rank that owns the chunk,
+stored by parameter name like the memory's residuals (:class:`~lightning_gc.flatstate.FlatState`:
+it survives DDP's bucket rebuild) and returned by
+:meth:`~lightning_gc.compressors.base.Compressor.state_dict`, so checkpoints hold it per rank and a
+resume is exact. (DeepSpeed resets both buffers on load.) A resume with another world size is
+refused by the checkpoint, as for every per-rank state.
+
+Bytes per rank: phase 1 hands ``N`` rows of one chunk's payload ``P ~ M/(cN)`` to the all-to-all
+and puts ``(N-1) P`` on the wire; phase 2 sends ``P`` to ``N-1`` peers: ``2 (N-1)/N M/c`` in all,
+flat in ``N``, against ``(N-1) M/c`` for the gathered form. Every chunk's payload is padded to
+the largest, ``P``; scales are per piece (``N`` times a per-tensor codec's, a few bytes each).
+
+The cost: the first phase completes inside the comm hook (as PowerSGD's first round does, so every
+rank launches every collective in bucket order), and the owner re-encodes its chunk. With
+``exchange="auto"`` the two-phase form is used from ``N = 3`` on: at ``N = 2`` both send the same
+bytes and the gathered form needs one collective less.
+
+A compressor takes part by being a :class:`ChunkCodec` (it can encode and decode any run of
+segments into a payload of a size known in advance) and mixing in :class:`TwoPhaseExchange`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanKey, aligned
+from lightning_gc.compressors.registry import available, compressor_class
+from lightning_gc.flatstate import FlatState
+from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.validation import check_bool, check_choice
+
+EXCHANGES = ("gather", "two_phase", "auto")
+"""``exchange`` choices: the gathered payload (every rank's), the two-phase compressed all-reduce,
+or two-phase from three ranks on."""
+SERVER = "server"
+_SEED_STEP, _SEED_SENDER, _SEED_CHUNK = 1_000_003, 7_919, 104_729
+
+
+def encode_seed(step: int, sender: int, chunk: int = 0) -> int:
+    """The salt of one encode of a run of values, a pure function of the step, who encodes
+    (rank ``r``; ``N + r`` for rank ``r``'s re-encode of its chunk mean) and which chunk: runs are
+    reproducible and ranks draw independently. A codec adds each tensor's ``order``."""
+    return step * _SEED_STEP + sender * _SEED_SENDER + chunk * _SEED_CHUNK
+
+
+@dataclass(frozen=True)
+class ChunkFormat:
+    """How a set of segments of a bucket (a whole bucket, or one two-phase chunk) is laid out in a
+    payload: the codec's own description (``layout``) and the payload's size in bytes."""
+
+    segments: tuple[Segment, ...]
+    nbytes: int
+    layout: Any = None
+
+
+class ChunkCodec(ABC):
+    """A codec of flat runs of values described by segments, into payloads of known size."""
+
+    @abstractmethod
+    def chunk_format(self, segments: Sequence[Segment], dtype: torch.dtype) -> ChunkFormat:
+        """The payload format of ``segments`` (starts relative to the run) for values of ``dtype``."""
+
+    @abstractmethod
+    def encode_chunk(
+        self, values: torch.Tensor, fmt: ChunkFormat, payload: torch.Tensor, decoded: torch.Tensor, seed: int
+    ) -> None:
+        """Encode ``fmt``'s segments of ``values`` (bucket-sized) into ``payload`` (uint8,
+        ``fmt.nbytes``) and write what receivers will decode into the same segments of ``decoded``;
+        ``seed`` (plus each tensor's order) salts random rounding."""
+
+    @abstractmethod
+    def add_decoded_chunk(
+        self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        """``total += decode(payload)`` on ``fmt``'s segments (``total`` float32, bucket-sized), each
+        value clamped to ``dtype``'s finite range."""
+
+
+def chunk_segments(layout: BucketLayout, chunk: int, chunks: int) -> tuple[Segment, ...]:
+    """Chunk ``chunk`` of ``chunks`` of ``layout``: the ``chunk``-th of ``chunks`` pieces of
+    ``ceil(numel / chunks)`` elements of every tensor (fewer or none at a tensor's end), as 1-D
+    segments at their bucket positions (name and order kept: seeds and errors refer to them)."""
+    pieces = []
+    for segment in layout.segments:
+        size = -(-segment.numel // chunks)
+        low, high = (min(k * size, segment.numel) for k in (chunk, chunk + 1))
+        if low < high:
+            pieces.append(
+                Segment(name=segment.name, order=segment.order, start=segment.start + low, shape=(high - low,))
+            )
+    return tuple(pieces)
+
+
+@dataclass
+class _TwoPhasePlan:
+    """One bucket's two-phase formats and buffers (built once per layout, world size, dtype);
+    every buffer but the payloads is bucket-sized and addressed by the chunks' segments."""
+
+    formats: tuple[ChunkFormat, ...]  # chunk j's pieces and payload format
+    scattered: torch.Tensor  # uint8 N x P: row j for rank j
+    received: torch.Tensor  # uint8 N x P: row i from rank i
+    server_payload: torch.Tensor  # uint8 P: this rank's re-encoded chunk mean
+    gathered: torch.Tensor  # uint8 N x P: every rank's re-encoded chunk mean
+    own_decoded: torch.Tensor  # velocity dtype: this rank's values as receivers decode them
+    total: torch.Tensor  # float32: sums of decoded values (the owner's chunk, then the average)
+    chunk_values: torch.Tensor  # velocity dtype: s_j on the owner's chunk
+    chunk_decoded: torch.Tensor  # velocity dtype: decode(q_j) on the owner's chunk
+    server: torch.Tensor  # server error e (this rank's chunk only; a view of the by-name store)
+
+
+class TwoPhaseExchange(ChunkCodec, Compressor):
+    """Base of the :class:`ChunkCodec` compressors that take the ``exchange`` and
+    ``server_feedback`` arguments: :meth:`encode` and :meth:`decode` run the two-phase form (module
+    docstring) or the compressor's own one-phase exchange (an all-gather or all-reduce:
+    :meth:`encode_one_phase`, :meth:`decode_one_phase`), which ``exchange="gather"`` (or ``"auto"``
+    below three ranks) leaves unchanged.
+    """
+
+    exchange_arguments = ("exchange", "server_feedback")
+
+    def init_exchange(self, exchange: str, server_feedback: bool | None) -> None:
+        """Validate and keep the arguments (call from the compressor's ``__init__``)."""
+        self.exchange = check_choice("exchange", exchange, EXCHANGES)
+        self.server_feedback = None if server_feedback is None else check_bool("server_feedback", server_feedback)
+        self._server = FlatState((SERVER,))
+        self._two_phase_plans: dict[int, tuple[PlanKey, _TwoPhasePlan]] = {}
+
+    @property
+    def feeds_server_error(self) -> bool:
+        """Whether the chunk owner keeps what re-encoding dropped: ``server_feedback``, or by
+        default the compressor's bias, as for the workers' error feedback. Error feedback needs a
+        contractive codec (``||x - C(x)|| < ||x||``); an unbiased quantiser's rounding noise can
+        exceed the signal (QSGD's bound at 7 levels and 512 elements is 3.2x its energy), and fed
+        back it grows from step to step: QSGD diverged that way in the two-phase training test."""
+        return self.biased if self.server_feedback is None else self.server_feedback
+
+    def two_phase_at(self, world_size: int) -> bool:
+        """Whether ``world_size`` ranks use the two-phase form."""
+        return world_size > 1 and (self.exchange == "two_phase" or (self.exchange == "auto" and world_size > 2))
+
+    @abstractmethod
+    def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        """The compressor's own encode (see :meth:`Compressor.encode`)."""
+
+    @abstractmethod
+    def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        """The compressor's own decode (see :meth:`Compressor.decode`)."""
+
+    # ------------------------------------------------------------------ encode and decode
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        if not self.two_phase_at(context.world_size):
+            return self.encode_one_phase(velocity, out, context)
+        plan = self._plan(context, velocity)
+        rows = plan.scattered.view(context.world_size, -1)
+        for chunk, fmt in enumerate(plan.formats):
+            seed = encode_seed(context.step, context.rank, chunk)
+            self.encode_chunk(velocity, fmt, rows[chunk, : fmt.nbytes], plan.own_decoded, seed)
+        return Encoded(
+            scattered=plan.scattered,
+            scattered_out=plan.received,
+            bytes_sent=plan.scattered.numel(),
+            elements_sent=velocity.numel(),
+            context=plan,
+            next_round=lambda: self._server_round(plan, context),
+        )
+
+    def _server_round(self, plan: _TwoPhasePlan, context: EncodeContext) -> Encoded:
+        """Phase 2 at rank ``r`` once every rank's chunk ``r`` arrived: average, add the server
+        error, re-encode, keep what re-encoding dropped; the payload goes to every rank."""
+        rank, world_size = context.rank, context.world_size
+        fmt = plan.formats[rank]
+        for piece in fmt.segments:
+            piece.of(plan.total).zero_()
+        for row in plan.received.view(world_size, -1):
+            self.add_decoded_chunk(row[: fmt.nbytes], fmt, plan.total, plan.own_decoded.dtype)
+        feedback = self.feeds_server_error
+        for piece in fmt.segments:
+            values = piece.of(plan.chunk_values).copy_(piece.of(plan.total).div_(world_size))
+            if feedback:
+                values.add_(piece.of(plan.server))
+        seed = encode_seed(context.step, world_size + rank, rank)
+        self.encode_chunk(plan.chunk_values, fmt, plan.server_payload[: fmt.nbytes], plan.chunk_decoded, seed)
+        if feedback:
+            for piece in fmt.segments:
+                torch.sub(piece.of(plan.chunk_values), piece.of(plan.chunk_decoded), out=piece.of(plan.server))
+        return Encoded(
+            gathered=plan.server_payload,
+            gathered_out=plan.gathered,
+            dense_all=True,
+            dense_sent=plan.own_decoded,
+            bytes_sent=plan.server_payload.numel(),
+            elements_sent=0,  # counted with phase 1: the same values, averaged
+            context=plan,
+        )
+
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        plan = encoded.context
+        if not isinstance(plan, _TwoPhasePlan):
+            return self.decode_one_phase(encoded, out, world_size=world_size)
+        plan.total.zero_()
+        for row, fmt in zip(plan.gathered.view(world_size, -1), plan.formats):
+            self.add_decoded_chunk(row[: fmt.nbytes], fmt, plan.total, out.dtype)
+        out.copy_(plan.total)
+
+    # ------------------------------------------------------------------ plan and state
+    def _plan(self, context: EncodeContext, velocity: torch.Tensor) -> _TwoPhasePlan:
+        key = PlanKey.of(self, context, velocity)
+        cached = self._two_phase_plans.get(context.layout.index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        plan = self._build_two_phase_plan(context.layout, velocity, context.world_size)
+        self._two_phase_plans[context.layout.index] = (key, plan)
+        return plan
+
+    def _build_two_phase_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _TwoPhasePlan:
+        formats = tuple(self.chunk_format(chunk_segments(layout, j, world_size), like.dtype) for j in range(world_size))
+        row = aligned(max(1, *(f.nbytes for f in formats)))  # collectives of empty rows are not portable
+
+        def payload(rows: int) -> torch.Tensor:
+            return torch.zeros(rows * row, dtype=torch.uint8, device=like.device)
+
+        return _TwoPhasePlan(
+            formats=formats,
+            scattered=payload(world_size),
+            received=payload(world_size),
+            server_payload=payload(1),
+            gathered=payload(world_size),
+            own_decoded=like.new_zeros(layout.numel),
+            total=torch.zeros(layout.numel, dtype=torch.float32, device=like.device),
+            chunk_values=like.new_zeros(layout.numel),
+            chunk_decoded=like.new_zeros(layout.numel),
+            server=self._server.bind(layout, like, (SERVER,))[SERVER],
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The server errors by parameter name (empty until a two-phase step ran)."""
+        server = self._server.state_dict()
+        return {SERVER: server} if server else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        unknown = sorted(set(state) - {SERVER})
+        if unknown:
+            raise ValueError(f"compressor {self.name!r} keeps only {SERVER!r} state, got entries {unknown}")
+        self._server.load_state_dict(state.get(SERVER, {}))
+        self._two_phase_plans.clear()  # plans hold views of the replaced buffers
+
+
+def two_phase_compressors() -> list[str]:
+    """Names of the registered compressors that take ``exchange`` (for error messages)."""
+    return [name for name in available() if issubclass(compressor_class(name), TwoPhaseExchange)]

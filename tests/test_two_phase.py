@@ -1,0 +1,283 @@
+"""The two-phase exchange (compressed all-reduce): its rule against a hand-written reference, its
+bytes, its refusals, and training on real gloo process groups (tests/workers/two_phase_worker.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_gc import GradientCompressionStrategy
+from lightning_gc.compressors import registry
+from lightning_gc.compressors.base import EncodeContext, Encoded
+from lightning_gc.compressors.two_phase import EXCHANGES, two_phase_compressors
+from lightning_gc.exchange import traffic_bytes
+from lightning_gc.layout import BucketLayout, Segment
+
+SHAPES = [(30, 20), (50,), (7, 9), (100,), (16, 16)]
+ACCEPTED = ["bf16", "fp16", "none", "onebit", "qsgd", "signsgd", "terngrad"]
+
+
+def make_layout(shapes: list[tuple[int, ...]] = SHAPES) -> BucketLayout:
+    segments, start = [], 0
+    for order, shape in enumerate(shapes):
+        segments.append(Segment(f"p{order}", order, start, shape))
+        start = segments[-1].stop
+    return BucketLayout(0, tuple(segments), tuple(range(len(segments))))
+
+
+def simulate(compressors: list, velocities: list[torch.Tensor], layout: BucketLayout, step: int) -> tuple:
+    """One two-phase exchange among ``len(compressors)`` ranks in this process: each rank's
+    encode, the all-to-all and all-gather done by hand, each rank's decode. Returns every rank's
+    decoded average and what each rank's memory is told it sent."""
+    n = len(compressors)
+    first = [
+        c.encode(v, torch.empty_like(v), EncodeContext(layout, step, n, r))
+        for r, (c, v) in enumerate(zip(compressors, velocities))
+    ]
+    for to in range(n):
+        for frm in range(n):
+            first[to].scattered_out.view(n, -1)[frm] = first[frm].scattered.view(n, -1)[to]
+    second: list[Encoded] = [e.next_round() for e in first]
+    assert all(e.next_round is None for e in second)
+    for to in range(n):
+        for frm in range(n):
+            second[to].gathered_out.view(n, -1)[frm] = second[frm].gathered
+    outs = []
+    for compressor, encoded, v in zip(compressors, second, velocities):
+        out = torch.empty_like(v)
+        compressor.decode(encoded, out, world_size=n)
+        outs.append(out)
+    return outs, [e.dense_sent for e in second], first, second
+
+
+def onebit_by_piece(x: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Tensor:
+    """1-bit SGD written out: in each piece, negatives become the mean of the negatives and the
+    rest the mean of the non-negatives."""
+    out = torch.empty_like(x)
+    for a, b in pieces:
+        run = x[a:b]
+        negative = run < 0
+        low = run[negative].mean() if negative.any() else run.new_zeros(())
+        high = run[~negative].mean() if (~negative).any() else run.new_zeros(())
+        out[a:b] = torch.where(negative, low, high)
+    return out
+
+
+def pieces_of(layout: BucketLayout, chunk: int, chunks: int) -> list[tuple[int, int]]:
+    """Bucket positions of chunk ``chunk``: the ``chunk``-th of ``chunks`` pieces of
+    ``ceil(numel / chunks)`` elements of every tensor."""
+    pieces = []
+    for s in layout.segments:
+        size = -(-s.numel // chunks)
+        a, b = s.start + min(chunk * size, s.numel), s.start + min((chunk + 1) * size, s.numel)
+        if a < b:
+            pieces.append((a, b))
+    return pieces
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_onebit_two_phase_follows_the_rule_with_worker_and_server_error_feedback(world_size: int) -> None:
+    layout = make_layout()
+    numel = layout.numel
+    chunks = [pieces_of(layout, j, world_size) for j in range(world_size)]
+    all_pieces = sorted(p for chunk in chunks for p in chunk)
+    assert sum(b - a for a, b in all_pieces) == numel and all_pieces[0][0] == 0  # the chunks partition the bucket
+    compressors = [registry.create("onebit", exchange="two_phase") for _ in range(world_size)]
+    residual = [torch.zeros(numel) for _ in range(world_size)]  # the memory's part, kept by the test
+    worker_error = [torch.zeros(numel) for _ in range(world_size)]  # the reference's
+    server_error = torch.zeros(numel)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(5):
+        grads = [torch.randn(numel, generator=generator) * (1 + r) for r in range(world_size)]
+        velocities = [g + e for g, e in zip(grads, residual)]
+        outs, sent, _, _ = simulate(compressors, [v.clone() for v in velocities], layout, step)
+        residual = [v - s for v, s in zip(velocities, sent)]
+
+        reference_v = [g + e for g, e in zip(grads, worker_error)]
+        reference_sent = [onebit_by_piece(v, all_pieces) for v in reference_v]
+        worker_error = [v - s for v, s in zip(reference_v, reference_sent)]
+        mean_plus_error = sum(reference_sent) / world_size + server_error
+        expected = onebit_by_piece(mean_plus_error, all_pieces)
+        server_error = mean_plus_error - expected
+        for out in outs:
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        for got, want in zip(sent, reference_sent):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    state = [c.state_dict()["server"] for c in compressors]  # each rank keeps the error of the chunk it owns
+    rebuilt = torch.zeros(numel)
+    for rank, chunk in enumerate(chunks):
+        flat = torch.cat([state[rank][s.name]["server"].reshape(-1) for s in layout.segments])
+        for a, b in chunk:
+            rebuilt[a:b] = flat[a:b]
+    torch.testing.assert_close(rebuilt, server_error, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["onebit", "qsgd"])
+def test_the_result_does_not_depend_on_how_ddp_buckets_the_parameters(name: str) -> None:
+    """One bucket of five tensors, or the same tensors in two buckets (DDP's rebuild, or a resume):
+    the same chunks own the same elements and every rank decodes the same average."""
+    world_size, whole = 3, make_layout()
+    generator = torch.Generator().manual_seed(2)
+    velocities = [torch.randn(whole.numel, generator=generator) for _ in range(world_size)]
+    one = simulate(
+        [registry.create(name, exchange="two_phase") for _ in range(world_size)],
+        [v.clone() for v in velocities],
+        whole,
+        4,
+    )[0][0]
+    split = whole.segments[2].start
+    first = BucketLayout(0, whole.segments[:2], (0, 1))
+    second = BucketLayout(
+        1, tuple(Segment(s.name, s.order, s.start - split, s.shape) for s in whole.segments[2:]), (2, 3, 4)
+    )
+    compressors = [registry.create(name, exchange="two_phase") for _ in range(world_size)]
+    a = simulate(compressors, [v[:split].clone() for v in velocities], first, 4)[0][0]
+    b = simulate(compressors, [v[split:].clone() for v in velocities], second, 4)[0][0]
+    assert torch.equal(torch.cat([a, b]), one)
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_every_accepted_compressor_agrees_on_every_rank_and_averages(name: str) -> None:
+    layout, world_size = make_layout(), 4
+    compressors = [registry.create(name, exchange="two_phase") for _ in range(world_size)]
+    generator = torch.Generator().manual_seed(1)
+    velocities = [torch.randn(layout.numel, generator=generator) for _ in range(world_size)]
+    mean = sum(velocities) / world_size
+    outs, sent, _, _ = simulate(compressors, [v.clone() for v in velocities], layout, step=3)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])  # every rank decodes the same bytes
+    error = (outs[0] - mean).norm() / mean.norm()
+    bound = {"none": 1e-6, "fp16": 1e-3, "bf16": 1e-2}.get(name, 3.0)
+    assert error < bound, f"{name}: relative error {error:.3g}"
+    if name == "none":
+        assert all(torch.equal(s, v) for s, v in zip(sent, velocities))
+
+
+def test_none_through_two_phase_is_the_exact_mean() -> None:
+    layout = make_layout()
+    compressors = [registry.create("none", exchange="two_phase") for _ in range(3)]
+    velocities = [torch.randn(layout.numel, dtype=torch.float64) for _ in range(3)]
+    outs, _, _, _ = simulate(compressors, [v.clone() for v in velocities], layout, step=0)
+    torch.testing.assert_close(outs[0], sum(velocities) / 3, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["onebit", "qsgd"])
+def test_two_phase_traffic_per_rank_is_flat_in_the_world_size(name: str) -> None:
+    """Bytes on the wire per rank: two-phase within 5 % of 2 (N-1)/N M/c, gather (N-1) M/c."""
+    layout = make_layout([(128, 256), (256,), (64, 128)])
+    dense = layout.numel * 4
+    gathered_payload = registry.create(name).wire_bytes(layout, 4)
+    ratio = dense / gathered_payload
+    traffic = {}
+    for world_size in (2, 4, 8):
+        compressors = [registry.create(name, exchange="two_phase") for _ in range(world_size)]
+        velocities = [torch.randn(layout.numel) for _ in range(world_size)]
+        _, _, first, second = simulate(compressors, velocities, layout, step=0)
+        traffic[world_size] = traffic_bytes(first[0], world_size) + traffic_bytes(second[0], world_size)
+        ideal = 2 * (world_size - 1) / world_size * dense / ratio
+        assert abs(traffic[world_size] - ideal) <= 0.05 * ideal, (world_size, traffic[world_size], ideal)
+        gather = traffic_bytes(
+            Encoded(gathered=torch.empty(gathered_payload, dtype=torch.uint8), bytes_sent=0, elements_sent=0),
+            world_size,
+        )
+        if world_size > 2:
+            assert traffic[world_size] < gather
+    assert traffic[8] < 2 * dense / ratio * 1.05  # bounded by 2 M/c whatever N
+
+
+def test_auto_uses_two_phase_from_three_ranks_and_gather_is_unchanged() -> None:
+    layout = make_layout()
+    velocity = torch.randn(layout.numel)
+    auto = registry.create("qsgd", exchange="auto")
+    gather = registry.create("qsgd")
+    for world_size, two_phase in [(1, False), (2, False), (3, True), (8, True)]:
+        assert auto.two_phase_at(world_size) is two_phase
+        assert registry.create("qsgd", exchange="two_phase").two_phase_at(world_size) is (world_size > 1)
+    assert not gather.feeds_server_error and registry.create("onebit").feeds_server_error  # the codec's bias
+    assert registry.create("qsgd", server_feedback=True).feeds_server_error
+    a = auto.encode(velocity.clone(), torch.empty_like(velocity), EncodeContext(layout, 2, 2, 1))
+    b = gather.encode(velocity.clone(), torch.empty_like(velocity), EncodeContext(layout, 2, 2, 1))
+    assert a.scattered is None and torch.equal(a.gathered, b.gathered)
+
+
+def test_exchange_is_refused_for_compressors_that_cannot_and_bad_values_are_named() -> None:
+    assert two_phase_compressors() == ACCEPTED
+    for name in ("dgc", "topk", "randomk", "powersgd", "fft"):
+        with pytest.raises(ValueError, match=r"exchange='two_phase'.*\['bf16', 'fp16', 'none', 'onebit'"):
+            GradientCompressionStrategy(name, exchange="two_phase")
+    with pytest.raises(ValueError, match=r"exchange.*" + ".*".join(EXCHANGES) + ".*'twophase'"):
+        GradientCompressionStrategy("onebit", exchange="twophase")
+    with pytest.raises(ValueError, match="server_feedback"):
+        registry.create("qsgd", exchange="two_phase", server_feedback="yes")
+
+
+def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
+    layout, world_size = make_layout(), 2
+    compressors = [registry.create("signsgd", exchange="two_phase") for _ in range(world_size)]
+    velocities = [torch.randn(layout.numel) for _ in range(world_size)]
+    simulate(compressors, [v.clone() for v in velocities], layout, step=0)
+    saved = [c.state_dict() for c in compressors]
+    assert any(t["server"].abs().sum() > 0 for entry in saved[0]["server"].values() for t in [entry])
+    resumed = [registry.create("signsgd", exchange="two_phase") for _ in range(world_size)]
+    for compressor, state in zip(resumed, saved):
+        compressor.load_state_dict(state)
+    rebuilt = make_layout()  # DDP's rebuild: a new layout object, the same names
+    a, _, _, _ = simulate(compressors, [v.clone() for v in velocities], layout, step=1)
+    b, _, _, _ = simulate(resumed, [v.clone() for v in velocities], rebuilt, step=1)
+    assert torch.equal(a[0], b[0])
+    with pytest.raises(ValueError, match="server"):
+        resumed[0].load_state_dict({"residual": {}})
+
+
+def test_two_phase_bytes_sent_count_both_phases() -> None:
+    layout, world_size = make_layout(), 4
+    compressors = [registry.create("terngrad", exchange="two_phase") for _ in range(world_size)]
+    _, _, first, second = simulate(compressors, [torch.randn(layout.numel) for _ in range(world_size)], layout, 0)
+    row = second[0].gathered.numel()
+    assert first[0].bytes_sent == world_size * row and second[0].bytes_sent == row
+    assert first[0].elements_sent == layout.numel and second[0].elements_sent == 0
+    assert math.isclose(traffic_bytes(first[0], world_size), (world_size - 1) * row)
+
+
+# ---------------------------------------------------------------------------------------------- gloo
+def two_phase_runs(tmp_path, runs: list[dict], world_size: int, bucket_cap_mb: float = 0.25) -> list[dict]:
+    from conftest import launch_ranks
+
+    plan = {"runs": runs, "lr": 0.5, "bucket_cap_mb": bucket_cap_mb}
+    return launch_ranks("two_phase_worker.py", plan, tmp_path / "runs", world_size=world_size)
+
+
+def test_none_two_phase_equals_ddp_and_every_accepted_compressor_trains_on_four_ranks(tmp_path) -> None:
+    """4 gloo ranks, several buckets (so several two-phase exchanges are in flight): ``none``
+    through the two-phase exchange equals DDP's all-reduce; every accepted compressor's loss falls
+    by at least 20 % with it; ranks end bitwise identical."""
+    steps = 24
+    runs = [{"label": "ddp", "compressor": None, "steps": steps}]
+    runs += [{"label": n, "compressor": n, "arguments": {"exchange": "two_phase"}, "steps": steps} for n in ACCEPTED]
+    ranks = two_phase_runs(tmp_path, runs, world_size=4)
+    for got, want in zip(ranks[0]["none"]["params"], ranks[0]["ddp"]["params"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name in ACCEPTED:
+        for other in ranks[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(ranks[0][name]["params"], other[name]["params"])), name
+        first = sum(sum(rank[name]["losses"][:4]) for rank in ranks) / (4 * len(ranks))
+        last = sum(sum(rank[name]["losses"][-4:]) for rank in ranks) / (4 * len(ranks))
+        assert last <= 0.8 * first, f"{name}: loss {first:.3f} -> {last:.3f}"
+        assert ranks[0][name]["server_error_entries"] > 0  # the server error is kept, by parameter name
+
+
+def test_onebit_two_phase_resumes_exactly_from_its_state(tmp_path) -> None:
+    """Parameters, optimizer and the hook's state (worker residuals and server errors) saved at
+    step 5 and loaded into a fresh model, DDP and hook: the run continues bit for bit."""
+    arguments = {"exchange": "two_phase"}
+    runs = [
+        {"label": "straight", "compressor": "onebit", "arguments": arguments, "steps": 10},
+        {"label": "resumed", "compressor": "onebit", "arguments": arguments, "steps": 10, "resume_at": 5},
+        {"label": "no server state", "compressor": "onebit", "arguments": arguments, "steps": 10, "resume_at": 5},
+    ]
+    ranks = two_phase_runs(tmp_path, runs[:2], world_size=2)
+    for rank in ranks:
+        assert rank["straight"]["losses"] == rank["resumed"]["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(rank["straight"]["params"], rank["resumed"]["params"]))

@@ -1,0 +1,96 @@
+"""One rank of raw-DDP runs (no Lightning) through lightning_gc's comm hook, for test_two_phase.py.
+
+For each run of the plan (``{"label", "compressor", "arguments", "steps", "resume_at"}``; compressor
+``null`` is plain DDP without a hook) a fresh model from the same seed trains on this rank's
+deterministic data with ``SGD(lr)``; the rank saves, per label, its losses and final parameters.
+With ``resume_at`` the run stops there, keeps what a checkpoint would (parameters, optimizer,
+the hook's per-rank state), builds model, DDP and hook anew and continues from that state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gc.compressors import registry
+from lightning_gc.hook import CompressionHookState, compression_hook
+from lightning_gc.settings import CompressionSettings
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    )
+
+
+def data_for(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed teacher's labels on this rank's inputs (8 batches per rank, cycled)."""
+    teacher = torch.Generator().manual_seed(1234)
+    weights = torch.randn(64, 10, generator=teacher)
+    inputs = torch.randn(32, 64, generator=torch.Generator().manual_seed(100 * rank + step % 8))
+    return inputs, (inputs @ weights).argmax(1)
+
+
+def build(run: dict[str, Any], plan: dict[str, Any]) -> tuple[torch.nn.Module, Any, Any, CompressionHookState | None]:
+    model = make_model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=plan["bucket_cap_mb"])
+    state = None
+    if run["compressor"] is not None:
+        compressor = registry.create(run["compressor"], **run.get("arguments", {}))
+        memory = CompressionSettings().memory_for(compressor)
+        names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
+        state = CompressionHookState(compressor, memory, names)
+        ddp.register_comm_hook(state, compression_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])
+    return model, ddp, optimizer, state
+
+
+def train(run: dict[str, Any], plan: dict[str, Any], rank: int) -> dict[str, Any]:
+    model, ddp, optimizer, state = build(run, plan)
+    losses = []
+    for step in range(run["steps"]):
+        if step == run.get("resume_at"):
+            saved = {
+                "model": {k: v.clone() for k, v in model.state_dict().items()},
+                "optimizer": optimizer.state_dict(),
+                "hook": state.state_dict() if state is not None else None,
+            }
+            model, ddp, optimizer, state = build(run, plan)
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            if state is not None:
+                state.load_state_dict(saved["hook"])
+        inputs, labels = data_for(rank, step)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ddp(inputs), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    server = state.compressor.state_dict() if state is not None else {}
+    return {
+        "losses": losses,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "server_error_entries": len(server.get("server", {})),
+    }
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with open(sys.argv[1]) as f:
+        plan = json.load(f)
+    rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    results = {run["label"]: train(run, plan, rank) for run in plan["runs"]}
+    torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
