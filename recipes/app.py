@@ -28,10 +28,11 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_gc import GradientCompressionStrategy
-from recipes.results import RESULT_FILE, RunRecorder
+from recipes.results import RESULT_FILE, RunRecorder, summary_line, write_result
 
 
 class UsageError(ValueError):
@@ -115,7 +116,8 @@ def fit_once(
             check_data()  # a missing dataset fails here, before Lightning starts the other processes
         except (FileNotFoundError, ValueError) as err:
             raise UsageError(str(err)) from err
-    callbacks: list[L.Callback] = [RunRecorder(out_dir, info)]
+    recorder = RunRecorder(out_dir, info)
+    callbacks: list[L.Callback] = [recorder]
     if cfg.warmup is not None and getattr(strategy, "adjustable", None) is not None:
         callbacks.append(build("warmup", cfg.warmup))
     trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
@@ -126,9 +128,24 @@ def fit_once(
     except (MisconfigurationException, ValueError, TypeError) as err:
         raise UsageError(qualified("trainer", cfg.trainer, str(err))) from err
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    metric_name = recorder.metric_name or getattr(model, "metric_name", "val/loss")
+    late = None
+    if metric_name not in trainer.callback_metrics and not trainer.interrupted and validates(trainer, model):
+        # stopped before its first validation (e.g. trainer.max_steps below an epoch): validate once so
+        # that a short run still reports its metric; every rank (or, spawned, the launching process)
+        # sees the same callback metrics, so all take this branch together
+        late = trainer.validate(model, datamodule=data, verbose=False)[0].get(metric_name)
     if not trainer.is_global_zero or not (out_dir / RESULT_FILE).is_file():
         return None
     result: dict[str, Any] = json.loads((out_dir / RESULT_FILE).read_text())
+    if late is not None:
+        value = float(late)
+        result["metric"], result["curve"] = (
+            value,
+            [*result["curve"], [trainer.current_epoch, trainer.global_step, value]],
+        )
+        write_result(out_dir, result)
+    print(summary_line(result, out_dir), flush=True)
     if result["steps"] == 0:
         raise UsageError(
             f"the run made no training step: each of the {result['world_size']} processes got fewer samples than "
@@ -136,6 +153,11 @@ def fit_once(
             "trainer.limit_train_batches / trainer.max_steps is 0; lower data.batch_size"
         )
     return result
+
+
+def validates(trainer: L.Trainer, model: L.LightningModule) -> bool:
+    """Whether the fit could have validated: the model has a validation step and the trainer runs it."""
+    return is_overridden("validation_step", model) and trainer.limit_val_batches != 0
 
 
 def dense_twin(strategy: DDPStrategy) -> DDPStrategy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import urllib.error
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gc.validation import check_choice, check_int, check_range
@@ -127,8 +129,9 @@ class RecipeDataModule(L.LightningDataModule):
     Args:
         root: the dataset's directory (``data.root``), resolved to an absolute path.
         batch_size: per-process batch size (``data.batch_size`` >= 1).
-        num_workers: loader worker processes (``data.num_workers`` >= 0); synthetic data is made
-            in the main process.
+        num_workers: loader worker processes (``data.num_workers`` >= 0), at most the cores each
+            training process has to spare (:func:`loader_workers`); synthetic data is made in the
+            main process.
         synthetic: use made-up samples instead of files.
         synthetic_size: number of made-up training samples (``data.synthetic_size`` >= 1).
 
@@ -149,7 +152,8 @@ class RecipeDataModule(L.LightningDataModule):
         return {}
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        workers = 0 if self.synthetic else self.num_workers
+        local_processes = self.trainer.num_devices if self.trainer is not None else 1
+        workers = 0 if self.synthetic else loader_workers(self.num_workers, local_processes)
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
@@ -165,6 +169,19 @@ class RecipeDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)
+
+
+def loader_workers(requested: int, local_processes: int) -> int:
+    """``requested`` loader workers, capped at the cores each of this machine's ``local_processes``
+    training processes has besides its own: a worker beyond that competes with training for a core
+    (the recipes' 4 workers per process would be 8 extra processes on a 2-core machine)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = max(0, min(requested, cores // max(1, local_processes) - 1))
+    if workers < requested:
+        rank_zero_info(
+            f"data.num_workers={requested} lowered to {workers}: {cores} cores for {local_processes} training processes"
+        )
+    return workers
 
 
 class SyntheticDataset(Dataset):

@@ -18,7 +18,7 @@
   epoch (data loading included; each epoch's first batch excluded), and
   ``samples_per_s = batch_size * world_size / step_time_s`` across all processes.
 
-Rank 0 also prints one summary line per run.
+The app prints one summary line per run (:func:`summary_line`).
 """
 
 from __future__ import annotations
@@ -130,7 +130,6 @@ class RunRecorder(Callback):
         }
         if trainer.is_global_zero:
             write_result(self.out_dir, self.result)
-            print(summary_line(self.result, self.out_dir), flush=True)
 
 
 def write_result(out_dir: Path, result: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from apprun import SHARED_DATA
 
-from recipes.common import WarmupMultiStep
+from recipes.common import WarmupMultiStep, loader_workers
 from recipes.images import (
     CIFAR10_ARCHIVE,
     CIFAR10_CLASSES,
@@ -326,3 +326,14 @@ def test_a_failed_download_says_what_to_do_offline(tmp_path: Path, monkeypatch: 
     with pytest.raises(RuntimeError, match="downloading Penn Treebank from .* failed") as error:
         PTBDataModule(root=str(tmp_path), download=True).prepare_data()
     assert f"data.root={str(tmp_path)!r} and set data.download=false" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("cores", "processes", "requested", "expected"),
+    [(2, 2, 4, 0), (2, 1, 4, 1), (96, 8, 4, 4), (96, 8, 16, 11), (16, 1, 0, 0)],
+)
+def test_loader_workers_fit_the_cores_each_training_process_has_to_spare(
+    monkeypatch: pytest.MonkeyPatch, cores: int, processes: int, requested: int, expected: int
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert loader_workers(requested, processes) == expected

@@ -92,3 +92,16 @@ def test_every_strategy_config_builds() -> None:
         assert isinstance(strategy, DDPStrategy), name
         if sparse:
             assert strategy.compress_ratio == 0.05
+
+
+def test_a_run_that_stops_before_its_first_validation_validates_once_at_the_end(tmp_path: Path) -> None:
+    """``trainer.max_steps`` below one epoch (8 steps here): the run validates once after the fit,
+    so its result and summary line carry the metric instead of ``n/a``."""
+    small = [o for o in SMALL["lstm_ptb"] if not o.startswith("data.synthetic_size")]
+    done = train("+recipe=lstm_ptb_dgc", *SMOKE, *small, "data.synthetic_size=32", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 0, output(done)
+    (result,) = results(tmp_path)
+    assert result["steps"] == 2  # of 8 in the first epoch
+    assert result["metric"] is not None and math.isfinite(result["metric"]), result
+    assert len(result["curve"]) == 1 and result["curve"][0][1] == 2
+    assert f"{result['metric_name']} {result['metric']:.4f}" in done.stdout

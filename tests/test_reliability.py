@@ -52,6 +52,8 @@ def test_every_compressor_resumes_exactly(tmp_path: Path) -> None:
     for name, local_update in (("dgc delayed", False), ("dgc delayed od-sgd", True)):  # averages in flight
         delayed = {"delay": 1, "local_update": local_update, "sync_warmup_steps": 3}
         fits[name] = {**fits["dgc"], "strategy": {**fits["dgc"]["strategy"], **delayed}}
+    for name in ("onebit", "qsgd"):  # server errors (onebit's) and worker residuals of the two-phase exchange
+        fits[f"{name} two-phase"] = {**fits[name], "strategy": {**fits[name]["strategy"], "exchange": "two_phase"}}
     straight = launch_ranks(
         "fit_worker.py",
         {"fits": [{**fit, "checkpoint_dir": str(tmp_path / name)} for name, fit in fits.items()]},
