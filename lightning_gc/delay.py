@@ -21,6 +21,11 @@ step ``t-1``'s before compensating, because compressors reuse their buffers acro
 PowerSGD commits its residual at decode). The overlap gained is therefore the next step's
 forward and backward pass, whatever ``d``.
 
+With ``find_unused_parameters`` a parameter can be unused on every rank in the step that would
+apply its average; DDP then leaves its gradient alone, and the average would be lost. The line
+(``carry_unused``) carries it instead, per parameter, and adds it to what the next step that uses
+the parameter applies (or to what :meth:`DelayLine.pending` owes at the end).
+
 Slots are stored by parameter name (:class:`~lightning_gc.flatstate.FlatState`): they survive DDP's
 bucket rebuild and are saved in checkpoints after draining what is in flight, so a resume continues
 exactly.
@@ -28,15 +33,18 @@ exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.futures import Future
 
 from lightning_gc.flatstate import FlatState
-from lightning_gc.layout import BucketLayout
+from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_bool, check_int
+
+CARRY = "carry"
+"""The state kind of averages carried past steps that did not use their parameter."""
 
 
 @dataclass
@@ -46,6 +54,7 @@ class DelayedBucket:
     layout: BucketLayout
     averages: list[torch.Tensor]
     owns: list[torch.Tensor]
+    carry: torch.Tensor | None = None
     in_flight: Future[torch.Tensor] | None = None
 
     def wait(self) -> None:
@@ -58,13 +67,14 @@ class DelayedBucket:
 class DelayLine:
     """Averages handed over ``delay`` steps after their exchange (see the module docstring)."""
 
-    def __init__(self, delay: int, local_update: bool = False) -> None:
+    def __init__(self, delay: int, local_update: bool = False, carry_unused: bool = False) -> None:
         self.delay = check_int("delay", delay, 1)
         self.local_update = check_bool("local_update", local_update)
         slots = range(delay + 1)
         self._average_kinds = [f"average.{i}" for i in slots]
         self._own_kinds = [f"own.{i}" for i in slots] if local_update else []
-        self._state = FlatState(self._average_kinds + self._own_kinds)
+        self._carry_kinds = [CARRY] if check_bool("carry_unused", carry_unused) else []
+        self._state = FlatState(self._kinds)
         self._buckets: dict[int, DelayedBucket] = {}
 
     def bucket(self, layout: BucketLayout, like: torch.Tensor) -> DelayedBucket:
@@ -73,26 +83,39 @@ class DelayLine:
         bucket = self._buckets.get(layout.index)
         if bucket is None or bucket.layout is not layout:
             self.drain()
-            flat = self._state.bind(layout, like, self._average_kinds + self._own_kinds)
+            flat = self._state.bind(layout, like, self._kinds)
             bucket = DelayedBucket(
                 layout=layout,
                 averages=[flat[kind] for kind in self._average_kinds],
                 owns=[flat[kind] for kind in self._own_kinds],
+                carry=flat.get(CARRY),
             )
             self._buckets[layout.index] = bucket
         return bucket
+
+    @property
+    def _kinds(self) -> list[str]:
+        return self._average_kinds + self._own_kinds + self._carry_kinds
 
     def slots(self, step: int) -> tuple[int, int]:
         """(the slot step ``step`` writes, the slot it reads)."""
         return step % (self.delay + 1), (step - self.delay) % (self.delay + 1)
 
-    def hand_over(self, bucket: DelayedBucket, step: int, grad: torch.Tensor) -> None:
+    def hand_over(self, bucket: DelayedBucket, step: int, grad: torch.Tensor, unused: Sequence[Segment] = ()) -> None:
         """Write what step ``step`` applies into ``grad`` (module docstring); the step's own
-        exchange must have been launched (its ``own`` slot filled)."""
+        exchange must have been launched (its ``own`` slot filled). ``unused``: segments of
+        parameters no rank used in this step, whose part is carried to a later step."""
         write, read = self.slots(step)
         grad.copy_(bucket.averages[read])
         if self.local_update:
             grad.add_(bucket.owns[write]).sub_(bucket.owns[read])
+        if bucket.carry is not None:
+            grad.add_(bucket.carry)
+            bucket.carry.zero_()
+            for segment in unused:  # DDP will not apply these: keep them for the next use
+                segment.of(bucket.carry).copy_(segment.of(grad))
+        elif unused:
+            raise RuntimeError("parameters without a gradient need DelayLine(carry_unused=True)")
 
     def drain(self) -> None:
         """Wait for every exchange in flight."""
@@ -102,8 +125,17 @@ class DelayLine:
     def pending(self, step: int, since: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """After the last step (``step`` = steps taken), what each delayed step (from step ``since``
         on) whose average was not yet applied still owes, oldest first, by parameter name:
-        ``avg_j`` (``avg_j - own_j`` with ``local_update``). Drains first."""
+        ``avg_j`` (``avg_j - own_j`` with ``local_update``), what is carried for unused parameters
+        first. Drains first."""
         self.drain()
+        carried = {
+            segment.name: segment.of(bucket.carry).view(segment.shape)
+            for bucket in self._buckets.values()
+            if bucket.carry is not None
+            for segment in bucket.layout.segments
+        }
+        if any(bool(value.any()) for value in carried.values()):
+            yield carried
         for j in range(max(since, step - self.delay), step):
             slot = j % (self.delay + 1)
             owed: dict[str, torch.Tensor] = {}

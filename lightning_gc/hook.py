@@ -104,7 +104,11 @@ class CompressionHookState:
         self.rank = dist.get_rank(process_group)
         self.exchange: Exchange = exchange if exchange is not None else CollectiveExchange(process_group)
         self.guard = StepGuard(nonfinite, memory, compressor, rank=self.rank, group=process_group)
-        self.delay_line = DelayLine(delay, local_update) if check_int("delay", delay, 0) else None
+        self.delay_line = (
+            DelayLine(delay, local_update, carry_unused=find_unused_parameters)
+            if check_int("delay", delay, 0)
+            else None
+        )
         if self.delay_line is None and local_update:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
         self.sync_warmup_steps = check_int("sync_warmup_steps", sync_warmup_steps, 0)
@@ -259,7 +263,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
         return sent.averaged
     assert state.delay_line is not None
     delayed.in_flight = sent.averaged
-    state.delay_line.hand_over(delayed, step, grad)
+    state.delay_line.hand_over(delayed, step, grad, absent)
     state.memory.restore_loss_scale(grad, state.grad_scale)
     handed: Future[torch.Tensor] = Future()
     handed.set_result(grad)

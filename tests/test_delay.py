@@ -80,3 +80,27 @@ def test_the_performance_model_hides_the_exchange_behind_the_whole_next_step() -
     assert delayed_row.step_s < sync_row.step_s
     with pytest.raises(ValueError, match=r"`delay` must be an integer >= 0, got -1"):
         Workload(gradient_numel=1, compute_s=0.1, delay=-1)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"delay": 1}, {"delay": 2}, {"delay": 1, "local_update": True}],
+    ids=["stale-by-one", "stale-by-two", "od-sgd"],
+)
+def test_an_average_owed_to_a_parameter_unused_in_a_later_step_is_applied_later(run_ranks, settings: dict) -> None:
+    """``find_unused_parameters=True``: a parameter used every third step is unused on every rank
+    in the step that would apply its delayed average, and DDP leaves such a parameter's gradient
+    alone. The average is carried to the next step that uses it (or to the end of training), so
+    nothing is lost: the parameter ends exactly at ``-lr * sum of its averaged gradients``."""
+    lr, steps = 0.1, 10
+    plan = {"settings": settings, "lr": lr, "steps": steps}
+    ranks = run_ranks(plan, worker="delay_unused_worker.py")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "workers"))
+    from delay_unused_worker import side_input
+
+    expected = -lr * sum((side_input(0, t) + side_input(1, t)) / 2 for t in range(steps) if t % 3 == 0)
+    for rank in ranks:
+        torch.testing.assert_close(rank["side"], expected, rtol=1e-5, atol=1e-6)

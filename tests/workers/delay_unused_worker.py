@@ -1,0 +1,60 @@
+"""One rank of a plain DDP loop (``lightning_gc.attach``) with delayed synchronisation and a
+parameter that only some steps use, for test_delay.py.
+
+The model's ``side`` parameter enters the loss linearly, ``(side * z).sum()`` with ``z`` fixed per
+(rank, step), and only on steps where ``step % 3 == 0``: its averaged gradient does not depend on
+how stale the other parameters are, so its final value is known exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import lightning_gc
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.main = torch.nn.Linear(8, 1)
+        self.side = torch.nn.Parameter(torch.zeros(16))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        loss = self.main(x).pow(2).mean()
+        return loss if z is None else loss + (self.side * z).sum()
+
+
+def side_input(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(16, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    with open(sys.argv[1]) as f:
+        plan = json.load(f)
+    rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    model = Model()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])
+    gc = lightning_gc.attach(ddp, optimizer, "none", **plan["settings"])
+    for step in range(plan["steps"]):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        z = side_input(rank, step) if step % 3 == 0 else None
+        optimizer.zero_grad()
+        ddp(x, z).backward()
+        gc.step()
+    gc.finish()
+    torch.save({"side": model.side.detach().clone()}, os.path.join(plan["out"], f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
