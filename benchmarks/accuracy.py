@@ -17,6 +17,9 @@ Tasks:
 * ``ptb_adamw``: a 2-layer causal transformer on PTB with AdamW (the Adam hand-over's evidence):
   dense AdamW, DGC 0.1 % with plain error feedback under AdamW's own state, DGC 0.1 % and onebit
   with the frozen-variance hand-over (``--freeze`` dense steps first); curves by step.
+* ``compressors``: the shorter task, every registered compressor at its recommended settings
+  on the quickstart (scikit-learn's digits), and onebit and qsgd through the two-phase exchange
+  (onebit also without its server error feedback); needs no shared data.
 * ``cifar10``: ResNet-20 on CIFAR-10's training JPEGs (``<data>/cifar10``), a seeded subset of
   ``--train-size`` images, 5,000 held out for validation; SGD lr 0.1 (global batch 128), a step
   decay at 60 % and 85 % of the epochs; dense DDP and DGC at 0.1 % (after the paper's 4-epoch
@@ -47,7 +50,7 @@ class Run:
     """One training run of a task: a label, the recipe and the overrides it adds to the task's."""
 
     label: str
-    recipe: str
+    recipe: str | None  # None: the quickstart configuration
     overrides: tuple[str, ...] = ()
 
 
@@ -147,6 +150,49 @@ def ptb_adamw_task(data: Path, steps: int, freeze: int) -> Task:
     )
 
 
+COMPRESSOR_SETTINGS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("none", ()),
+    ("fp16", ()),
+    ("bf16", ()),
+    ("topk", ("strategy.compress_ratio=0.01",)),
+    ("dgc", ("strategy.compress_ratio=0.001",)),
+    ("randomk", ("strategy.compress_ratio=0.01",)),
+    ("powersgd", ("strategy.rank=2",)),
+    ("signsgd", ()),
+    ("onebit", ()),
+    ("terngrad", ()),
+    ("qsgd", ("strategy.levels=7",)),
+    ("fft", ("strategy.compress_ratio=0.01", "strategy.bits=8")),
+)
+"""Every registered compressor at the README's recommended settings (sparsifiers after the
+quickstart's sparsity warm-up)."""
+
+
+def compressors_task(epochs: int) -> Task:
+    """The shorter task: the quickstart (scikit-learn's digits, real data shipped with it) trained
+    with every compressor, and the two-phase exchange of onebit (with and without its server error
+    feedback) and qsgd against their gathered form."""
+    runs = [Run("dense DDP", None, ("strategy=dense",))]
+    runs += [Run(name, None, (f"strategy={name}", *settings)) for name, settings in COMPRESSOR_SETTINGS]
+    two_phase = ("strategy.exchange=two_phase",)
+    runs += [
+        Run("onebit two-phase", None, ("strategy=onebit", *two_phase)),
+        Run(
+            "onebit two-phase, no server feedback",
+            None,
+            ("strategy=onebit", *two_phase, "strategy.server_feedback=false"),
+        ),
+        Run("qsgd two-phase", None, ("strategy=qsgd", "strategy.levels=7", *two_phase)),
+    ]
+    return Task(
+        name="compressors",
+        description=f"digits MLP (1.1 M parameters), scikit-learn's digits, {epochs} epochs, 2 CPU processes",
+        runs=tuple(runs),
+        overrides=("compare_dense=false", f"trainer.max_epochs={epochs}", "seed=0"),
+        metric="val acc %",
+    )
+
+
 def run_directory(out: Path, task: Task, run: Run) -> Path:
     return out / task.name / run.label.replace(" ", "_").replace(",", "").replace("%", "pct").replace(".", "_")
 
@@ -155,9 +201,9 @@ def train(task: Task, run: Run, directory: Path) -> dict[str, Any]:
     """``train.py`` for one run (skipped when its result exists); the run's ``result.json``."""
     result_file = directory / "result.json"
     if not result_file.is_file():
+        recipe = [] if run.recipe is None else [f"+recipe={run.recipe}"]
         command = [
-            sys.executable, "train.py", f"+recipe={run.recipe}", *task.overrides, *run.overrides,
-            f"hydra.run.dir={directory}",
+            sys.executable, "train.py", *recipe, *task.overrides, *run.overrides, f"hydra.run.dir={directory}",
         ]  # fmt: skip
         print(f"[{task.name}] {run.label}: {' '.join(command[1:])}", flush=True)
         started = time.perf_counter()
@@ -238,20 +284,22 @@ def plot(task: Task, results: dict[str, dict[str, Any]], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", choices=["cifar10", "ptb_adamw"])
+    parser.add_argument("task", choices=["cifar10", "ptb_adamw", "compressors"])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "accuracy")
-    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=None, help="cifar10: 20, compressors: 12 (the quickstart's)")
     parser.add_argument("--train-size", type=int, default=20_000, help="cifar10: training images")
     parser.add_argument("--steps", type=int, default=600, help="ptb_adamw: optimizer steps")
     parser.add_argument("--freeze", type=int, default=120, help="ptb_adamw: steps before Adam's variance freezes")
     parser.add_argument("--report-only", action="store_true", help="only tabulate the runs already finished")
     args = parser.parse_args(argv)
-    if not args.data.is_dir():
+    if args.task != "compressors" and not args.data.is_dir():
         parser.error(f"--data {args.data} is not a directory: the accuracy runs need the shared data folder")
     data = args.data.resolve()
     if args.task == "cifar10":
-        task = cifar10_task(data, args.epochs, args.train_size)
+        task = cifar10_task(data, args.epochs or 20, args.train_size)
+    elif args.task == "compressors":
+        task = compressors_task(args.epochs or 12)
     else:
         task = ptb_adamw_task(data, args.steps, args.freeze)
     results: dict[str, dict[str, Any]] = {}

@@ -67,7 +67,8 @@ def worker(rank: int, world_size: int, port: int, model_name: str, results: dict
             compressor = create(name, exchange=exchange, **arguments)
             names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
             counting = CountingExchange(world_size)
-            state = CompressionHookState(compressor, CompressionSettings().memory_for(compressor), names, exchange=counting)
+            memory = CompressionSettings().memory_for(compressor)
+            state = CompressionHookState(compressor, memory, names, exchange=counting)
             ddp.register_comm_hook(state, compression_hook)
             for _ in range(STEPS):  # the last step runs on DDP's rebuilt buckets
                 counting.traffic, counting.payload = 0.0, 0
