@@ -18,25 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from sklearn.datasets import load_digits
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gc
-
-
-def batches(rank: int, world: int, batch_size: int, seed: int):
-    """This rank's share of an endless, seeded, epoch-by-epoch shuffle of the digits."""
-    features, labels = load_digits(return_X_y=True)
-    x = torch.tensor(features, dtype=torch.float32)
-    x = (x - x.mean(0)) / x.std(0).clamp(min=1e-6)
-    y = torch.tensor(labels)
-    epoch = 0
-    while True:
-        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))[rank::world]
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            index = order[start : start + batch_size]
-            yield x[index], y[index]
-        epoch += 1
+from recipes.quickstart import digits_batches
 
 
 def main() -> None:
@@ -66,7 +51,7 @@ def main() -> None:
         gc.load_state_dict(checkpoint["lightning_gc"])
         start = checkpoint["step"]
 
-    data = batches(rank, world, batch_size=32, seed=0)
+    data = digits_batches(rank, world, batch_size=32, seed=0)
     for _ in range(start):  # the same batches as an uninterrupted run
         next(data)
     args.out.mkdir(parents=True, exist_ok=True)

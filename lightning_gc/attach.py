@@ -130,12 +130,12 @@ class AttachedCompression:
         assert entry is not None  # attached: the hook state exists
         return entry
 
-    def load_state_dict(self, entry: dict[str, Any]) -> None:
+    def load_state_dict(self, entry: dict[str, Any], source: Any = "the state given") -> None:
         """Continue from :meth:`state_dict`'s output (rank 0's copy, loaded on every rank): this
         rank's residuals, momenta and counters, and with ``local_update`` its own parameters and
-        optimizer state. Raises ``ValueError`` for another world size or format."""
+        optimizer state. Raises ``ValueError`` for another world size or format (naming ``source``)."""
         own_optimizer_states = self.session.resume(
-            entry, source="the state given", rank=dist.get_rank(self.ddp.process_group), world_size=_world(self.ddp)
+            entry, source=source, rank=dist.get_rank(self.ddp.process_group), world_size=_world(self.ddp)
         )
         self.session.take_over_pending(self.ddp)
         if own_optimizer_states:

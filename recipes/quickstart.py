@@ -8,7 +8,7 @@ be meaningful.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import lightning as L
 import torch
@@ -22,6 +22,25 @@ from lightning_gc.validation import check_bool, check_choice, check_int, check_r
 NUM_FEATURES = 64
 NUM_CLASSES = 10
 NUM_SAMPLES = 1797
+
+
+def digits_batches(rank: int, world: int, batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of an endless, seeded, epoch-by-epoch shuffle of all 1,797 digits
+    (standardised features, labels), for plain training loops (the examples): epoch ``e`` is the
+    permutation seeded by ``seed + e``, rank ``r`` takes every ``world``-th sample from ``r``."""
+    from sklearn.datasets import load_digits
+
+    features, labels = load_digits(return_X_y=True)
+    x = torch.tensor(features, dtype=torch.float32)
+    x = (x - x.mean(0)) / x.std(0).clamp(min=1e-6)
+    y = torch.tensor(labels)
+    epoch = 0
+    while True:
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))[rank::world]
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            index = order[start : start + batch_size]
+            yield x[index], y[index]
+        epoch += 1
 
 
 class DigitsDataModule(L.LightningDataModule):

@@ -24,10 +24,29 @@ REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def run_torchrun(
+    script: Path, *args: str, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc_per_node=2 script args`` on loopback, outside any distributed environment
+    of this process; ``env`` replaces the environment (default: this one, the checkout importable)."""
+    if env is None:
+        env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    for _ in range(3):  # a free port can be taken by another process before torchrun listens on it
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", str(script), *args,
+        ]  # fmt: skip
+        done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        if "EADDRINUSE" not in done.stderr and "address already in use" not in done.stderr:
+            break
+    return done
 
 
 def launch_ranks(
@@ -75,7 +94,7 @@ FAILURE_GRACE_S = 60.0
 def _run_once(
     worker: str, plan_path: Path, out: Path, world_size: int, timeout: float, env: dict[str, str]
 ) -> tuple[list[int | None], list[str]]:
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for rank in range(world_size):
         rank_env = {

@@ -4,14 +4,12 @@ exact resume, and errors at attach time."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_torchrun
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gc
@@ -45,24 +43,8 @@ def test_plain_loops_track_ddp_and_compress(run_ranks) -> None:
         assert torch.equal(ours["params"], theirs["params"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    for _ in range(3):  # a free port can be taken by another process before torchrun listens on it
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}", str(REPO / "examples" / "torchrun_dgc.py"), *args,
-        ]  # fmt: skip
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        if "EADDRINUSE" not in done.stderr and "address already in use" not in done.stderr:
-            break
-    return done
+    return run_torchrun(REPO / "examples" / "torchrun_dgc.py", *args)
 
 
 def test_the_torchrun_example_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:

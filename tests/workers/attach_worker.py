@@ -4,12 +4,11 @@ run's final parameters and totals; see test_attach.py."""
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
+from rank_setup import join_gloo
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gc
@@ -44,11 +43,7 @@ def train(run: dict, rank: int) -> dict:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    with open(sys.argv[1]) as f:
-        plan = json.load(f)
-    rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    plan, rank = join_gloo()
     results = [train(run, rank) for run in plan["runs"]]
     torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -8,12 +8,11 @@ how stale the other parameters are, so its final value is known exactly.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
+from rank_setup import join_gloo
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gc
@@ -36,11 +35,7 @@ def side_input(rank: int, step: int) -> torch.Tensor:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    with open(sys.argv[1]) as f:
-        plan = json.load(f)
-    rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    plan, rank = join_gloo()
     model = Model()
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])

@@ -6,7 +6,6 @@ The plan gives the model/optimizer settings; every rank trains on its own determ
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -20,16 +19,13 @@ from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rank_setup import join_gloo
 from test_hook_reference import data_for, make_model  # noqa: E402
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    with open(sys.argv[1]) as f:
-        plan = json.load(f)
-    rank = int(os.environ["LOCAL_RANK"])
+    plan, rank = join_gloo()
     os.environ["LIGHTNING_GC_KERNELS"] = plan["kernels"]  # "torch", or "triton" (interpreted on CPU)
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     model = make_model()
     ddp = DistributedDataParallel(model, bucket_cap_mb=plan["bucket_cap_mb"])
     names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}

@@ -11,7 +11,6 @@ Both use ``SGD(momentum=0.9)``: momentum stays in the optimizer (no momentum cor
 (No ``from __future__ import annotations``: DDP checks a hook's annotations at runtime.)
 """
 
-import json
 import os
 import sys
 
@@ -25,6 +24,7 @@ from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rank_setup import join_gloo
 from test_hook_reference import data_for, make_model  # noqa: E402
 
 
@@ -74,11 +74,7 @@ def train(plan: dict, mode: str, rank: int) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    with open(sys.argv[1]) as f:
-        plan = json.load(f)
-    rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    plan, rank = join_gloo()
     results = {mode: train(plan, mode, rank) for mode in plan["modes"]}
     torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -9,13 +9,12 @@ the hook's per-rank state), builds model, DDP and hook anew and continues from t
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from rank_setup import join_gloo
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import registry
@@ -82,11 +81,7 @@ def train(run: dict[str, Any], plan: dict[str, Any], rank: int) -> dict[str, Any
 
 
 def main() -> None:
-    torch.set_num_threads(1)
-    with open(sys.argv[1]) as f:
-        plan = json.load(f)
-    rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    plan, rank = join_gloo()
     results = {run["label"]: train(run, plan, rank) for run in plan["runs"]}
     torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -1,0 +1,142 @@
+"""Lightning Fabric front end: ``Fabric(strategy="dgc_ddp")`` and a ``"<name>_ddp"`` preset per compressor.
+
+The strategy is Fabric's ``DDPStrategy`` plus the plain-DDP handle of :mod:`lightning_gc.attach`
+(one :class:`~lightning_gc.session.CompressionSession` underneath all three front ends):
+
+    fabric.setup(model, optimizer)      DDP wraps the model; the handle registers the comm hook and
+                                        hands the optimizer's momentum over (one optimizer)
+    optimizer.step()                    settles the step on every rank, steps momentum-free
+    fabric.save(path, state)            every rank calls it: every rank's residuals and momenta go
+                                        into the checkpoint under ``"lightning_gc"``
+    fabric.load(path, state)            each rank takes its own part back (before or after setup)
+    fabric.strategy.compression         the handle: ``last_metrics``, ``totals``, ``compress_ratio``
+                                        (for a warm-up), ``finish()`` (what a delay still owes)
+
+Fabric registers strategies by name in ``lightning.fabric.strategies.STRATEGY_REGISTRY``; importing
+``lightning_gc`` adds the presets there (:func:`register_fabric_strategies`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_gc.attach import PRESET_SETTINGS, AttachedCompression
+from lightning_gc.checkpoint import CHECKPOINT_KEY
+from lightning_gc.compressors.base import Compressor
+from lightning_gc.compressors.registry import available
+from lightning_gc.session import CompressionSession
+from lightning_gc.settings import CompressionSettings
+from lightning_gc.strategy import resolve_compressor
+
+
+class FabricCompressionStrategy(DDPStrategy):
+    """Fabric's DDP with compressed gradient exchange.
+
+    Args:
+        compressor: a registered compressor name (its arguments in ``kwargs``) or a Compressor.
+        **kwargs: the compressor's arguments, any :class:`~lightning_gc.settings.CompressionSettings`
+            field (``momentum_correction``, ``delay``, ``nonfinite``, ...; ``"dgc"`` turns momentum
+            correction on by default, as ``DGCStrategy`` does), and Fabric's ``DDPStrategy`` and
+            ``DistributedDataParallel`` arguments. Unknown names raise ``ValueError`` here.
+    """
+
+    def __init__(self, compressor: str | Compressor = "none", **kwargs: Any) -> None:
+        fields = {field.name for field in dataclasses.fields(CompressionSettings)}
+        name = compressor if isinstance(compressor, str) else compressor.name
+        kwargs = {**PRESET_SETTINGS.get(name, {}), **kwargs}
+        ddp_arguments = _fabric_ddp_argument_names()
+        built = resolve_compressor(
+            compressor, kwargs, owner=type(self).__name__, others={"settings": fields, "DDP": ddp_arguments}
+        )
+        settings = CompressionSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in fields})
+        self.session = CompressionSession(built, settings, owner=type(self).__name__)
+        super().__init__(**kwargs)
+        self._ddp: DistributedDataParallel | None = None
+        self._compression: AttachedCompression | None = None
+        self._pending_entry: tuple[dict[str, Any], Any] | None = None
+
+    @property
+    def compression(self) -> AttachedCompression:
+        """The handle of the run (statistics, totals, ratio, ``finish()``); exists after ``fabric.setup``."""
+        if self._compression is None:
+            raise RuntimeError("the compression handle exists once fabric.setup(model, optimizer) has run")
+        return self._compression
+
+    # ------------------------------------------------------------------ set-up
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        self._ddp = super().setup_module(module)
+        return self._ddp
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        optimizer = super().setup_optimizer(optimizer)
+        if self._ddp is None:
+            raise RuntimeError("set the model up before its optimizer: fabric.setup(model, optimizer)")
+        if self._compression is not None:
+            raise ValueError(
+                f"{type(self).__name__} compresses the gradients of one optimizer; a second was set up "
+                "(use one optimizer with param groups)"
+            )
+        self._compression = AttachedCompression(
+            self._ddp, optimizer, self.session, scaler=getattr(self.precision, "scaler", None)
+        )
+        if self._pending_entry is not None:
+            entry, source = self._pending_entry
+            self._compression.load_state_dict(entry, source=source)
+            self._pending_entry = None
+        return optimizer
+
+    # ------------------------------------------------------------------ each step
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise ValueError(f"{type(self).__name__} steps the optimizer itself; got arguments {sorted(kwargs)}")
+        return self.compression.step()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any | None = None, filter: Any | None = None
+    ) -> None:
+        """Every rank calls ``fabric.save``: every rank's compression state joins rank 0's file."""
+        if self._compression is not None:
+            state = {**state, CHECKPOINT_KEY: self._compression.state_dict()}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
+        """Restore what ``state`` names, and this rank's compression state (now, or at set-up)."""
+        remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
+        if not state or not isinstance(state, dict):
+            return remainder  # the raw checkpoint, or a module/optimizer of it
+        entry = remainder.pop(CHECKPOINT_KEY, None)
+        if entry is not None:
+            if self._compression is None:
+                self._pending_entry = (entry, path)
+            else:
+                self._compression.load_state_dict(entry, source=path)
+        return remainder
+
+
+def _fabric_ddp_argument_names() -> set[str]:
+    """What Fabric's ``DDPStrategy`` and ``DistributedDataParallel`` take (besides the module)."""
+    import inspect
+
+    names = set(inspect.signature(DDPStrategy.__init__).parameters) | set(
+        inspect.signature(DistributedDataParallel.__init__).parameters
+    )
+    return names - {"self", "kwargs", "module"}
+
+
+def register_fabric_strategies(registry: _StrategyRegistry) -> None:
+    """``"<name>_ddp"`` for every registered compressor (``"dgc_ddp"`` with momentum correction)."""
+    for name in available():
+        preset = f"{name}_ddp"
+        if preset not in registry:
+            registry.register(
+                preset, FabricCompressionStrategy, description=f"Fabric DDP with the {name!r} gradient compressor",
+                compressor=name,
+            )  # fmt: skip

@@ -1,0 +1,22 @@
+"""What every raw-DDP test worker does first: read the plan, join the gloo process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def join_gloo() -> tuple[dict[str, Any], int]:
+    """The plan (JSON file named by ``sys.argv[1]``) and this rank, after one torch thread per
+    process (ranks share the cores) and ``init_process_group("gloo")`` from the launcher's environment."""
+    torch.set_num_threads(1)
+    with open(sys.argv[1]) as f:
+        plan = json.load(f)
+    rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    return plan, rank
