@@ -189,11 +189,11 @@ class CompressionHookState:
             self.delay_line.load_state_dict(state.get("delayed", {}))
 
 
-def exchange_failed(state: CompressionHookState, layout: BucketLayout, step: int, error: Exception) -> RuntimeError:
+def exchange_failed(rank: int, world_size: int, layout: BucketLayout, step: int, error: Exception) -> RuntimeError:
     """The error a failed collective becomes: which bucket and rank, and the likely cause."""
     return RuntimeError(
         f"lightning_gc: the gradient exchange of bucket {layout.index} ({len(layout.segments)} parameters) failed "
-        f"on rank {state.rank} of {state.world_size} at step {step}: a peer process died, timed out or the "
+        f"on rank {rank} of {world_size} at step {step}: a peer process died, timed out or the "
         f"network failed. The last checkpoint is untouched; resume from it with the same world size. Cause: {error}"
     )
 
@@ -248,8 +248,12 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
         loss_scale=state.grad_scale,
         guard=state.guard,
         timeline=Timeline(),
-        on_decoded=lambda timeline: state.stats.add(seconds=timeline.seconds()),
-        failure=lambda error: exchange_failed(state, layout, step, error),
+        # The callbacks run on the backend's threads and must not hold `state`: it holds the process
+        # group, and a thread that drops a group's last reference joins itself in its destructor.
+        on_decoded=lambda timeline, stats=state.stats: stats.add(seconds=timeline.seconds()),
+        failure=lambda error, rank=state.rank, world_size=state.world_size: exchange_failed(
+            rank, world_size, layout, step, error
+        ),
     )
     if bucket.is_last():
         state.step += 1

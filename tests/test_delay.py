@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -82,25 +85,19 @@ def test_the_performance_model_hides_the_exchange_behind_the_whole_next_step() -
         Workload(gradient_numel=1, compute_s=0.1, delay=-1)
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [{"delay": 1}, {"delay": 2}, {"delay": 1, "local_update": True}],
-    ids=["stale-by-one", "stale-by-two", "od-sgd"],
-)
-def test_an_average_owed_to_a_parameter_unused_in_a_later_step_is_applied_later(run_ranks, settings: dict) -> None:
+def test_an_average_owed_to_a_parameter_unused_in_a_later_step_is_applied_later(run_ranks) -> None:
     """``find_unused_parameters=True``: a parameter used every third step is unused on every rank
     in the step that would apply its delayed average, and DDP leaves such a parameter's gradient
     alone. The average is carried to the next step that uses it (or to the end of training), so
-    nothing is lost: the parameter ends exactly at ``-lr * sum of its averaged gradients``."""
+    nothing is lost: the parameter ends exactly at ``-lr * sum of its averaged gradients``, with
+    ``delay`` 1 and 2 and with OD-SGD's local update."""
     lr, steps = 0.1, 10
-    plan = {"settings": settings, "lr": lr, "steps": steps}
-    ranks = run_ranks(plan, worker="delay_unused_worker.py")
-    import sys
-    from pathlib import Path
-
+    runs = [{"delay": 1}, {"delay": 2}, {"delay": 1, "local_update": True}]
+    ranks = run_ranks({"runs": runs, "lr": lr, "steps": steps}, worker="delay_unused_worker.py")
     sys.path.insert(0, str(Path(__file__).parent / "workers"))
     from delay_unused_worker import side_input
 
     expected = -lr * sum((side_input(0, t) + side_input(1, t)) / 2 for t in range(steps) if t % 3 == 0)
     for rank in ranks:
-        torch.testing.assert_close(rank["side"], expected, rtol=1e-5, atol=1e-6)
+        for settings, side in zip(runs, rank):
+            torch.testing.assert_close(side, expected, rtol=1e-5, atol=1e-6, msg=str(settings))

@@ -17,7 +17,7 @@ import lightning_gc
 def train(run: dict, rank: int) -> dict:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    model = DistributedDataParallel(net)
+    model = DistributedDataParallel(net, bucket_cap_mb=run.get("bucket_cap_mb", 25))
     if run["optimizer"] == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
     else:

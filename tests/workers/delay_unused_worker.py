@@ -34,12 +34,11 @@ def side_input(rank: int, step: int) -> torch.Tensor:
     return torch.randn(16, generator=torch.Generator().manual_seed(1000 * rank + step))
 
 
-def main() -> None:
-    plan, rank = join_gloo()
+def train(settings: dict, plan: dict, rank: int) -> torch.Tensor:
     model = Model()
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])
-    gc = lightning_gc.attach(ddp, optimizer, "none", **plan["settings"])
+    gc = lightning_gc.attach(ddp, optimizer, "none", **settings)
     for step in range(plan["steps"]):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
         z = side_input(rank, step) if step % 3 == 0 else None
@@ -47,7 +46,13 @@ def main() -> None:
         ddp(x, z).backward()
         gc.step()
     gc.finish()
-    torch.save({"side": model.side.detach().clone()}, os.path.join(plan["out"], f"rank{rank}.pt"))
+    return model.side.detach().clone()
+
+
+def main() -> None:
+    plan, rank = join_gloo()
+    sides = [train(settings, plan, rank) for settings in plan["runs"]]
+    torch.save(sides, os.path.join(plan["out"], f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
