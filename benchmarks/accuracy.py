@@ -36,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,7 +274,7 @@ def plot(task: Task, results: dict[str, dict[str, Any]], out: Path) -> Path:
     axes.set_ylabel(f"validation {task.metric}")
     if not task.higher_is_better:
         axes.set_yscale("log")
-    axes.set_title(task.description, fontsize=9)
+    axes.set_title("\n".join(textwrap.wrap(task.description, 90)), fontsize=9)
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()

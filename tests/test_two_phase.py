@@ -231,12 +231,12 @@ def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
         resumed[0].load_state_dict({"residual": {}})
 
 
-def test_two_phase_bytes_sent_count_both_phases() -> None:
+def test_two_phase_bytes_sent_count_what_leaves_in_both_phases() -> None:
     layout, world_size = make_layout(), 4
     compressors = [registry.create("terngrad", exchange="two_phase") for _ in range(world_size)]
     _, _, first, second = simulate(compressors, [torch.randn(layout.numel) for _ in range(world_size)], layout, 0)
-    row = second[0].gathered.numel()
-    assert first[0].bytes_sent == world_size * row and second[0].bytes_sent == row
+    row = second[0].gathered.numel()  # each rank sends its other rows, then its re-encoded row: N rows
+    assert first[0].bytes_sent == (world_size - 1) * row and second[0].bytes_sent == row
     assert first[0].elements_sent == layout.numel and second[0].elements_sent == 0
     assert math.isclose(traffic_bytes(first[0], world_size), (world_size - 1) * row)
 

@@ -25,9 +25,10 @@ it survives DDP's bucket rebuild) and returned by
 resume is exact. (DeepSpeed resets both buffers on load.) A resume with another world size is
 refused by the checkpoint, as for every per-rank state.
 
-Bytes per rank: phase 1 hands ``N`` rows of one chunk's payload ``P ~ M/(cN)`` to the all-to-all
-and puts ``(N-1) P`` on the wire; phase 2 sends ``P`` to ``N-1`` peers: ``2 (N-1)/N M/c`` in all,
-flat in ``N``, against ``(N-1) M/c`` for the gathered form. Every chunk's payload is padded to
+Bytes per rank: phase 1 sends ``N-1`` rows of one chunk's payload ``P ~ M/(cN)`` (its own stays),
+phase 2 one row: ``N P ~ M/c`` reported as sent, as the gathered form reports its payload. On the
+wire (:func:`~lightning_gc.exchange.traffic_bytes`) phase 2's row goes to ``N-1`` peers:
+``2 (N-1)/N M/c`` in all, flat in ``N``, against ``(N-1) M/c`` for the gathered form. Every chunk's payload is padded to
 the largest, ``P``; scales are per piece (``N`` times a per-tensor codec's, a few bytes each).
 
 The cost: the first phase completes inside the comm hook (as PowerSGD's first round does, so every
@@ -180,10 +181,11 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         for chunk, fmt in enumerate(plan.formats):
             seed = encode_seed(context.step, context.rank, chunk)
             self.encode_chunk(velocity, fmt, rows[chunk, : fmt.nbytes], plan.own_decoded, seed)
+        rows_out = plan.scattered.numel() // context.world_size * (context.world_size - 1)
         return Encoded(
             scattered=plan.scattered,
             scattered_out=plan.received,
-            bytes_sent=plan.scattered.numel(),
+            bytes_sent=rows_out,  # its own row stays here: with phase 2's row, N rows ~ the gathered payload
             elements_sent=velocity.numel(),
             context=plan,
             next_round=lambda: self._server_round(plan, context),
