@@ -24,16 +24,20 @@ def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_plain_loops_track_ddp_and_compress(run_ranks) -> None:
     """SGD at ratio 1: equal to DDP + the same SGD (1e-5, momentum applied by the memory). AdamW
     before its variance freezes: bit for bit DDP + AdamW (the frozen phase is tested against a
-    reference in test_adam.py). DGC at 1 %: ranks identical, > 20x fewer bytes."""
+    reference in test_adam.py). DGC at 1 %: ranks identical, > 20x fewer bytes, and the same bit for
+    bit through a grad scaler (``attach(..., scaler=)``)."""
     runs = [
         {"compressor": None, "optimizer": "sgd", "steps": 30},
         {"compressor": "dgc", "optimizer": "sgd", "steps": 30, "kwargs": {"compress_ratio": 1.0}},
         {"compressor": None, "optimizer": "adamw", "steps": 30},
         {"compressor": "dgc", "optimizer": "adamw", "steps": 30, "kwargs": {"adam_warmup_steps": 1000}},
         {"compressor": "dgc", "optimizer": "sgd", "steps": 20, "kwargs": {"compress_ratio": 0.01}},
+        {"compressor": "dgc", "optimizer": "sgd", "steps": 20, "kwargs": {"compress_ratio": 0.01}, "scaler": True},
     ]
     rank0, rank1 = run_ranks({"runs": runs}, worker="attach_worker.py")
-    sgd, dgc_dense, adamw, dgc_adamw, dgc_sparse = rank0
+    sgd, dgc_dense, adamw, dgc_adamw, dgc_sparse, dgc_scaled = rank0
+    # a grad scaler: memory works on unscaled gradients, so a power-of-two scale changes nothing
+    assert torch.equal(dgc_scaled["params"], dgc_sparse["params"])
     assert _relative_difference(dgc_dense["params"], sgd["params"]) < 1e-5
     assert torch.equal(dgc_adamw["params"], adamw["params"])
     assert dgc_dense["totals"]["steps"] == 30

@@ -50,7 +50,9 @@ def test_the_trainer_snippet_runs(tmp_path: Path) -> None:
 def test_the_plain_ddp_snippet_runs_under_torchrun(tmp_path: Path) -> None:
     done = run_torchrun(readme_script("### Without Lightning: a plain DDP loop", tmp_path), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "wire ratio" in done.stdout and "'steps': 30" in done.stdout
+    assert "'steps': 30" in done.stdout
+    # the warm-up ended at 1 %: the last step sends about 1/50 of the dense bytes (indices + values)
+    assert float(done.stdout.split("wire ratio ")[1].split("x")[0]) > 20
     entry = torch.load(tmp_path / "attach_dgc.pt", weights_only=True)["lightning_gc"]
     assert entry["world_size"] == 2 and len(entry["ranks"]) == 2
 

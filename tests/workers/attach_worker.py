@@ -23,14 +23,17 @@ def train(run: dict, rank: int) -> dict:
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     gc = None
+    # a power-of-two loss scale, fp32 throughout: scaling and unscaling are exact
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if run.get("scaler") else None
     if run["compressor"] is not None:
-        gc = lightning_gc.attach(model, optimizer, run["compressor"], **run.get("kwargs", {}))
+        gc = lightning_gc.attach(model, optimizer, run["compressor"], scaler=scaler, **run.get("kwargs", {}))
     generator = torch.Generator().manual_seed(100 + rank)
     weights = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
     for _ in range(run["steps"]):
         x = torch.randn(16, 32, generator=generator)
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), (x @ weights).argmax(1)).backward()
+        loss = torch.nn.functional.cross_entropy(model(x), (x @ weights).argmax(1))
+        (loss if scaler is None else scaler.scale(loss)).backward()
         if gc is None:
             optimizer.step()
         else:
