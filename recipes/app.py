@@ -27,6 +27,7 @@ import lightning as L
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
@@ -118,6 +119,8 @@ def fit_once(
             raise UsageError(str(err)) from err
     recorder = RunRecorder(out_dir, info)
     callbacks: list[L.Callback] = [recorder]
+    if cfg.trainer.get("enable_progress_bar", True) is not False:
+        callbacks.append(ProgressBar())
     if cfg.warmup is not None and getattr(strategy, "adjustable", None) is not None:
         callbacks.append(build("warmup", cfg.warmup))
     trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
@@ -153,6 +156,16 @@ def fit_once(
             "trainer.limit_train_batches / trainer.max_steps is 0; lower data.batch_size"
         )
     return result
+
+
+class ProgressBar(RichProgressBar):
+    """Lightning's rich progress bar without the logger's version number (``v_num: 0.000``): a run's
+    directory and version are in its summary line."""
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
 
 
 def validates(trainer: L.Trainer, model: L.LightningModule) -> bool:

@@ -105,3 +105,4 @@ def test_a_run_that_stops_before_its_first_validation_validates_once_at_the_end(
     assert result["metric"] is not None and math.isfinite(result["metric"]), result
     assert len(result["curve"]) == 1 and result["curve"][0][1] == 2
     assert f"{result['metric_name']} {result['metric']:.4f}" in done.stdout
+    assert "v_num" not in done.stdout  # the progress bar shows metrics, not the logger's version
