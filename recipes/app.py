@@ -189,9 +189,15 @@ def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any
     label = "DGC" if compressed["strategy"] == "DGCStrategy" else str(compressed["compressor"])
     metric = compressed["metric_name"].replace("/", " ")
     per_step = compressed.get("last_step_wire_compression")
-    after = f", {per_step:.0f}x per step after it" if per_step else ""
     overall = compressed.get("wire_compression")
     wire = "n/a" if overall is None else f"{overall:.0f}x"
+    target, final = compressed.get("compress_ratio"), compressed.get("final_ratio")
+    if cfg.warmup is None or target is None:
+        span = " over the run"
+    elif final is not None and final > target:  # stopped inside the warm-up: no step at the target ratio
+        span = f" over the run; the warm-up had not ended: the last step sent {final:.2%} of each compressed tensor"
+    else:
+        span = " over the run with warm-up" + (f", {per_step:.0f}x per step after it" if per_step else "")
 
     def value(result: dict[str, Any]) -> str:
         return "n/a" if result["metric"] is None else f"{result['metric']:.3f}"
@@ -201,7 +207,7 @@ def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any
         f"{compressed['epochs']} epochs\n"
         f"  dense DDP  {metric} {value(dense)}   sent {dense['bytes_sent'] / 1e6:8.2f} MB per rank\n"
         f"  {label:<9}  {metric} {value(compressed)}   sent {compressed['bytes_sent'] / 1e6:8.2f} MB per rank "
-        f"(wire compression {wire} over the run with warm-up{after})"
+        f"(wire compression {wire}{span})"
     )
 
 

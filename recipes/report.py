@@ -94,6 +94,18 @@ def series(rows: Sequence[Row]) -> dict[str, list[dict[str, Any]]]:
     return lines
 
 
+def references(rows: Sequence[Row]) -> list[tuple[str, dict[str, Any]]]:
+    """Runs without a ratio (dense DDP, quantisers, PowerSGD), one per scheme and set of overrides
+    other than the ratio (which they do not depend on: a sweep's dense twins are one line), labelled."""
+    varied = varying_overrides(rows)
+    found: dict[str, dict[str, Any]] = {}
+    for path, r in rows:
+        if r.get("compress_ratio") is None:
+            others = " ".join(o for o in varied[path].split() if not o.startswith(RATIO_OVERRIDE))
+            found.setdefault(f"{scheme(r)} {others}".strip(), r)
+    return list(found.items())
+
+
 def plot(rows: list[Row], out: Path) -> Path:
     """Write the metric and throughput against the compression ratio to ``out`` (PNG)."""
     import matplotlib
@@ -102,8 +114,6 @@ def plot(rows: list[Row], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     lines = series(rows)
-    varied = varying_overrides(rows)
-    references = [(f"{scheme(r)} {varied[path]}".strip(), r) for path, r in rows if r.get("compress_ratio") is None]
     metric_name = rows[0][1]["metric_name"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     for ax, key, label in ((axes[0], "metric", metric_name), (axes[1], "samples_per_s", "throughput (samples/s)")):
@@ -111,7 +121,7 @@ def plot(rows: list[Row], out: Path) -> Path:
             points = sorted((r["compress_ratio"], r[key]) for r in runs if r.get(key) is not None)
             if points:
                 ax.plot(*zip(*points), marker="o", label=name)
-        for name, r in references:
+        for name, r in references(rows):
             if r.get(key) is not None:
                 dense = r.get("compressor") is None
                 ax.axhline(r[key], linestyle="--", color="gray" if dense else None, label=name)
@@ -135,8 +145,13 @@ def report(root: str | Path, console: Console | None = None) -> Path:
     rows = sorted(found, key=_order)
     if not rows:
         raise FileNotFoundError(f"no result.json under {root}: point at a run or sweep directory of train.py")
-    console = console or Console()
-    console.print(build_table(rows, root))
+    table = build_table(rows, root)
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped: rich would squeeze the table into 80 columns and cut names
+            natural = Console(width=10_000).measure(table).maximum
+            console = Console(width=max(console.width, natural))
+    console.print(table)
     for path in missing:
         console.print(f"job {path.relative_to(root)}: no result (failed or still running)")
     if stale:

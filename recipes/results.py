@@ -7,7 +7,8 @@
 - ``strategy`` / ``compressor``: the strategy's class and the compressor's name (``null`` for
   dense DDP);
 - ``compress_ratio``: the strategy's configured ratio (the target after any warm-up), ``null`` for
-  strategies without one (dense DDP, quantisers, PowerSGD);
+  strategies without one (dense DDP, quantisers, PowerSGD); ``final_ratio``: the ratio in force
+  at the last step (above the target when the run ended inside the warm-up);
 - ``bytes_sent`` / ``dense_bytes``: per-rank sums over the fit of the bytes handed to collectives
   and of the bytes plain DDP would have all-reduced; ``wire_compression = dense_bytes / bytes_sent``
   (1 for dense DDP, whose ``bytes_sent`` is the dense gradient bytes times the steps), and
@@ -112,6 +113,7 @@ class RunRecorder(Callback):
             "strategy": type(trainer.strategy).__name__,
             "compressor": getattr(getattr(trainer.strategy, "compressor", None), "name", None),
             "compress_ratio": self.target_ratio,
+            "final_ratio": _final_ratio(trainer),
             "metric_name": self.metric_name,
             "metric_mode": self.metric_mode,
             "metric": None if metric is None else _number(metric),
@@ -130,6 +132,12 @@ class RunRecorder(Callback):
         }
         if trainer.is_global_zero:
             write_result(self.out_dir, self.result)
+
+
+def _final_ratio(trainer: Trainer) -> float | None:
+    """The ratio in force at the last step (below the target while a sparsity warm-up runs)."""
+    adjustable = getattr(trainer.strategy, "adjustable", None)
+    return None if adjustable is None else float(adjustable.compress_ratio)
 
 
 def write_result(out_dir: Path, result: dict[str, Any]) -> None:

@@ -311,3 +311,43 @@ def test_train_py_resumes_a_checkpoint_and_refuses_a_missing_one(tmp_path: Path)
     assert "Initializing distributed" not in missing.stdout + missing.stderr
     both = train(quoted, f"hydra.run.dir={tmp_path / 'both'}")
     assert both.returncode != 0 and "add compare_dense=false" in both.stderr
+
+
+def test_report_draws_one_dense_reference_per_sweep_and_prints_whole_columns_when_piped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ratio sweep with a dense twin per job: the twins do not depend on the ratio, so they are
+    one reference line labelled without it; piped output keeps every column name whole."""
+    import json
+
+    from recipes.report import references
+
+    for index, ratio in enumerate((0.01, 0.1)):
+        overrides = [f"strategy.compress_ratio={ratio}", "trainer.max_epochs=3"]
+        for name, result in (
+            (str(index), _result("dgc", ratio, overrides, 0.9)),
+            (f"{index}/dense", _result(None, None, overrides, 0.95)),
+        ):
+            (tmp_path / name).mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / "result.json").write_text(json.dumps(result))
+    rows = [(path.parent, json.loads(path.read_text())) for path in sorted(tmp_path.rglob("result.json"))]
+    assert [label for label, _ in references(rows)] == ["dense DDP"]
+    report_main([str(tmp_path)])  # stdout is captured: not a terminal
+    header = next(line for line in capsys.readouterr().out.splitlines() if "scheme" in line)
+    assert all(name in header for name in ("overrides", "scheme", "ratio", "wire ×", "step (s)", "samples/s"))
+
+
+def test_the_comparison_says_when_the_warm_up_had_not_ended() -> None:
+    from recipes.app import comparison
+
+    cfg = _compose()  # the quickstart, with DGC's warm-up
+    dense = {**_result(None, None, [], 0.95), "bytes_sent": 1e9, "params": 10, "world_size": 2, "epochs": 1}
+    inside = {
+        **dense, **_result("dgc", 0.001, [], 0.9), "strategy": "DGCStrategy", "bytes_sent": 5e8,
+        "wire_compression": 2.0, "final_ratio": 0.25, "last_step_wire_compression": 2.0,
+    }  # fmt: skip
+    text = comparison(cfg, inside, dense)
+    assert "the warm-up had not ended: the last step sent 25.00% of each compressed tensor" in text
+    assert "per step after it" not in text
+    after = comparison(cfg, {**inside, "final_ratio": 0.001, "last_step_wire_compression": 261.0}, dense)
+    assert "over the run with warm-up, 261x per step after it" in after
