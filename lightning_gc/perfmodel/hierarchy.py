@@ -1,0 +1,220 @@
+"""Two-level cluster model: dense, flat-gather, hierarchical, gTop-k and PowerSGD exchange times.
+
+A simulation (alpha-beta model), not a measurement: nothing here runs a collective.
+
+Notation: ``K`` nodes of ``L`` devices (``N = K L`` ranks); intra-node link ``B_i`` bytes/s and
+``a_i`` s per message per device; one inter-node link per node (the node's NIC, shared by its
+``L`` devices) of ``B_e`` bytes/s and ``a_e`` s. ``M`` dense gradient bytes per rank, ``c`` wire
+compression ratio (payload ``m = M/c`` bytes; DGC at 0.1 % density with int32 indices: ``c ~ 500``).
+Ranks are numbered node by node. "Inter bytes per node" is the busiest direction of the busiest
+node's NIC per step. Every inter term vanishes at ``K = 1``; every intra term at ``L = 1``.
+
+    dense_ring            2(N-1)/N M / B_e + 2(N-1) a_e            inter 2(N-1)/N M
+    dense_hierarchical    2 [(L-1)/L M / B_i + (L-1) a_i]
+                          + 2(K-1)/K M / B_e + 2(K-1) a_e          inter 2(K-1)/K M
+    flat_gather           (N-1) m / B_e + (N-1) a_e                inter (N-1) m
+    hierarchical_gather   2 [(L-1)/L M / B_i + (L-1) a_i]
+                          + (K-1) m / B_e + (K-1) a_e              inter (K-1) m
+    gtopk                 2 [ceil(log2 L) (a_i + m/B_i) + ceil(log2 K) (a_e + m/B_e)]
+                                                                   inter ceil(log2 K) m
+    powersgd(s)           dense_hierarchical with M = s (the summed low-rank factors)
+
+So the hierarchical gather's inter bytes per node do not depend on ``L``; the flat gather's
+grow as ``K L - 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lightning_gc.validation import check_int, check_range
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` (K) nodes of ``per_node`` (L) devices.
+
+    Attributes:
+        nodes: number of nodes ``K`` (>= 1).
+        per_node: devices per node ``L`` (>= 1).
+        intra_bandwidth: ``B_i``, bytes/s each device can send inside its node (> 0).
+        intra_latency: ``a_i``, seconds per intra-node message (>= 0).
+        inter_bandwidth: ``B_e``, bytes/s of the node's one inter-node link, shared by its ``L``
+            devices (> 0).
+        inter_latency: ``a_e``, seconds per inter-node message (>= 0).
+    """
+
+    nodes: int
+    per_node: int
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+
+    def __post_init__(self) -> None:
+        check_int("nodes", self.nodes, 1)
+        check_int("per_node", self.per_node, 1)
+        check_range("intra_bandwidth", self.intra_bandwidth, 0.0, None, low_inclusive=False)
+        check_range("intra_latency", self.intra_latency, 0.0, None)
+        check_range("inter_bandwidth", self.inter_bandwidth, 0.0, None, low_inclusive=False)
+        check_range("inter_latency", self.inter_latency, 0.0, None)
+
+    @property
+    def world_size(self) -> int:
+        """``N = K L``."""
+        return self.nodes * self.per_node
+
+
+@dataclass(frozen=True)
+class SchemeTime:
+    """Predicted exchange of one scheme per step.
+
+    Attributes:
+        name: scheme name.
+        seconds: exchange time per step.
+        inter_bytes_per_node: bytes through the busiest node's NIC, busiest direction, per step.
+    """
+
+    name: str
+    seconds: float
+    inter_bytes_per_node: float
+
+
+def _check(nbytes: float, compression: float | None = None) -> None:
+    check_range("nbytes", nbytes, 0.0, None)
+    if compression is not None:
+        check_range("compression", compression, 1.0, None)
+
+
+def _intra_phase_s(nbytes: float, cluster: Cluster) -> float:
+    """Intra-node reduce-scatter (or all-gather) ring over ``L``: ``(L-1)/L M / B_i + (L-1) a_i``."""
+    n = cluster.per_node
+    if n == 1 or nbytes == 0:
+        return 0.0
+    return (n - 1) / n * nbytes / cluster.intra_bandwidth + (n - 1) * cluster.intra_latency
+
+
+def dense_ring(nbytes: float, cluster: Cluster) -> SchemeTime:
+    """Flat ring all-reduce over all ``N`` ranks. A ring step moves at the pace of its slowest
+    edge, the inter-node one when ``K > 1``: ``2(N-1)/N M / B_e + 2(N-1) a_e``; one ring edge
+    leaves each node, so the NIC carries ``2(N-1)/N M``. At ``K = 1`` it is the intra ring."""
+    _check(nbytes)
+    n = cluster.world_size
+    if cluster.nodes == 1:
+        return SchemeTime("dense ring", 2 * _intra_phase_s(nbytes, cluster), 0.0)
+    inter = 2 * (n - 1) / n * nbytes
+    seconds = inter / cluster.inter_bandwidth + 2 * (n - 1) * cluster.inter_latency
+    return SchemeTime("dense ring", seconds if nbytes else 0.0, inter)
+
+
+def _inter_ring_allreduce(nbytes: float, cluster: Cluster) -> tuple[float, float]:
+    """``L`` concurrent rings over ``K`` nodes of ``nbytes/L`` each sharing the NIC:
+    ``(2(K-1)/K M / B_e + 2(K-1) a_e, 2(K-1)/K M)``."""
+    k = cluster.nodes
+    if k == 1 or nbytes == 0:
+        return 0.0, 0.0
+    inter = 2 * (k - 1) / k * nbytes
+    return inter / cluster.inter_bandwidth + 2 * (k - 1) * cluster.inter_latency, inter
+
+
+def dense_hierarchical(nbytes: float, cluster: Cluster, name: str = "dense hierarchical") -> SchemeTime:
+    """Intra reduce-scatter, an inter ring all-reduce of ``M/L`` per local rank across the ``K``
+    nodes (``L`` rings share the NIC), intra all-gather (NCCL's hierarchical pattern):
+    ``2[(L-1)/L M/B_i + (L-1) a_i] + 2(K-1)/K M/B_e + 2(K-1) a_e``; NIC bytes ``2(K-1)/K M``."""
+    _check(nbytes)
+    inter_s, inter = _inter_ring_allreduce(nbytes, cluster)
+    return SchemeTime(name, 2 * _intra_phase_s(nbytes, cluster) + inter_s, inter)
+
+
+def flat_gather(nbytes: float, compression: float, cluster: Cluster) -> SchemeTime:
+    """All-gather of ``m = M/c`` per rank over all ``N`` ranks (node-ordered ring, as NCCL runs it):
+    each ring edge, the node's outgoing inter edge included, carries ``(N-1) m``; time
+    ``(N-1) m / B_e + (N-1) a_e``. Bounds: each node must take in at least its ``N-L`` remote
+    payloads, ``(N-L) m``; an exchange where each of the ``L`` ranks fetches its own copies takes
+    ``L (N-L) m`` through the NIC. At ``K = 1``: ``(L-1) m / B_i + (L-1) a_i``."""
+    _check(nbytes, compression)
+    n, m = cluster.world_size, nbytes / compression
+    if n == 1 or m == 0:
+        return SchemeTime("flat gather", 0.0, 0.0)
+    if cluster.nodes == 1:
+        return SchemeTime("flat gather", (n - 1) * (m / cluster.intra_bandwidth + cluster.intra_latency), 0.0)
+    inter = (n - 1) * m
+    return SchemeTime("flat gather", inter / cluster.inter_bandwidth + (n - 1) * cluster.inter_latency, inter)
+
+
+def hierarchical_gather(nbytes: float, compression: float, cluster: Cluster) -> SchemeTime:
+    """Intra reduce-scatter of the dense bucket (each local rank holds ``1/L`` of the node sum),
+    each local rank compresses its shard to ``M/(L c)`` and all-gathers it (ring) among the ``K``
+    ranks with its local rank; the ``L`` rings share the NIC, which carries ``L (K-1) M/(L c) =
+    (K-1) m``, independent of ``L``; then an intra all-gather of the decoded shard averages
+    (dense, ``M`` in all): ``2[(L-1)/L M/B_i + (L-1) a_i] + (K-1) m/B_e + (K-1) a_e``."""
+    _check(nbytes, compression)
+    k, m = cluster.nodes, nbytes / compression
+    inter = (k - 1) * m
+    inter_s = inter / cluster.inter_bandwidth + (k - 1) * cluster.inter_latency if k > 1 and m else 0.0
+    return SchemeTime("hierarchical gather", 2 * _intra_phase_s(nbytes, cluster) + inter_s, inter)
+
+
+def gtopk(nbytes: float, compression: float, cluster: Cluster) -> SchemeTime:
+    """gTop-k (Shi et al., ICDCS 2019): a tree reduction of ``log2`` rounds, each sending ``k``
+    (value, index) pairs, ``m = M/c`` bytes, keeping the top-k of each merge, then a broadcast of
+    the global top-k down the same tree: ``2 log2 N`` rounds, ``O(k log N)``. Topology-aware tree
+    (inside nodes first): ``2[ceil(log2 L)(a_i + m/B_i) + ceil(log2 K)(a_e + m/B_e)]``; one
+    sender per node in an inter round, the root node's NIC carries ``ceil(log2 K) m`` each way."""
+    _check(nbytes, compression)
+    m = nbytes / compression
+    if m == 0:
+        return SchemeTime("gTop-k", 0.0, 0.0)
+    intra_rounds, inter_rounds = math.ceil(math.log2(cluster.per_node)), math.ceil(math.log2(cluster.nodes))
+    seconds = 2 * (
+        intra_rounds * (cluster.intra_latency + m / cluster.intra_bandwidth)
+        + inter_rounds * (cluster.inter_latency + m / cluster.inter_bandwidth)
+    )
+    return SchemeTime("gTop-k", seconds, inter_rounds * m)
+
+
+def powersgd(summed_bytes: float, cluster: Cluster) -> SchemeTime:
+    """PowerSGD: its low-rank factors (``summed_bytes`` per rank per step, e.g. ``(n + m) r``
+    elements per matrix over both power-iteration halves) are summable, so they are all-reduced
+    hierarchically: :func:`dense_hierarchical` of ``summed_bytes``."""
+    return dense_hierarchical(summed_bytes, cluster, name="PowerSGD")
+
+
+def all_schemes(nbytes: float, compression: float, powersgd_bytes: float, cluster: Cluster) -> list[SchemeTime]:
+    """Every scheme of this module for one bucket of ``nbytes``, in a fixed order."""
+    return [
+        dense_ring(nbytes, cluster),
+        dense_hierarchical(nbytes, cluster),
+        flat_gather(nbytes, compression, cluster),
+        hierarchical_gather(nbytes, compression, cluster),
+        gtopk(nbytes, compression, cluster),
+        powersgd(powersgd_bytes, cluster),
+    ]
+
+
+def flat_gather_loses_at(
+    nbytes: float,
+    compression: float,
+    cluster: Cluster,
+    dense: Callable[[float, Cluster], SchemeTime] = dense_ring,
+    max_nodes: int = 1 << 16,
+) -> int | None:
+    """Smallest node count ``K`` (``cluster``'s ``L`` and links) at which :func:`flat_gather` takes
+    longer than ``dense`` (:func:`dense_ring` by default), or ``None`` up to ``max_nodes``. Bytes
+    alone: ``(N-1) M/c > 2(N-1)/N M`` iff ``N > 2c``, as in the flat model."""
+    _check(nbytes, compression)
+    check_int("max_nodes", max_nodes, 1)
+    for k in range(1, max_nodes + 1):
+        trial = Cluster(
+            k,
+            cluster.per_node,
+            cluster.intra_bandwidth,
+            cluster.intra_latency,
+            cluster.inter_bandwidth,
+            cluster.inter_latency,
+        )
+        if flat_gather(nbytes, compression, trial).seconds > dense(nbytes, trial).seconds:
+            return k
+    return None
