@@ -24,7 +24,9 @@ forward and backward pass, whatever ``d``.
 With ``find_unused_parameters`` a parameter can be unused on every rank in the step that would
 apply its average; DDP then leaves its gradient alone, and the average would be lost. The line
 (``carry_unused``) carries it instead, per parameter, and adds it to what the next step that uses
-the parameter applies (or to what :meth:`DelayLine.pending` owes at the end).
+the parameter applies (or to what :meth:`DelayLine.pending` owes at the end). The carry has two
+slots by step parity, step ``t`` reading ``(t-1) mod 2`` and writing ``t mod 2``, so that a step
+skipped and retried (non-finite gradient, grad-scaler overflow) reads the same carry again.
 
 Slots are stored by parameter name (:class:`~lightning_gc.flatstate.FlatState`): they survive DDP's
 bucket rebuild and are saved in checkpoints after draining what is in flight, so a resume continues
@@ -34,7 +36,7 @@ exactly.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.futures import Future
@@ -43,8 +45,8 @@ from lightning_gc.flatstate import FlatState
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_bool, check_int
 
-CARRY = "carry"
-"""The state kind of averages carried past steps that did not use their parameter."""
+CARRY_KINDS = ("carry.0", "carry.1")
+"""The state kinds of averages carried past steps that did not use their parameter (by step parity)."""
 
 
 @dataclass
@@ -54,7 +56,7 @@ class DelayedBucket:
     layout: BucketLayout
     averages: list[torch.Tensor]
     owns: list[torch.Tensor]
-    carry: torch.Tensor | None = None
+    carries: list[torch.Tensor] = field(default_factory=list)
     in_flight: Future[torch.Tensor] | None = None
 
     def wait(self) -> None:
@@ -73,7 +75,7 @@ class DelayLine:
         slots = range(delay + 1)
         self._average_kinds = [f"average.{i}" for i in slots]
         self._own_kinds = [f"own.{i}" for i in slots] if local_update else []
-        self._carry_kinds = [CARRY] if check_bool("carry_unused", carry_unused) else []
+        self._carry_kinds = list(CARRY_KINDS) if check_bool("carry_unused", carry_unused) else []
         self._state = FlatState(self._kinds)
         self._buckets: dict[int, DelayedBucket] = {}
 
@@ -88,7 +90,7 @@ class DelayLine:
                 layout=layout,
                 averages=[flat[kind] for kind in self._average_kinds],
                 owns=[flat[kind] for kind in self._own_kinds],
-                carry=flat.get(CARRY),
+                carries=[flat[kind] for kind in self._carry_kinds],
             )
             self._buckets[layout.index] = bucket
         return bucket
@@ -109,11 +111,12 @@ class DelayLine:
         grad.copy_(bucket.averages[read])
         if self.local_update:
             grad.add_(bucket.owns[write]).sub_(bucket.owns[read])
-        if bucket.carry is not None:
-            grad.add_(bucket.carry)
-            bucket.carry.zero_()
+        if bucket.carries:
+            carried, carry = bucket.carries[(step - 1) % 2], bucket.carries[step % 2]
+            grad.add_(carried)
+            carry.zero_()
             for segment in unused:  # DDP will not apply these: keep them for the next use
-                segment.of(bucket.carry).copy_(segment.of(grad))
+                segment.of(carry).copy_(segment.of(grad))
         elif unused:
             raise RuntimeError("parameters without a gradient need DelayLine(carry_unused=True)")
 
@@ -129,9 +132,9 @@ class DelayLine:
         first. Drains first."""
         self.drain()
         carried = {
-            segment.name: segment.of(bucket.carry).view(segment.shape)
+            segment.name: segment.of(bucket.carries[(step - 1) % 2]).view(segment.shape)
             for bucket in self._buckets.values()
-            if bucket.carry is not None
+            if bucket.carries
             for segment in bucket.layout.segments
         }
         if any(bool(value.any()) for value in carried.values()):

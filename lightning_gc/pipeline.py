@@ -135,7 +135,9 @@ def run_bucket(
         timeline.mark("screen")
     velocity = memory.compensate(bucket, grad, params or [], world_size, absent=absent, loss_scale=loss_scale)
     timeline.mark("compensate")
-    encoded = compressor.encode(velocity, target, EncodeContext(layout, step=step, world_size=world_size, rank=rank))
+    unused = frozenset(segment.name for segment in absent or ())
+    context = EncodeContext(layout, step=step, world_size=world_size, rank=rank, unused=unused)
+    encoded = compressor.encode(velocity, target, context)
     timeline.mark("encode")
     bytes_sent, elements_sent = 0, 0
     while encoded.next_round is not None:  # earlier rounds complete here, so launch order is bucket order

@@ -90,14 +90,21 @@ def test_an_average_owed_to_a_parameter_unused_in_a_later_step_is_applied_later(
     in the step that would apply its delayed average, and DDP leaves such a parameter's gradient
     alone. The average is carried to the next step that uses it (or to the end of training), so
     nothing is lost: the parameter ends exactly at ``-lr * sum of its averaged gradients``, with
-    ``delay`` 1 and 2 and with OD-SGD's local update."""
+    ``delay`` 1 and 2, with OD-SGD's local update, and across a skipped step (which must not
+    carry twice)."""
     lr, steps = 0.1, 10
-    runs = [{"delay": 1}, {"delay": 2}, {"delay": 1, "local_update": True}]
+    runs = [
+        {"settings": {"delay": 1}},
+        {"settings": {"delay": 2}},
+        {"settings": {"delay": 1, "local_update": True}},
+        # step 4 (which does not use it) carries step 3's average for it, and is skipped and retried
+        {"settings": {"delay": 1, "nonfinite": "skip"}, "nan_at": 4},
+    ]
     ranks = run_ranks({"runs": runs, "lr": lr, "steps": steps}, worker="delay_unused_worker.py")
     sys.path.insert(0, str(Path(__file__).parent / "workers"))
     from delay_unused_worker import side_input
 
     expected = -lr * sum((side_input(0, t) + side_input(1, t)) / 2 for t in range(steps) if t % 3 == 0)
     for rank in ranks:
-        for settings, side in zip(runs, rank):
-            torch.testing.assert_close(side, expected, rtol=1e-5, atol=1e-6, msg=str(settings))
+        for run, side in zip(runs, rank):
+            torch.testing.assert_close(side, expected, rtol=1e-5, atol=1e-6, msg=str(run))

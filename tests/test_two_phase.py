@@ -281,3 +281,30 @@ def test_onebit_two_phase_resumes_exactly_from_its_state(tmp_path) -> None:
     for rank in ranks:
         assert rank["straight"]["losses"] == rank["resumed"]["losses"]
         assert all(torch.equal(a, b) for a, b in zip(rank["straight"]["params"], rank["resumed"]["params"]))
+
+
+def test_the_server_error_of_a_parameter_no_rank_used_is_kept() -> None:
+    """DDP drops what is decoded for a parameter without a gradient anywhere; its server error
+    must then neither be sent nor forgotten."""
+    layout, world_size = make_layout(), 2
+    compressors = [registry.create("onebit", exchange="two_phase") for _ in range(world_size)]
+    simulate(compressors, [torch.randn(layout.numel) for _ in range(world_size)], layout, step=0)
+    before = [c.state_dict()["server"]["p2"]["server"].clone() for c in compressors]
+    assert any(b.abs().sum() > 0 for b in before)
+    unused = layout.segments[2]
+    velocities = [torch.randn(layout.numel) for _ in range(world_size)]
+    for v in velocities:
+        unused.of(v).zero_()  # what the memory sends for it
+    n = world_size
+    first = [
+        c.encode(v, torch.empty_like(v), EncodeContext(layout, 1, n, r, unused=frozenset({unused.name})))
+        for r, (c, v) in enumerate(zip(compressors, velocities))
+    ]
+    for to in range(n):
+        for frm in range(n):
+            first[to].scattered_out.view(n, -1)[frm] = first[frm].scattered.view(n, -1)[to]
+    for encoded in first:
+        encoded.next_round()
+    after = [c.state_dict()["server"]["p2"]["server"] for c in compressors]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert not all(torch.equal(c.state_dict()["server"]["p0"]["server"], torch.zeros(600)) for c in compressors)

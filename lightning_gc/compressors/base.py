@@ -91,12 +91,15 @@ class EncodeContext:
             choice depends on (step, parameter) only, never on DDP's bucketing.
         world_size: ranks whose payloads are summed or gathered.
         rank: this rank, for compressors that draw independently on every rank.
+        unused: names of the bucket's parameters that got a gradient on no rank this step (sent
+            as zeros, and DDP will not apply what is decoded for them).
     """
 
     layout: BucketLayout
     step: int
     world_size: int
     rank: int = 0
+    unused: frozenset[str] = frozenset()
 
 
 def compressible(segment: Segment, min_numel: int) -> bool:

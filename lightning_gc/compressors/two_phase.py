@@ -200,16 +200,16 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             piece.of(plan.total).zero_()
         for row in plan.received.view(world_size, -1):
             self.add_decoded_chunk(row[: fmt.nbytes], fmt, plan.total, plan.own_decoded.dtype)
-        feedback = self.feeds_server_error
+        # a parameter no rank used: DDP drops what is decoded for it, so its server error stays out
+        fed = [piece for piece in fmt.segments if piece.name not in context.unused] if self.feeds_server_error else []
         for piece in fmt.segments:
-            values = piece.of(plan.chunk_values).copy_(piece.of(plan.total).div_(world_size))
-            if feedback:
-                values.add_(piece.of(plan.server))
+            piece.of(plan.chunk_values).copy_(piece.of(plan.total).div_(world_size))
+        for piece in fed:
+            piece.of(plan.chunk_values).add_(piece.of(plan.server))
         seed = encode_seed(context.step, world_size + rank, rank)
         self.encode_chunk(plan.chunk_values, fmt, plan.server_payload[: fmt.nbytes], plan.chunk_decoded, seed)
-        if feedback:
-            for piece in fmt.segments:
-                torch.sub(piece.of(plan.chunk_values), piece.of(plan.chunk_decoded), out=piece.of(plan.server))
+        for piece in fed:
+            torch.sub(piece.of(plan.chunk_values), piece.of(plan.chunk_decoded), out=piece.of(plan.server))
         return Encoded(
             gathered=plan.server_payload,
             gathered_out=plan.gathered,

@@ -3,7 +3,9 @@ parameter that only some steps use, for test_delay.py.
 
 The model's ``side`` parameter enters the loss linearly, ``(side * z).sum()`` with ``z`` fixed per
 (rank, step), and only on steps where ``step % 3 == 0``: its averaged gradient does not depend on
-how stale the other parameters are, so its final value is known exactly.
+how stale the other parameters are, so its final value is known exactly. A run may make one step's
+gradient non-finite on rank 0 (``nan_at``) with ``nonfinite="skip"``: a skipped step that does not
+use ``side`` leaves its final value unchanged.
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ def side_input(rank: int, step: int) -> torch.Tensor:
     return torch.randn(16, generator=torch.Generator().manual_seed(1000 * rank + step))
 
 
-def train(settings: dict, plan: dict, rank: int) -> torch.Tensor:
+def train(run: dict, plan: dict, rank: int) -> torch.Tensor:
     model = Model()
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])
-    gc = lightning_gc.attach(ddp, optimizer, "none", **settings)
+    gc = lightning_gc.attach(ddp, optimizer, "none", **run["settings"])
     for step in range(plan["steps"]):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        if step == run.get("nan_at") and rank == 0:
+            x[0, 0] = float("nan")  # a non-finite gradient on one rank: the step is skipped on every rank
         z = side_input(rank, step) if step % 3 == 0 else None
         optimizer.zero_grad()
         ddp(x, z).backward()
@@ -51,7 +55,7 @@ def train(settings: dict, plan: dict, rank: int) -> torch.Tensor:
 
 def main() -> None:
     plan, rank = join_gloo()
-    sides = [train(settings, plan, rank) for settings in plan["runs"]]
+    sides = [train(run, plan, rank) for run in plan["runs"]]
     torch.save(sides, os.path.join(plan["out"], f"rank{rank}.pt"))
     dist.destroy_process_group()
 
