@@ -174,9 +174,24 @@ def attach(
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    return AttachedCompression(ddp_model, optimizer, build_session(compressor, kwargs, owner="attach"), scaler)
+
+
+def build_session(
+    compressor: str | Compressor, kwargs: dict[str, Any], *, owner: str, others: dict[str, set[str]] | None = None
+) -> CompressionSession:
+    """The session of a front end given a compressor (name or object) and keyword arguments: the
+    compressor's arguments and the :class:`~lightning_gc.settings.CompressionSettings` fields are
+    taken out of ``kwargs`` (a preset's settings, e.g. DGC's momentum correction, as defaults);
+    whatever remains must be a name of ``others`` (e.g. DDP's arguments) and stays in ``kwargs``.
+
+    Raises:
+        ValueError: an unknown name (with the close name) or a bad value, naming ``owner``.
+    """
     fields = {field.name for field in dataclasses.fields(CompressionSettings)}
     name = compressor if isinstance(compressor, str) else compressor.name
-    kwargs = {**PRESET_SETTINGS.get(name, {}), **kwargs}
-    built = resolve_compressor(compressor, kwargs, owner="attach", others={"attach": fields})
-    session = CompressionSession(built, CompressionSettings(**kwargs), owner="attach")
-    return AttachedCompression(ddp_model, optimizer, session, scaler)
+    for setting, value in PRESET_SETTINGS.get(name, {}).items():
+        kwargs.setdefault(setting, value)
+    built = resolve_compressor(compressor, kwargs, owner=owner, others={owner: fields, **(others or {})})
+    settings = CompressionSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in fields})
+    return CompressionSession(built, settings, owner=owner)

@@ -28,6 +28,7 @@ from torch.futures import Future, collect_all
 
 from lightning_gc import comm
 from lightning_gc.compressors.base import Encoded
+from lightning_gc.perfmodel import ALLREDUCE, GATHER, exchange_bytes
 
 
 class Exchange(ABC):
@@ -122,13 +123,13 @@ def _completed(done: Future[Any], encoded: Encoded) -> Encoded:
 
 def traffic_bytes(encoded: Encoded, world_size: int) -> float:
     """Bytes one rank puts on the wire for one round (what it sends; with these algorithms, also
-    what it receives): ring all-reduce of ``summed`` ``2 (N-1)/N m``, all-gather of ``gathered``
-    ``(N-1) m`` (its payload to every peer), all-to-all of ``scattered`` ``(N-1)/N m`` (every row
-    but its own)."""
+    what it receives): ring all-reduce of ``summed`` and all-gather of ``gathered`` as the
+    performance model counts them (:func:`~lightning_gc.perfmodel.exchange_bytes`), and the
+    all-to-all of ``scattered``, ``(N-1)/N m`` (every row but its own)."""
     n = world_size
     return (
-        2 * (n - 1) / n * payload_bytes(encoded.summed)
-        + (n - 1) * payload_bytes(encoded.gathered)
+        exchange_bytes(ALLREDUCE, payload_bytes(encoded.summed), n)
+        + exchange_bytes(GATHER, payload_bytes(encoded.gathered), n)
         + (n - 1) / n * payload_bytes(encoded.scattered)
     )
 

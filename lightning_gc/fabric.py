@@ -18,7 +18,6 @@ Fabric registers strategies by name in ``lightning.fabric.strategies.STRATEGY_RE
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from lightning.fabric.strategies import DDPStrategy
@@ -27,13 +26,11 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_gc.attach import PRESET_SETTINGS, AttachedCompression
+from lightning_gc.attach import AttachedCompression, build_session
 from lightning_gc.checkpoint import CHECKPOINT_KEY
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import available
-from lightning_gc.session import CompressionSession
-from lightning_gc.settings import CompressionSettings
-from lightning_gc.strategy import resolve_compressor
+from lightning_gc.strategy import ddp_argument_names
 
 
 class FabricCompressionStrategy(DDPStrategy):
@@ -48,16 +45,11 @@ class FabricCompressionStrategy(DDPStrategy):
     """
 
     def __init__(self, compressor: str | Compressor = "none", **kwargs: Any) -> None:
-        fields = {field.name for field in dataclasses.fields(CompressionSettings)}
-        name = compressor if isinstance(compressor, str) else compressor.name
-        kwargs = {**PRESET_SETTINGS.get(name, {}), **kwargs}
-        ddp_arguments = _fabric_ddp_argument_names()
-        built = resolve_compressor(
-            compressor, kwargs, owner=type(self).__name__, others={"settings": fields, "DDP": ddp_arguments}
+        kwargs = dict(kwargs)
+        self.session = build_session(
+            compressor, kwargs, owner=type(self).__name__, others={"DDP": ddp_argument_names(DDPStrategy)}
         )
-        settings = CompressionSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in fields})
-        self.session = CompressionSession(built, settings, owner=type(self).__name__)
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # what is left is DDP's
         self._ddp: DistributedDataParallel | None = None
         self._compression: AttachedCompression | None = None
         self._pending_entry: tuple[dict[str, Any], Any] | None = None
@@ -119,16 +111,6 @@ class FabricCompressionStrategy(DDPStrategy):
             else:
                 self._compression.load_state_dict(entry, source=path)
         return remainder
-
-
-def _fabric_ddp_argument_names() -> set[str]:
-    """What Fabric's ``DDPStrategy`` and ``DistributedDataParallel`` take (besides the module)."""
-    import inspect
-
-    names = set(inspect.signature(DDPStrategy.__init__).parameters) | set(
-        inspect.signature(DistributedDataParallel.__init__).parameters
-    )
-    return names - {"self", "kwargs", "module"}
 
 
 def register_fabric_strategies(registry: _StrategyRegistry) -> None:

@@ -49,10 +49,11 @@ PRESET_CLASSES: dict[str, str] = {"dgc": "DGCStrategy"}
 _OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
 
 
-def _ddp_argument_names() -> set[str]:
-    """Keyword arguments DDPStrategy accepts, its own and those it forwards to DistributedDataParallel."""
+def ddp_argument_names(strategy_class: type = DDPStrategy) -> set[str]:
+    """Keyword arguments a Lightning (or Fabric) DDP strategy class accepts, its own and those it
+    forwards to DistributedDataParallel, less those the compression strategies set themselves."""
     set_by_lightning = {"self", "module", "device_ids", "output_device", "kwargs", *_OWNED_DDP_ARGUMENTS}
-    names = set(inspect.signature(DDPStrategy.__init__).parameters)
+    names = set(inspect.signature(strategy_class.__init__).parameters)
     names |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
     return names - set_by_lightning
 
@@ -72,7 +73,7 @@ def resolve_compressor(
         ValueError: unknown compressor name, bad compressor arguments, or an argument neither the
             compressor nor the others take (named with its value, and the close name if any).
     """
-    others = {"DDP": _ddp_argument_names()} if others is None else others
+    others = {"DDP": ddp_argument_names()} if others is None else others
     if isinstance(compressor, str):
         accepted = argument_names(compressor_class(compressor))
         compressor = create_compressor(compressor, **{k: kwargs.pop(k) for k in list(kwargs) if k in accepted})

@@ -356,6 +356,34 @@ class PlanKey:
         )
 
 
+class PlanCache(Generic[PlanT]):
+    """One plan per bucket index, rebuilt whenever its :class:`PlanKey` changed (see
+    :class:`PlannedCompressor`; the two-phase exchange keeps a second cache of its own plans)."""
+
+    def __init__(self) -> None:
+        self._plans: dict[int, tuple[PlanKey, PlanT]] = {}
+
+    def get(
+        self,
+        compressor: Compressor,
+        context: EncodeContext,
+        like: torch.Tensor,
+        build: Callable[[BucketLayout, torch.Tensor, int], PlanT],
+    ) -> PlanT:
+        """The cached plan for ``context.layout`` and ``like``, or ``build(layout, like, world_size)``."""
+        key = PlanKey.of(compressor, context, like)
+        cached = self._plans.get(context.layout.index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        plan = build(context.layout, like, context.world_size)
+        self._plans[context.layout.index] = (key, plan)
+        return plan
+
+    def clear(self) -> None:
+        """Forget every plan (e.g. their buffers were replaced)."""
+        self._plans.clear()
+
+
 class PlannedCompressor(Compressor, Generic[PlanT]):
     """A compressor whose per-bucket sizes and buffers (its *plan*) are built once and reused.
 
@@ -367,7 +395,7 @@ class PlannedCompressor(Compressor, Generic[PlanT]):
     """
 
     def __init__(self) -> None:
-        self._plans: dict[int, tuple[PlanKey, PlanT]] = {}
+        self._plans: PlanCache[PlanT] = PlanCache()
 
     @abstractmethod
     def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> PlanT:
@@ -377,11 +405,4 @@ class PlannedCompressor(Compressor, Generic[PlanT]):
     def plan(self, context: EncodeContext, like: torch.Tensor) -> PlanT:
         """The plan for ``context.layout`` and ``like`` (the velocity), built on first use and
         rebuilt whenever its :class:`PlanKey` changed."""
-        layout = context.layout
-        key = PlanKey.of(self, context, like)
-        cached = self._plans.get(layout.index)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        plan = self.build_plan(layout, like, context.world_size)
-        self._plans[layout.index] = (key, plan)
-        return plan
+        return self._plans.get(self, context, like, self.build_plan)

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanKey, aligned
+from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache, aligned
 from lightning_gc.compressors.registry import available, compressor_class
 from lightning_gc.flatstate import FlatState
 from lightning_gc.layout import BucketLayout, Segment
@@ -149,7 +149,7 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         self.exchange = check_choice("exchange", exchange, EXCHANGES)
         self.server_feedback = None if server_feedback is None else check_bool("server_feedback", server_feedback)
         self._server = FlatState((SERVER,))
-        self._two_phase_plans: dict[int, tuple[PlanKey, _TwoPhasePlan]] = {}
+        self._two_phase_plans: PlanCache[_TwoPhasePlan] = PlanCache()
 
     @property
     def feeds_server_error(self) -> bool:
@@ -176,7 +176,7 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         if not self.two_phase_at(context.world_size):
             return self.encode_one_phase(velocity, out, context)
-        plan = self._plan(context, velocity)
+        plan = self._two_phase_plans.get(self, context, velocity, self._build_two_phase_plan)
         rows = plan.scattered.view(context.world_size, -1)
         for chunk, fmt in enumerate(plan.formats):
             seed = encode_seed(context.step, context.rank, chunk)
@@ -230,15 +230,6 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         out.copy_(plan.total)
 
     # ------------------------------------------------------------------ plan and state
-    def _plan(self, context: EncodeContext, velocity: torch.Tensor) -> _TwoPhasePlan:
-        key = PlanKey.of(self, context, velocity)
-        cached = self._two_phase_plans.get(context.layout.index)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        plan = self._build_two_phase_plan(context.layout, velocity, context.world_size)
-        self._two_phase_plans[context.layout.index] = (key, plan)
-        return plan
-
     def _build_two_phase_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _TwoPhasePlan:
         formats = tuple(self.chunk_format(chunk_segments(layout, j, world_size), like.dtype) for j in range(world_size))
         row = aligned(max(1, *(f.nbytes for f in formats)))  # collectives of empty rows are not portable

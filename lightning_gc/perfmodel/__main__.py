@@ -14,11 +14,12 @@ came within 0.8-1.0x of timing all 25.6 M (fp16, PowerSGD, top-k, DGC), but 2**2
 which costs were timed and which were given. Bad values exit with status 2 and a message naming
 the option, the value and the valid range.
 
-The gathered quantisers (:data:`TWO_PHASE_QUANTISERS`: onebit, qsgd, signsgd, terngrad) also get
-a ``<name>+two_phase`` row: the same compressor with ``exchange="two_phase"`` (all-to-all, decode +
-average + re-encode, all-gather; :func:`~lightning_gc.perfmodel.two_phase_cost`), so the ``use:``
-line weighs it too. Its encode and decode are the calibrated (or ``--cost``) ones, each times
-``(1 + 1/p)`` for the re-encoded chunk average: nothing more is timed.
+A compressor that takes the two-phase exchange and all-gathers here (the quantisers: onebit, qsgd,
+signsgd, terngrad; :func:`two_phase_row`) also gets a ``<name>+two_phase`` row: the same
+compressor with ``exchange="two_phase"`` (all-to-all, decode + average + re-encode, all-gather;
+:func:`~lightning_gc.perfmodel.two_phase_cost`), so the ``use:`` line weighs it too. Its encode
+and decode are the calibrated (or ``--cost``) ones, each times ``(1 + 1/p)`` for the re-encoded
+chunk average: nothing more is timed.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
 
 from lightning_gc import calibration
 from lightning_gc.compressors.registry import available, create
+from lightning_gc.compressors.two_phase import two_phase_compressors
 from lightning_gc.perfmodel import (
     BITS_PER_BYTE,
     DENSE,
@@ -49,8 +52,17 @@ from lightning_gc.perfmodel import (
 )
 from lightning_gc.validation import check_choice, check_int, check_range
 
-TWO_PHASE_QUANTISERS = ("onebit", "qsgd", "signsgd", "terngrad")
-"""Compressors whose all-gathered payload can also be exchanged two-phase (``<name>+two_phase`` rows)."""
+
+def two_phase_row(name: str, cost: CodecCost, arguments: dict[str, Any], world_size: int) -> CodecCost | None:
+    """The ``<name>+two_phase`` row of ``cost``, for a compressor that takes ``exchange`` and
+    all-gathers with these ``arguments``; ``None`` for the others (summed payloads gain nothing)."""
+    if (
+        name not in two_phase_compressors()
+        or not cost.gathered_bytes
+        or arguments.get("exchange", "gather") != "gather"
+    ):
+        return None
+    return two_phase_cost(cost, world_size)
 
 
 def _whole(value: float) -> float | int:
@@ -219,8 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             sampled = numel if name in measured else timed_numel
             costs.append(scaled_cost(name, numel, sample, sampled, arguments.get(name, {})))
-            if name in TWO_PHASE_QUANTISERS and arguments.get(name, {}).get("exchange", "gather") == "gather":
-                costs.append(two_phase_cost(costs[-1], network.world_size))
+            row = two_phase_row(name, costs[-1], arguments.get(name, {}), network.world_size)
+            if row is not None:
+                costs.append(row)
             progress.advance(timing)
     predictions = predict(workload, network, costs)
     print(

@@ -29,6 +29,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_gc.perfmodel import Network, allgather_s, ring_allreduce_s
 from lightning_gc.validation import check_int, check_range
 
 
@@ -66,6 +67,23 @@ class Cluster:
         """``N = K L``."""
         return self.nodes * self.per_node
 
+    @property
+    def intra(self) -> Network:
+        """The ``L`` ranks of one node on the intra-node link."""
+        return Network(self.per_node, self.intra_bandwidth, self.intra_latency)
+
+    @property
+    def inter(self) -> Network:
+        """One rank per node, the ``K`` nodes on the inter-node link."""
+        return Network(self.nodes, self.inter_bandwidth, self.inter_latency)
+
+    @property
+    def flat(self) -> Network:
+        """All ``N`` ranks, paced by the inter-node link (the intra one when ``K = 1``)."""
+        if self.nodes == 1:
+            return self.intra
+        return Network(self.world_size, self.inter_bandwidth, self.inter_latency)
+
 
 @dataclass(frozen=True)
 class SchemeTime:
@@ -89,11 +107,9 @@ def _check(nbytes: float, compression: float | None = None) -> None:
 
 
 def _intra_phase_s(nbytes: float, cluster: Cluster) -> float:
-    """Intra-node reduce-scatter (or all-gather) ring over ``L``: ``(L-1)/L M / B_i + (L-1) a_i``."""
-    n = cluster.per_node
-    if n == 1 or nbytes == 0:
-        return 0.0
-    return (n - 1) / n * nbytes / cluster.intra_bandwidth + (n - 1) * cluster.intra_latency
+    """Intra-node reduce-scatter (or all-gather) ring over ``L``, half a ring all-reduce:
+    ``(L-1)/L M / B_i + (L-1) a_i``."""
+    return ring_allreduce_s(nbytes, cluster.intra) / 2
 
 
 def dense_ring(nbytes: float, cluster: Cluster) -> SchemeTime:
@@ -102,21 +118,8 @@ def dense_ring(nbytes: float, cluster: Cluster) -> SchemeTime:
     leaves each node, so the NIC carries ``2(N-1)/N M``. At ``K = 1`` it is the intra ring."""
     _check(nbytes)
     n = cluster.world_size
-    if cluster.nodes == 1:
-        return SchemeTime("dense ring", 2 * _intra_phase_s(nbytes, cluster), 0.0)
-    inter = 2 * (n - 1) / n * nbytes
-    seconds = inter / cluster.inter_bandwidth + 2 * (n - 1) * cluster.inter_latency
-    return SchemeTime("dense ring", seconds if nbytes else 0.0, inter)
-
-
-def _inter_ring_allreduce(nbytes: float, cluster: Cluster) -> tuple[float, float]:
-    """``L`` concurrent rings over ``K`` nodes of ``nbytes/L`` each sharing the NIC:
-    ``(2(K-1)/K M / B_e + 2(K-1) a_e, 2(K-1)/K M)``."""
-    k = cluster.nodes
-    if k == 1 or nbytes == 0:
-        return 0.0, 0.0
-    inter = 2 * (k - 1) / k * nbytes
-    return inter / cluster.inter_bandwidth + 2 * (k - 1) * cluster.inter_latency, inter
+    inter = 0.0 if cluster.nodes == 1 else 2 * (n - 1) / n * nbytes
+    return SchemeTime("dense ring", ring_allreduce_s(nbytes, cluster.flat), inter)
 
 
 def dense_hierarchical(nbytes: float, cluster: Cluster, name: str = "dense hierarchical") -> SchemeTime:
@@ -124,8 +127,9 @@ def dense_hierarchical(nbytes: float, cluster: Cluster, name: str = "dense hiera
     nodes (``L`` rings share the NIC), intra all-gather (NCCL's hierarchical pattern):
     ``2[(L-1)/L M/B_i + (L-1) a_i] + 2(K-1)/K M/B_e + 2(K-1) a_e``; NIC bytes ``2(K-1)/K M``."""
     _check(nbytes)
-    inter_s, inter = _inter_ring_allreduce(nbytes, cluster)
-    return SchemeTime(name, 2 * _intra_phase_s(nbytes, cluster) + inter_s, inter)
+    k = cluster.nodes
+    inter_s = ring_allreduce_s(nbytes, cluster.inter)
+    return SchemeTime(name, 2 * _intra_phase_s(nbytes, cluster) + inter_s, 2 * (k - 1) / k * nbytes)
 
 
 def flat_gather(nbytes: float, compression: float, cluster: Cluster) -> SchemeTime:
@@ -136,12 +140,8 @@ def flat_gather(nbytes: float, compression: float, cluster: Cluster) -> SchemeTi
     ``L (N-L) m`` through the NIC. At ``K = 1``: ``(L-1) m / B_i + (L-1) a_i``."""
     _check(nbytes, compression)
     n, m = cluster.world_size, nbytes / compression
-    if n == 1 or m == 0:
-        return SchemeTime("flat gather", 0.0, 0.0)
-    if cluster.nodes == 1:
-        return SchemeTime("flat gather", (n - 1) * (m / cluster.intra_bandwidth + cluster.intra_latency), 0.0)
-    inter = (n - 1) * m
-    return SchemeTime("flat gather", inter / cluster.inter_bandwidth + (n - 1) * cluster.inter_latency, inter)
+    inter = 0.0 if cluster.nodes == 1 else (n - 1) * m
+    return SchemeTime("flat gather", allgather_s(m, cluster.flat), inter)
 
 
 def hierarchical_gather(nbytes: float, compression: float, cluster: Cluster) -> SchemeTime:
@@ -152,9 +152,8 @@ def hierarchical_gather(nbytes: float, compression: float, cluster: Cluster) -> 
     (dense, ``M`` in all): ``2[(L-1)/L M/B_i + (L-1) a_i] + (K-1) m/B_e + (K-1) a_e``."""
     _check(nbytes, compression)
     k, m = cluster.nodes, nbytes / compression
-    inter = (k - 1) * m
-    inter_s = inter / cluster.inter_bandwidth + (k - 1) * cluster.inter_latency if k > 1 and m else 0.0
-    return SchemeTime("hierarchical gather", 2 * _intra_phase_s(nbytes, cluster) + inter_s, inter)
+    inter_s = allgather_s(m, cluster.inter)
+    return SchemeTime("hierarchical gather", 2 * _intra_phase_s(nbytes, cluster) + inter_s, (k - 1) * m)
 
 
 def gtopk(nbytes: float, compression: float, cluster: Cluster) -> SchemeTime:

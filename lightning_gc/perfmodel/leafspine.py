@@ -77,42 +77,42 @@ class Routing:
 
 
 def _spine_loads(
-    flows: Sequence[Flow], fabric: LeafSpine, subflows: int, spray: bool, rng: np.random.Generator
+    flows: Sequence[Flow], topology: LeafSpine, subflows: int, spray: bool, rng: np.random.Generator
 ) -> float:
-    up = np.zeros((fabric.leaves, fabric.spines))
-    down = np.zeros((fabric.spines, fabric.leaves))
+    up = np.zeros((topology.leaves, topology.spines))
+    down = np.zeros((topology.spines, topology.leaves))
     table = np.asarray(
-        [(src // fabric.hosts_per_leaf, dst // fabric.hosts_per_leaf, nbytes) for src, dst, nbytes in flows]
+        [(src // topology.hosts_per_leaf, dst // topology.hosts_per_leaf, nbytes) for src, dst, nbytes in flows]
     )
     table = table.reshape(-1, 3)
     table = table[table[:, 0] != table[:, 1]]  # flows inside one leaf never reach a spine
     a, b, nbytes = table[:, 0].astype(int), table[:, 1].astype(int), table[:, 2]
     if spray:
-        np.add.at(up, a, (nbytes / fabric.spines)[:, None])
-        np.add.at(down.T, b, (nbytes / fabric.spines)[:, None])
+        np.add.at(up, a, (nbytes / topology.spines)[:, None])
+        np.add.at(down.T, b, (nbytes / topology.spines)[:, None])
     else:
-        paths = rng.integers(fabric.spines, size=(len(a), subflows))
+        paths = rng.integers(topology.spines, size=(len(a), subflows))
         share = np.repeat(nbytes / subflows, subflows)
         np.add.at(up, (np.repeat(a, subflows), paths.ravel()), share)
         np.add.at(down, (paths.ravel(), np.repeat(b, subflows)), share)
     return float(max(up.max(), down.max()))
 
 
-def route(flows: Sequence[Flow], fabric: LeafSpine, subflows: int = 1, spray: bool = False, seed: int = 0) -> Routing:
-    """Route ``flows`` on ``fabric`` (ECMP with ``subflows`` sub-flows per flow, or ideal spraying)."""
+def route(flows: Sequence[Flow], topology: LeafSpine, subflows: int = 1, spray: bool = False, seed: int = 0) -> Routing:
+    """Route ``flows`` on ``topology`` (ECMP with ``subflows`` sub-flows per flow, or ideal spraying)."""
     check_int("subflows", subflows, 1)
-    egress, ingress = np.zeros(fabric.nodes), np.zeros(fabric.nodes)
+    egress, ingress = np.zeros(topology.nodes), np.zeros(topology.nodes)
     for src, dst, nbytes in flows:
-        check_int("src_node", src, 0, fabric.nodes - 1)
-        check_int("dst_node", dst, 0, fabric.nodes - 1)
+        check_int("src_node", src, 0, topology.nodes - 1)
+        check_int("dst_node", dst, 0, topology.nodes - 1)
         check_range("flow bytes", nbytes, 0.0, None)
         egress[src] += nbytes
         ingress[dst] += nbytes
     rng = np.random.default_rng(seed)
-    load = _spine_loads(flows, fabric, subflows, spray, rng)
-    ideal = _spine_loads(flows, fabric, 1, True, rng)
+    load = _spine_loads(flows, topology, subflows, spray, rng)
+    ideal = _spine_loads(flows, topology, 1, True, rng)
     host = float(max(egress.max(), ingress.max()))
-    return Routing(load, ideal, host, max(load, host) / fabric.link_bandwidth)
+    return Routing(load, ideal, host, max(load, host) / topology.link_bandwidth)
 
 
 def ring_step_flows(nodes: int, nbytes: float, stride: int = 1) -> list[Flow]:
@@ -159,12 +159,12 @@ def compare(
     (``M/c = 102.4 MB / 500``). Non-blocking when ``spines >= hosts_per_leaf``."""
     rows = []
     for nodes in node_counts:
-        fabric = LeafSpine(nodes, hosts_per_leaf, spines, link_bandwidth)
+        topology = LeafSpine(nodes, hosts_per_leaf, spines, link_bandwidth)
         cases = {"ecmp": (ring_step_flows(nodes, pair_bytes, hosts_per_leaf), False)}
         for split in splits:
             cases[f"L={split}"] = (shard_gather_step_flows(nodes, split, pair_bytes / split, hosts_per_leaf), False)
         cases["spray"] = (ring_step_flows(nodes, pair_bytes, hosts_per_leaf), True)
-        routed = {name: route(flows, fabric, spray=spray, seed=seed) for name, (flows, spray) in cases.items()}
+        routed = {name: route(flows, topology, spray=spray, seed=seed) for name, (flows, spray) in cases.items()}
         rows.append(
             ComparisonRow(
                 nodes, {k: r.relative for k, r in routed.items()}, {k: r.completion_s for k, r in routed.items()}
