@@ -95,7 +95,8 @@ def test_two_phase_cost_moves_the_gathered_bytes_and_reencodes():
     gathered = CodecCost("onebit", summed_bytes=8, gathered_bytes=1000, encode_s=0.004, decode_s=0.002)
     phased = two_phase_cost(gathered, world_size=4)
     assert phased.name == "onebit+two_phase" and phased.payloads == {"allreduce": 8, "gather": 0, "two_phase": 1000}
-    assert phased.encode_s == pytest.approx(0.005) and phased.decode_s == pytest.approx(0.0025)  # x (1 + 1/p)
+    # encode x (1 + 1/p): one chunk re-encoded; decode x 2/p: two payloads' worth instead of p payloads
+    assert phased.encode_s == pytest.approx(0.005) and phased.decode_s == pytest.approx(0.001)
     assert cli.two_phase_row("onebit", gathered, {}, 4) == phased  # the CLI's row for a gathering quantiser
     assert cli.two_phase_row("dgc", CodecCost("dgc", 0, 1000), {}, 4) is None  # gathers, but has no two-phase form
     assert cli.two_phase_row("fp16", CodecCost("fp16", summed_bytes=500, gathered_bytes=0), {}, 4) is None

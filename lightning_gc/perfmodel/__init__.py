@@ -309,20 +309,18 @@ def two_phase_cost(cost: CodecCost, world_size: int) -> CodecCost:
     """``cost``'s compressor with its gathered payload exchanged two-phase, named ``"<name>+two_phase"``.
 
     Bytes: ``gathered_bytes`` move to ``two_phase_bytes`` (the summed part stays all-reduced).
-    Seconds: two-phase also decodes the ``p`` chunks it receives, averages them and re-encodes
-    the chunk average (``1/p`` of the payload) before its all-gather. Modelled as ``encode_s`` and
-    ``decode_s`` each times ``(1 + 1/p)``. ``decode_s`` is calibrated for decoding ``p`` whole
-    payloads, while two-phase decodes ``p`` chunks plus ``p`` chunk averages (two payloads' worth),
-    so this overstates the decode for large ``p``: a conservative bound, not a measurement.
+    Seconds: ``decode_s`` is calibrated for decoding the ``p`` payloads of an all-gather; two-phase
+    decodes ``p`` chunks of ``1/p`` payload each in its first phase and ``p`` chunk averages in its
+    second, two payloads' worth: ``decode_s * 2/p``. It also re-encodes its chunk average, ``1/p``
+    of an encode: ``encode_s * (1 + 1/p)``.
     """
     check_int("world_size", world_size, 1)
-    factor = 1 + 1 / world_size
     return CodecCost(
         f"{cost.name}+{TWO_PHASE}",
         summed_bytes=cost.summed_bytes,
         gathered_bytes=0,
-        encode_s=cost.encode_s * factor,
-        decode_s=cost.decode_s * factor,
+        encode_s=cost.encode_s * (1 + 1 / world_size),
+        decode_s=cost.decode_s * min(1.0, 2 / world_size),
         two_phase_bytes=cost.gathered_bytes + cost.two_phase_bytes,
     )
 

@@ -18,8 +18,8 @@ A compressor that takes the two-phase exchange and all-gathers here (the quantis
 signsgd, terngrad; :func:`two_phase_row`) also gets a ``<name>+two_phase`` row: the same
 compressor with ``exchange="two_phase"`` (all-to-all, decode + average + re-encode, all-gather;
 :func:`~lightning_gc.perfmodel.two_phase_cost`), so the ``use:`` line weighs it too. Its encode
-and decode are the calibrated (or ``--cost``) ones, each times ``(1 + 1/p)`` for the re-encoded
-chunk average: nothing more is timed.
+and decode are derived from the calibrated (or ``--cost``) ones (:func:`~lightning_gc.perfmodel.two_phase_cost`:
+two payloads decoded instead of ``p``, one chunk re-encoded): nothing more is timed.
 """
 
 from __future__ import annotations
