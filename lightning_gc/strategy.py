@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import inspect
 from collections.abc import Callable
 from datetime import timedelta
@@ -114,9 +115,19 @@ def _strategy_argument_names() -> set[str]:
 
 
 def shut_down_process_group() -> None:
-    """Destroy the default process group if one is up (run at exit; a no-op after the user's own)."""
+    """Destroy the default process group if one is up (run at exit; a no-op after the user's own),
+    then collect garbage.
+
+    Why at exit and not later: once the interpreter is finalizing, a backend thread that takes the GIL
+    (to drop one of our exchange callbacks, or a future holding a Python value) is ended with
+    ``pthread_exit``, which aborts the process ("terminate called without an active exception").
+    Collecting here frees the unreachable DDP reducers, hook states and futures of finished fits while
+    such threads can still take the GIL, and with them the last references that keep backend threads
+    alive; finalization then finds nothing of ours left to free.
+    """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 @functools.cache
@@ -344,7 +355,8 @@ class GradientCompressionStrategy(DDPStrategy):
         # Lightning shuts NCCL groups down at exit but leaves gloo's to interpreter finalization. Our
         # hook's futures carry Python callbacks; a gloo worker thread that drops one then needs the
         # GIL, which finalization no longer grants, and the process dies with SIGABRT ("terminate
-        # called without an active exception"). Shutting the group down first joins those threads.
+        # called without an active exception"). The exit handler shuts the group down and frees the
+        # finished fits' DDP models and futures (unreachable cycles) while the GIL can still be taken.
         # Only after training ended normally: nothing is in flight then, whereas a rank failing
         # mid-step could wait in the shutdown for its pending collectives until the timeout.
         shut_down_process_group_at_exit()

@@ -38,6 +38,7 @@ def run_torchrun(
     if env is None:
         env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        env["PYTHONFAULTHANDLER"] = "1"
     for _ in range(3):  # a free port can be taken by another process before torchrun listens on it
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
@@ -106,6 +107,7 @@ def _run_once(
             "LOCAL_RANK": str(rank),
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1",  # a rank that aborts prints every thread's Python stack
             **env,
         }
         log = open(out / f"rank{rank}.log", "w")
