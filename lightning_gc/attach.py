@@ -54,12 +54,13 @@ class AttachedCompression:
         optimizer: torch.optim.Optimizer,
         session: CompressionSession,
         scaler: torch.amp.GradScaler | None,
+        devices_per_node: int | None = None,
     ) -> None:
         self.ddp, self.optimizer, self.session, self.scaler = ddp, optimizer, session, scaler
         self.last_metrics: dict[str, float] | None = None
         self._before_forward = ddp.register_forward_pre_hook(self._prepare)
         find_unused = bool(getattr(ddp, "find_unused_parameters", False))
-        session.attach(ddp, find_unused_parameters=find_unused)
+        session.attach(ddp, find_unused_parameters=find_unused, devices_per_node=devices_per_node)
         session.start_fit([optimizer])
         self._finished = False
 
@@ -153,6 +154,7 @@ def attach(
     compressor: str | Compressor = "dgc",
     *,
     scaler: torch.amp.GradScaler | None = None,
+    devices_per_node: int | None = None,
     **kwargs: Any,
 ) -> AttachedCompression:
     """Register compressed gradient exchange on ``ddp_model`` and hand ``optimizer``'s momentum over.
@@ -163,6 +165,8 @@ def attach(
             :meth:`~AttachedCompression.step`, not directly.
         compressor: a registered name (its arguments in ``kwargs``) or a Compressor object.
         scaler: a ``torch.amp.GradScaler`` for mixed precision (the handle steps through it).
+        devices_per_node: ranks per node, for ``hierarchy="node"``/``"auto"`` (default: torchrun's
+            ``LOCAL_WORLD_SIZE``); ranks are numbered node by node.
         **kwargs: the compressor's arguments (e.g. ``compress_ratio``) and any
             :class:`~lightning_gc.settings.CompressionSettings` field (``momentum_correction``,
             ``clip_norm``, ``nonfinite``, ``delay``, ``adam_warmup_steps``, ...); ``"dgc"`` turns
@@ -174,7 +178,8 @@ def attach(
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    return AttachedCompression(ddp_model, optimizer, build_session(compressor, kwargs, owner="attach"), scaler)
+    session = build_session(compressor, kwargs, owner="attach")
+    return AttachedCompression(ddp_model, optimizer, session, scaler, devices_per_node)
 
 
 def build_session(

@@ -76,7 +76,11 @@ class FabricCompressionStrategy(DDPStrategy):
                 "(use one optimizer with param groups)"
             )
         self._compression = AttachedCompression(
-            self._ddp, optimizer, self.session, scaler=getattr(self.precision, "scaler", None)
+            self._ddp,
+            optimizer,
+            self.session,
+            scaler=getattr(self.precision, "scaler", None),
+            devices_per_node=self.num_processes,
         )
         if self._pending_entry is not None:
             entry, source = self._pending_entry

@@ -22,6 +22,7 @@ from lightning_gc.compressors.simple import NoCompressor
 from lightning_gc.delay import DelayLine
 from lightning_gc.exchange import CollectiveExchange, Exchange
 from lightning_gc.guard import StepGuard
+from lightning_gc.hierarchy import NodeHierarchy
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.pipeline import Timeline, run_bucket
@@ -65,6 +66,8 @@ class CompressionHookState:
         local_update: with ``delay``, apply this rank's own contribution at once and swap it for
             the average when that arrives (OD-SGD).
         sync_warmup_steps: with ``delay``, the first steps are synchronous.
+        hierarchy: a two-level exchange (dense within nodes, compressed across them,
+            :mod:`lightning_gc.hierarchy`); ``None``: one flat exchange over ``process_group``.
 
     Attributes:
         exact_steps: steps before this one are averaged exactly as DDP's own all-reduce does
@@ -90,6 +93,7 @@ class CompressionHookState:
         delay: int = 0,
         local_update: bool = False,
         sync_warmup_steps: int = 0,
+        hierarchy: NodeHierarchy | None = None,
     ) -> None:
         self.compressor = compressor
         self.find_unused_parameters = find_unused_parameters
@@ -112,6 +116,9 @@ class CompressionHookState:
         if self.delay_line is None and local_update:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
         self.sync_warmup_steps = check_int("sync_warmup_steps", sync_warmup_steps, 0)
+        if hierarchy is not None and self.delay_line is not None:
+            raise ValueError(f"a hierarchical exchange does not combine with a delay yet, got delay={delay}")
+        self.hierarchy = hierarchy
         if self.delay_line is not None:
             self.guard.before_roll_back = self.delay_line.drain  # a skipped step's exchange must land first
         self.step = 0
@@ -167,6 +174,8 @@ class CompressionHookState:
         """This rank's resumable state: step counter, memory, the compressor's own state and, with a
         delay, the averages not yet handed over (exchanges in flight are drained first)."""
         state = {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
+        if self.hierarchy is not None:
+            state["hierarchy"] = self.hierarchy.topology.describe()
         if self.delay_line is not None:
             state["delay"] = (self.delay_line.delay, self.delay_line.local_update)
             state["delayed"] = self.delay_line.state_dict()
@@ -181,6 +190,14 @@ class CompressionHookState:
             raise ValueError(
                 f"the checkpoint was written with (delay, local_update)={saved}, this run has {mine}: the "
                 "averages it holds belong to other steps; resume with the same delay settings"
+            )
+        saved_topology = tuple(state.get("hierarchy", ()))
+        topology = () if self.hierarchy is None else self.hierarchy.topology.describe()
+        if saved_topology != topology:
+            raise ValueError(
+                "the checkpoint's compression state was written with (nodes, devices per node)="
+                f"{saved_topology or 'flat'} and this run is {topology or 'flat'}: each rank holds its own piece of "
+                "every tensor's residual; resume with the same hierarchy and devices per node"
             )
         self.step = int(state["step"])
         self.memory.load_state_dict(state["memory"])
@@ -231,30 +248,49 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
         write, _ = state.delay_line.slots(step)
         out = delayed.averages[write]
         own = delayed.owns[write] if state.delay_line.local_update else None
-    sent = run_bucket(
-        state.compressor_for(layout, grad.element_size()),
-        state.memory,
-        state.memory.bucket(layout, grad),
-        grad,
-        layout,
-        state.exchange,
-        step=step,
-        world_size=state.world_size,
-        rank=state.rank,
-        params=params,
-        out=out,
-        own=own,
-        absent=absent,
-        loss_scale=state.grad_scale,
-        guard=state.guard,
-        timeline=Timeline(),
-        # The callbacks run on the backend's threads and must not hold `state`: it holds the process
-        # group, and a thread that drops a group's last reference joins itself in its destructor.
-        on_decoded=lambda timeline, stats=state.stats: stats.add(seconds=timeline.seconds()),
-        failure=lambda error, rank=state.rank, world_size=state.world_size: exchange_failed(
-            rank, world_size, layout, step, error
-        ),
+    compressor = state.compressor_for(layout, grad.element_size())
+    # The callbacks run on the backend's threads and must not hold `state`: it holds the process
+    # group, and a thread that drops a group's last reference joins itself in its destructor.
+    on_decoded = lambda timeline, stats=state.stats: stats.add(seconds=timeline.seconds())  # noqa: E731
+    failure = lambda error, rank=state.rank, world_size=state.world_size: exchange_failed(  # noqa: E731
+        rank, world_size, layout, step, error
     )
+    if state.hierarchy is not None:
+        sent = state.hierarchy.run(
+            compressor,
+            state.memory,
+            grad,
+            layout,
+            step=step,
+            params=params,
+            absent=absent,
+            loss_scale=state.grad_scale,
+            guard=state.guard,
+            timeline=Timeline(),
+            on_decoded=on_decoded,
+            failure=failure,
+        )
+    else:
+        sent = run_bucket(
+            compressor,
+            state.memory,
+            state.memory.bucket(layout, grad),
+            grad,
+            layout,
+            state.exchange,
+            step=step,
+            world_size=state.world_size,
+            rank=state.rank,
+            params=params,
+            out=out,
+            own=own,
+            absent=absent,
+            loss_scale=state.grad_scale,
+            guard=state.guard,
+            timeline=Timeline(),
+            on_decoded=on_decoded,
+            failure=failure,
+        )
     if bucket.is_last():
         state.step += 1
     state.stats.add(

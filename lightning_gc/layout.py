@@ -20,13 +20,20 @@ class Segment:
     """One parameter's slice ``[start, stop)`` of a bucket's flat gradient buffer.
 
     ``order`` is the parameter's position in the module's ``named_parameters()``; it is stable
-    across bucket rebuilds and across processes, unlike the bucket index.
+    across bucket rebuilds and across processes, unlike the bucket index. A 1-D piece of a tensor
+    (:func:`chunk_segments`) keeps the tensor's shape in ``whole_shape``.
     """
 
     name: str
     order: int
     start: int
     shape: tuple[int, ...]
+    whole_shape: tuple[int, ...] | None = None
+
+    @property
+    def tensor_shape(self) -> tuple[int, ...]:
+        """The shape of the parameter this segment is (a piece of)."""
+        return self.shape if self.whole_shape is None else self.whole_shape
 
     @property
     def numel(self) -> int:
@@ -74,3 +81,81 @@ class BucketLayout:
     def matches(self, params: list[torch.Tensor]) -> bool:
         """Whether ``params`` are exactly this layout's parameters, in the same order."""
         return len(params) == len(self.param_ids) and all(id(p) == i for p, i in zip(params, self.param_ids))
+
+
+def chunk_segments(layout: BucketLayout, chunk: int, chunks: int) -> tuple[Segment, ...]:
+    """Chunk ``chunk`` of ``chunks`` of ``layout``: the ``chunk``-th of ``chunks`` pieces of
+    ``ceil(numel / chunks)`` elements of every tensor (fewer or none at a tensor's end), as 1-D
+    segments at their bucket positions (name and order kept: seeds and state refer to them).
+
+    Chunks made of per-tensor pieces depend only on the tensors, not on how DDP packed them into
+    buckets: who owns an element is the same before and after a bucket rebuild and across a resume."""
+    pieces = []
+    for segment in layout.segments:
+        size = -(-segment.numel // chunks)
+        low, high = (min(k * size, segment.numel) for k in (chunk, chunk + 1))
+        if low < high:
+            pieces.append(
+                Segment(
+                    name=segment.name,
+                    order=segment.order,
+                    start=segment.start + low,
+                    shape=(high - low,),
+                    whole_shape=segment.tensor_shape,
+                )
+            )
+    return tuple(pieces)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One chunk of a bucket (:func:`chunk_segments`) gathered into a contiguous buffer of its own.
+
+    ``layout`` describes the shard buffer as if it were a bucket (same index, one 1-D segment per
+    piece, packed back to back, names kept), so the whole pipeline (memory, compressors) runs on it
+    unchanged; ``positions`` are the bucket positions of the shard's elements, in shard order, and
+    ``sources[i]`` is (position in the bucket layout of the tensor the shard's ``i``-th segment was
+    cut from, offset of the piece inside that tensor)."""
+
+    layout: BucketLayout
+    positions: torch.Tensor
+    sources: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def build(layout: BucketLayout, chunk: int, chunks: int, device: torch.device) -> Shard:
+        where = {segment.name: i for i, segment in enumerate(layout.segments)}
+        segments, sources, ranges, start = [], [], [], 0
+        for piece in chunk_segments(layout, chunk, chunks):
+            source = where[piece.name]
+            segments.append(
+                Segment(name=piece.name, order=piece.order, start=start, shape=piece.shape, whole_shape=piece.whole_shape)
+            )
+            sources.append((source, piece.start - layout.segments[source].start))
+            ranges.append(torch.arange(piece.start, piece.stop))
+            start += piece.numel
+        positions = torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64)
+        return Shard(
+            layout=BucketLayout(index=layout.index, segments=tuple(segments), param_ids=layout.param_ids),
+            positions=positions.to(device),
+            sources=tuple(sources),
+        )
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+    def cut(self, flat: torch.Tensor) -> torch.Tensor:
+        """This shard's elements of a bucket-sized tensor, as a new contiguous tensor."""
+        return flat.index_select(0, self.positions)
+
+    def pieces_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This shard's piece of each of the bucket's tensors (e.g. its parameters, in bucket layout
+        order), as 1-D views, one per shard segment."""
+        return [
+            tensors[source].detach().reshape(-1)[offset : offset + segment.numel]
+            for (source, offset), segment in zip(self.sources, self.layout.segments)
+        ]
+
+    def segments_of(self, names: set[str]) -> list[Segment]:
+        """The shard's segments cut from the tensors named ``names``."""
+        return [segment for segment in self.layout.segments if segment.name in names]

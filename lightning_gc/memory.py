@@ -182,8 +182,12 @@ class CompensationMemory:
         *,
         absent: list[Segment] | None = None,
         loss_scale: float | None = None,
+        summed_ranks: int = 1,
     ) -> torch.Tensor:
         """Fold the local gradient ``grad`` into the velocity and return it (``grad`` may be overwritten).
+
+        ``summed_ranks``: ``grad`` is the sum of that many ranks' gradients (a node's, in a
+        hierarchical exchange), so weight decay, which each rank adds once, is added that many times.
 
         ``loss_scale``: the gradient is ``s * g`` (mixed precision); memory works on ``g`` (exact:
         ``s`` is a power of 2) and :meth:`restore_loss_scale` scales the decoded average back.
@@ -193,7 +197,7 @@ class CompensationMemory:
         if loss_scale is not None:
             grad.div_(loss_scale)
         memory.aside = self.set_aside(memory, absent) if absent else []
-        velocity = self._accumulate(memory, grad, params, world_size)
+        velocity = self._accumulate(memory, grad, params, world_size, summed_ranks)
         for segment, _ in memory.aside:
             segment.of(velocity).zero_()
         return velocity
@@ -206,7 +210,7 @@ class CompensationMemory:
             averaged.mul_(loss_scale)
 
     def _accumulate(
-        self, memory: BucketMemory, grad: torch.Tensor, params: list[torch.Tensor], world_size: int
+        self, memory: BucketMemory, grad: torch.Tensor, params: list[torch.Tensor], world_size: int, summed_ranks: int
     ) -> torch.Tensor:
         """The DGC update (module docstring) of every piece of the bucket, in place on the velocity."""
         threshold = None if self.clip_norm is None else self.clip_norm / math.sqrt(world_size)
@@ -230,7 +234,7 @@ class CompensationMemory:
                 momentum=piece.momentum,
                 nesterov=piece.nesterov,
                 grad_scale=scale,
-                weight_decay=piece.weight_decay * keep,
+                weight_decay=piece.weight_decay * keep * summed_ranks,
                 param=param,
             )
         return memory.velocity

@@ -106,6 +106,8 @@ def run_bucket(
     timeline: Timeline | None = None,
     on_decoded: Callable[[Timeline], None] | None = None,
     failure: Callable[[Exception], Exception] | None = None,
+    clip_ranks: int | None = None,
+    summed_ranks: int = 1,
 ) -> BucketStep:
     """Run the pipeline (module docstring) on one bucket whose local gradient is ``grad``.
 
@@ -126,6 +128,10 @@ def run_bucket(
         timeline: records the phases; ``on_decoded`` is called with it after decode (on the
             thread that completes the exchange), when every phase is in.
         failure: turns an exchange's exception into the one to raise (e.g. naming the bucket).
+        clip_ranks: the ``N`` of local clipping's ``clip_norm / sqrt(N)`` (default ``world_size``;
+            a hierarchical exchange compensates node sums but clips as all ``N`` ranks would).
+        summed_ranks: ``grad`` is the sum of that many ranks' gradients (a node's); see
+            :meth:`CompensationMemory.compensate`.
     """
     timeline = timeline if timeline is not None else Timeline()
     target = grad if out is None else out
@@ -133,7 +139,15 @@ def run_bucket(
     if guard is not None:
         guard.screen(grad, layout, bucket, step=step, loss_scaled=loss_scale is not None)
         timeline.mark("screen")
-    velocity = memory.compensate(bucket, grad, params or [], world_size, absent=absent, loss_scale=loss_scale)
+    velocity = memory.compensate(
+        bucket,
+        grad,
+        params or [],
+        clip_ranks or world_size,
+        absent=absent,
+        loss_scale=loss_scale,
+        summed_ranks=summed_ranks,
+    )
     timeline.mark("compensate")
     unused = frozenset(segment.name for segment in absent or ())
     context = EncodeContext(layout, step=step, world_size=world_size, rank=rank, unused=unused)
@@ -142,7 +156,7 @@ def run_bucket(
     bytes_sent, elements_sent = 0, 0
     while encoded.next_round is not None:  # earlier rounds complete here, so launch order is bucket order
         bytes_sent, elements_sent = bytes_sent + encoded.bytes_sent, elements_sent + encoded.elements_sent
-        _wait(exchange.launch(encoded), failure)
+        wait(exchange.launch(encoded), failure)
         timeline.mark(EXCHANGE)
         encoded = encoded.next_round()
         timeline.mark("encode")
@@ -159,7 +173,7 @@ def run_bucket(
     timeline.mark("launch")  # before `.then` below: decode may run on another thread once attached
 
     def decode(done: Future[Encoded]) -> torch.Tensor:
-        _wait(done, failure)
+        wait(done, failure)
         received = done.value()
         timeline.start()
         compressor.decode(received, target, world_size=world_size)
@@ -180,7 +194,8 @@ def run_bucket(
     )
 
 
-def _wait(future: Future[Any], failure: Callable[[Exception], Exception] | None) -> None:
+def wait(future: Future[Any], failure: Callable[[Exception], Exception] | None) -> None:
+    """Wait for ``future``; its error becomes ``failure(error)`` (e.g. naming the bucket) when given."""
     try:
         future.wait()
     except Exception as error:

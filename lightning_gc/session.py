@@ -27,12 +27,14 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.checkpoint import gather_entry, rank_state
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.handover import HandOver, MomentumHandOver, hand_over_for
+from lightning_gc.hierarchy import NodeHierarchy, resolve_hierarchy
 from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.momentum import unwrap_optimizer
 from lightning_gc.policy import agreed
@@ -66,12 +68,22 @@ class CompressionSession:
         self._pending_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ set-up
-    def attach(self, ddp: DistributedDataParallel, *, find_unused_parameters: bool = False) -> None:
+    def attach(
+        self,
+        ddp: DistributedDataParallel,
+        *,
+        find_unused_parameters: bool = False,
+        devices_per_node: int | None = None,
+    ) -> None:
         """Build the hook state for ``ddp``, check every rank agrees on the set-up, take over state
         from :meth:`resume`, and register the comm hook. ``find_unused_parameters``: what DDP was
-        told (parameters without a gradient are then expected)."""
+        told (parameters without a gradient are then expected). ``devices_per_node``: ranks per
+        node, for a two-level ``hierarchy`` (``None``: torchrun's ``LOCAL_WORLD_SIZE``)."""
         names = {id(p): (name, order) for order, (name, p) in enumerate(ddp.module.named_parameters())}
         settings = self.settings
+        topology = resolve_hierarchy(
+            settings.hierarchy, dist.get_world_size(ddp.process_group), dist.get_rank(ddp.process_group), devices_per_node
+        )
         self.hook_state = CompressionHookState(
             self.compressor,
             self.memory,
@@ -84,6 +96,7 @@ class CompressionSession:
             delay=settings.delay,
             local_update=settings.local_update,
             sync_warmup_steps=settings.sync_warmup_steps,
+            hierarchy=None if topology is None else NodeHierarchy(topology),
         )
         verify_same_setup(self.description(ddp), ddp.process_group)
         self.take_over_pending(ddp)

@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.guard import NONFINITE_POLICIES
+from lightning_gc.hierarchy import HIERARCHIES
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.policy import CompressionPolicy
 from lightning_gc.validation import check_bool, check_choice, check_int, check_range
@@ -45,6 +46,7 @@ class CompressionSettings:
     local_update: bool = False
     sync_warmup_steps: int = 0
     adam_warmup_steps: int = 1000
+    hierarchy: str = "flat"
 
     def __post_init__(self) -> None:
         for flag in ("momentum_correction", "momentum_masking", "log_stats", "local_update"):
@@ -66,6 +68,12 @@ class CompressionSettings:
         check_int("delay", self.delay, 0)
         check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
         check_int("adam_warmup_steps", self.adam_warmup_steps, 0)
+        check_choice("hierarchy", self.hierarchy, HIERARCHIES)
+        if self.hierarchy != "flat" and self.delay:
+            raise ValueError(
+                f"`hierarchy={self.hierarchy!r}` does not combine with a delayed exchange yet, got delay={self.delay}; "
+                "use hierarchy='flat' with delay"
+            )
         if self.local_update and not self.delay:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
         if self.momentum_correction and self.error_feedback is False:
@@ -76,6 +84,11 @@ class CompressionSettings:
 
     def check_compressor(self, compressor: Compressor) -> None:
         """Raise ``ValueError`` for a setting the compressor cannot honour."""
+        if self.hierarchy != "flat" and compressor.needs_whole_tensors:
+            raise ValueError(
+                f"`hierarchy={self.hierarchy!r}` cuts every tensor into one piece per device of a node, but "
+                f"compressor {compressor.name!r} needs each tensor whole (its matrices); use hierarchy='flat'"
+            )
         if self.local_update and compressor.commits_after_decode:
             raise ValueError(
                 f"`local_update=True` applies this rank's own contribution before the exchange, but compressor "
@@ -104,4 +117,5 @@ class CompressionSettings:
             "local_update": self.local_update,
             "sync_warmup_steps": self.sync_warmup_steps,
             "adam_warmup_steps": self.adam_warmup_steps,
+            "hierarchy": self.hierarchy,
         }

@@ -191,6 +191,12 @@ class GradientCompressionStrategy(DDPStrategy):
             optimizer steps of plain Adam (gradients averaged exactly as DDP does) before the second
             moment freezes and the first moment is compressed (:mod:`lightning_gc.handover`;
             1-bit Adam freezes after 15-25 % of training).
+        hierarchy: ``"flat"`` (default): one compressed exchange over all ranks. ``"node"``: two
+            levels (:mod:`lightning_gc.hierarchy`): a dense sum within each node over its fast link,
+            the compressed exchange across nodes with every device carrying ``1/devices`` of each
+            bucket, then a dense all-gather within the node; residuals stay exact on the device that
+            owns each piece. ``"auto"``: two levels when there is more than one node and more than
+            one device per node. Not with ``delay`` nor PowerSGD (which needs whole matrices).
         **kwargs: the named compressor's arguments (e.g. ``compress_ratio``), and anything
             :class:`~lightning.pytorch.strategies.DDPStrategy` or ``DistributedDataParallel``
             take (e.g. ``bucket_cap_mb``, ``find_unused_parameters``, ``start_method``,
@@ -217,6 +223,7 @@ class GradientCompressionStrategy(DDPStrategy):
         local_update: bool = False,
         sync_warmup_steps: int = 0,
         adam_warmup_steps: int = 1000,
+        hierarchy: str = "flat",
         **kwargs: Any,
     ) -> None:
         owned = sorted(set(kwargs) & set(_OWNED_DDP_ARGUMENTS))
@@ -241,6 +248,7 @@ class GradientCompressionStrategy(DDPStrategy):
             local_update=local_update,
             sync_warmup_steps=sync_warmup_steps,
             adam_warmup_steps=adam_warmup_steps,
+            hierarchy=hierarchy,
         )
         self.session = CompressionSession(compressor, settings, owner=type(self).__name__)
         if "timeout" in kwargs and not isinstance(kwargs["timeout"], timedelta):
@@ -306,7 +314,7 @@ class GradientCompressionStrategy(DDPStrategy):
         # Replaces DDPStrategy's, which registers comm hooks on CUDA only.
         assert isinstance(self.model, DistributedDataParallel)
         unused = bool(self._ddp_kwargs.get("find_unused_parameters", False))
-        self.session.attach(self.model, find_unused_parameters=unused)
+        self.session.attach(self.model, find_unused_parameters=unused, devices_per_node=self.num_processes)
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)

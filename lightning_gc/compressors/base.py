@@ -105,8 +105,10 @@ class EncodeContext:
 def compressible(segment: Segment, min_numel: int) -> bool:
     """The rule every compressor shares for which tensors it compresses (DGC §3): those of more
     than one dimension with at least ``min_numel`` elements. Biases, norms and small tensors go
-    dense: they are a small part of the bytes and sensitive to compression."""
-    return len(segment.shape) > 1 and segment.numel >= min_numel
+    dense: they are a small part of the bytes and sensitive to compression. A piece of a tensor
+    (a hierarchical exchange's shard) follows its whole tensor."""
+    shape = segment.tensor_shape
+    return len(shape) > 1 and int(torch.Size(shape).numel()) >= min_numel
 
 
 def split_segments(segments: Sequence[Segment], min_numel: int) -> tuple[list[Segment], list[Segment]]:
@@ -283,6 +285,9 @@ class Compressor(ABC):
     commits_after_decode: ClassVar[bool] = False
     """Whether what this rank sent is known only from the average (its :class:`Encoded` sets
     ``commit_after_decode``, e.g. PowerSGD's residual ``M - P Q^T``)."""
+    needs_whole_tensors: ClassVar[bool] = False
+    """Whether encoding needs each tensor whole, in its shape (PowerSGD's matrices), so that it
+    cannot work on the 1-D pieces a hierarchical exchange cuts (:mod:`lightning_gc.hierarchy`)."""
     arguments: ClassVar[tuple[str, ...]] = ()
     """The constructor arguments :meth:`config` records, each read back from the attribute of
     that name (in this order, after ``name``)."""

@@ -103,6 +103,7 @@ class PowerSGDCompressor(PlannedCompressor[_PowerPlan]):
 
     name = "powersgd"
     commits_after_decode = True
+    needs_whole_tensors = True
     arguments = ("rank", "min_compression_rate", "start_iter", "warm_start", "seed")
 
     def __init__(

@@ -52,7 +52,7 @@ import torch
 from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache, aligned
 from lightning_gc.compressors.registry import available, compressor_class
 from lightning_gc.flatstate import FlatState
-from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.layout import BucketLayout, Segment, chunk_segments
 from lightning_gc.validation import check_bool, check_choice
 
 EXCHANGES = ("gather", "two_phase", "auto")
@@ -100,21 +100,6 @@ class ChunkCodec(ABC):
     ) -> None:
         """``total += decode(payload)`` on ``fmt``'s segments (``total`` float32, bucket-sized), each
         value clamped to ``dtype``'s finite range."""
-
-
-def chunk_segments(layout: BucketLayout, chunk: int, chunks: int) -> tuple[Segment, ...]:
-    """Chunk ``chunk`` of ``chunks`` of ``layout``: the ``chunk``-th of ``chunks`` pieces of
-    ``ceil(numel / chunks)`` elements of every tensor (fewer or none at a tensor's end), as 1-D
-    segments at their bucket positions (name and order kept: seeds and errors refer to them)."""
-    pieces = []
-    for segment in layout.segments:
-        size = -(-segment.numel // chunks)
-        low, high = (min(k * size, segment.numel) for k in (chunk, chunk + 1))
-        if low < high:
-            pieces.append(
-                Segment(name=segment.name, order=segment.order, start=segment.start + low, shape=(high - low,))
-            )
-    return tuple(pieces)
 
 
 @dataclass

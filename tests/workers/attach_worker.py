@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 import lightning_gc
 
 
-def train(run: dict, rank: int) -> dict:
+def build(run: dict) -> tuple:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     model = DistributedDataParallel(net, bucket_cap_mb=run.get("bucket_cap_mb", 25))
@@ -27,9 +27,25 @@ def train(run: dict, rank: int) -> dict:
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if run.get("scaler") else None
     if run["compressor"] is not None:
         gc = lightning_gc.attach(model, optimizer, run["compressor"], scaler=scaler, **run.get("kwargs", {}))
+    return net, model, optimizer, gc, scaler
+
+
+def train(run: dict, rank: int) -> dict:
+    """``run["steps"]`` steps; with ``"resume_after": k``, everything is rebuilt after step ``k``
+    from the state a checkpoint would hold (model, optimizer, ``gc.state_dict()``)."""
+    net, model, optimizer, gc, scaler = build(run)
     generator = torch.Generator().manual_seed(100 + rank)
     weights = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
-    for _ in range(run["steps"]):
+    for step in range(run["steps"]):
+        if step == run.get("resume_after"):
+            entry = [gc.state_dict()]  # complete on rank 0, which a checkpoint file would hold
+            dist.broadcast_object_list(entry, src=0)
+            saved = (net.state_dict(), optimizer.state_dict(), entry[0])
+            gc.finish()
+            net, model, optimizer, gc, scaler = build(run)
+            net.load_state_dict(saved[0])
+            optimizer.load_state_dict(saved[1])
+            gc.load_state_dict(saved[2])
         x = torch.randn(16, 32, generator=generator)
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), (x @ weights).argmax(1))
@@ -42,6 +58,8 @@ def train(run: dict, rank: int) -> dict:
     if gc is not None:
         gc.finish()
         result["totals"] = dict(gc.totals)
+        memory = gc.session.hook_state.memory.state_dict()
+        result["memory_numel"] = {name: entry["velocity"].numel() for name, entry in memory.items()}
     return result
 
 

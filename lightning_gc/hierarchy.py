@@ -1,0 +1,234 @@
+"""Two-level exchange for multi-device nodes: dense within a node, compressed across nodes, sharded.
+
+A flat compressed exchange treats ``N`` ranks alike, so the slow link between nodes carries every
+device's payload: with ``L`` devices per node, ``L`` times what one node's gradient needs. With
+``N = K`` nodes x ``L`` devices and rank ``r = k L + l`` (node ``k``, local rank ``l``: Lightning's
+and torchrun's numbering), one bucket with local gradient ``g_r`` goes::
+
+    1. within node k (fast link), all-reduce:   S_k = sum_l g_(k,l)        on every local rank
+    2. local rank l owns shard l: the l-th of L pieces of every tensor of the bucket
+       (lightning_gc.layout.chunk_segments, as the two-phase exchange's chunks)
+    3. the pipeline on the shard (lightning_gc.pipeline), among the K ranks of local rank l:
+           v <- compensate(S_k[shard l]) ; enc = encode(v) ; memory.commit(enc)
+           exchange enc across nodes (slow link) ; decode -> (1/K) sum_k decode(enc_k)
+           divide by L                          -> the mean over all N ranks, on shard l
+    4. within node k, all-gather of the L shards: every rank holds the whole averaged bucket
+
+Slow-link traffic: each rank sends its shard's payload, ``~1/L`` of a bucket's, so a node sends
+one bucket's payload across instead of ``L``, and all ``L`` local ranks keep their links busy
+(application-level flow splitting). The fast link carries a dense all-reduce and all-gather.
+
+Memory is exact: the residual and momentum of shard ``l`` live on local rank ``l`` only, by parameter
+name (each rank holds its piece of each tensor), and what a shard did not send stays there; the
+invariant of :mod:`lightning_gc.memory` holds for node sums, to which weight decay (added once
+per rank) is added ``L`` times. Local clipping clips each piece of a
+node sum to ``clip_norm / sqrt(N)``: ``L`` gradients of squared norm ``clip^2 / N`` each, summed and
+cut into ``L`` pieces, have that norm, as DGC's per-rank clipping intends.
+
+Equalities the maths gives (and the tests check): with a dense codec the result is DDP's mean up
+to float summation order; DGC at ``compress_ratio=1`` is DDP + momentum SGD. A compressor's selection
+on a node sum differs from the flat one's on each rank's gradient, so sparse results differ from flat.
+
+The shard's encode and exchange complete inside the comm hook (as the two-phase exchange's first
+phase does): only the final intra-node all-gather runs while backward goes on, so every collective is
+launched from the hook in bucket order on every rank (:mod:`lightning_gc.comm`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from lightning_gc import comm
+from lightning_gc.compressors.base import Compressor
+from lightning_gc.exchange import CollectiveExchange
+from lightning_gc.guard import StepGuard
+from lightning_gc.layout import BucketLayout, Segment, Shard, chunk_segments
+from lightning_gc.memory import CompensationMemory
+from lightning_gc.pipeline import BucketStep, Timeline, run_bucket, wait
+from lightning_gc.validation import check_choice
+
+HIERARCHIES = ("flat", "node", "auto")
+"""``hierarchy`` choices: one flat exchange over all ranks, two levels (nodes, then devices), or
+two levels when there is more than one node and more than one device per node."""
+
+
+@dataclass(frozen=True)
+class NodeTopology:
+    """Where this rank sits: ``nodes`` x ``per_node`` ranks, rank = ``node * per_node + local``."""
+
+    nodes: int
+    per_node: int
+    node: int
+    local: int
+
+    @staticmethod
+    def of(world_size: int, rank: int, devices_per_node: int) -> NodeTopology:
+        if not isinstance(devices_per_node, int) or devices_per_node < 1 or world_size % devices_per_node:
+            raise ValueError(
+                f"devices_per_node={devices_per_node!r} does not divide the world size {world_size}: a two-level "
+                "exchange needs the same number of ranks on every node"
+            )
+        return NodeTopology(world_size // devices_per_node, devices_per_node, *divmod(rank, devices_per_node))
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+    def describe(self) -> tuple[int, int]:
+        """(nodes, devices per node): what a checkpoint's per-rank state depends on."""
+        return self.nodes, self.per_node
+
+
+def resolve_hierarchy(
+    hierarchy: str, world_size: int, rank: int, devices_per_node: int | None
+) -> NodeTopology | None:
+    """The topology of a two-level exchange, or ``None`` for a flat one.
+
+    ``devices_per_node``: ranks per node (Lightning's devices; torchrun's ``LOCAL_WORLD_SIZE``);
+    ``None`` reads ``LOCAL_WORLD_SIZE``, and is an error for ``"node"`` when that is unset too."""
+    check_choice("hierarchy", hierarchy, HIERARCHIES)
+    if hierarchy == "flat":
+        return None
+    if devices_per_node is None and "LOCAL_WORLD_SIZE" in os.environ:
+        devices_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    if devices_per_node is None:
+        if hierarchy == "auto":
+            return None
+        raise ValueError(
+            "hierarchy='node' needs the number of devices per node: pass devices_per_node, or launch with "
+            "torchrun (which sets LOCAL_WORLD_SIZE)"
+        )
+    topology = NodeTopology.of(world_size, rank, devices_per_node)
+    if hierarchy == "auto" and (topology.nodes == 1 or topology.per_node == 1):
+        return None
+    return topology
+
+
+@dataclass
+class _ShardPlan:
+    """One bucket layout's shards (every local rank's, for the final all-gather) and buffers."""
+
+    mine: Shard
+    positions: list[torch.Tensor]  # every local rank's shard positions in the bucket
+    payload: torch.Tensor  # this rank's averaged shard, padded to the largest shard
+    gathered: torch.Tensor  # every local rank's payload, in local-rank order
+
+
+class NodeHierarchy:
+    """The process groups and per-bucket shards of a two-level exchange (module docstring).
+
+    Construction creates ``nodes + per_node`` process groups and must run on every rank in the
+    same order (as ``torch.distributed.new_group`` requires): the ranks of each node, then the
+    ranks of each local rank across nodes."""
+
+    def __init__(self, topology: NodeTopology) -> None:
+        if dist.get_world_size() != topology.world_size:
+            raise ValueError(
+                f"the topology {topology.nodes} nodes x {topology.per_node} devices does not match the "
+                f"world size {dist.get_world_size()}"
+            )
+        self.topology = topology
+        nodes, per_node = topology.nodes, topology.per_node
+        node_groups = [dist.new_group([k * per_node + l for l in range(per_node)]) for k in range(nodes)]
+        cross_groups = [dist.new_group([k * per_node + l for k in range(nodes)]) for l in range(per_node)]
+        self.node_group = node_groups[topology.node]
+        self.cross_exchange = CollectiveExchange(cross_groups[topology.local])
+        self._plans: dict[int, tuple[BucketLayout, _ShardPlan]] = {}
+
+    def plan(self, layout: BucketLayout, like: torch.Tensor) -> _ShardPlan:
+        """The shards of ``layout`` (built once per layout)."""
+        cached = self._plans.get(layout.index)
+        if cached is not None and cached[0] is layout:
+            return cached[1]
+        per_node = self.topology.per_node
+        mine = Shard.build(layout, self.topology.local, per_node, like.device)
+        sizes = [sum(s.numel for s in chunk_segments(layout, l, per_node)) for l in range(per_node)]
+        positions = [
+            mine.positions if l == self.topology.local else Shard.build(layout, l, per_node, like.device).positions
+            for l in range(per_node)
+        ]
+        widest = max(sizes)
+        plan = _ShardPlan(
+            mine=mine,
+            positions=positions,
+            payload=torch.zeros(widest, dtype=like.dtype, device=like.device),
+            gathered=torch.empty(per_node * widest, dtype=like.dtype, device=like.device),
+        )
+        self._plans[layout.index] = (layout, plan)
+        return plan
+
+    def run(
+        self,
+        compressor: Compressor,
+        memory: CompensationMemory,
+        grad: torch.Tensor,
+        layout: BucketLayout,
+        *,
+        step: int,
+        params: list[torch.Tensor],
+        absent: list[Segment],
+        loss_scale: float | None,
+        guard: StepGuard | None,
+        timeline: Timeline,
+        on_decoded: Callable[[Timeline], None] | None,
+        failure: Callable[[Exception], Exception] | None,
+    ) -> BucketStep:
+        """One bucket through the two levels; the future resolves to ``grad`` holding the mean."""
+        topology = self.topology
+        plan = self.plan(layout, grad)
+        wait(comm.allreduce_sum(grad, self.node_group), failure)
+        shard = plan.mine
+        local = shard.cut(grad)
+        bytes_sent = elements_sent = 0
+        if shard.numel:  # every rank of this local rank has the same (empty) shard: none exchanges
+            sent = run_bucket(
+                compressor,
+                memory,
+                memory.bucket(shard.layout, local),
+                local,
+                shard.layout,
+                self.cross_exchange,
+                step=step,
+                world_size=topology.nodes,
+                rank=topology.node,
+                params=shard.pieces_of(params),
+                absent=shard.segments_of({segment.name for segment in absent}),
+                loss_scale=loss_scale,
+                guard=guard,
+                timeline=timeline,
+                on_decoded=on_decoded,
+                failure=failure,
+                clip_ranks=topology.world_size,
+                summed_ranks=topology.per_node,
+            )
+            wait(sent.averaged, failure)
+            bytes_sent, elements_sent = sent.bytes_sent, sent.elements_sent
+        plan.payload[: shard.numel].copy_(local).div_(topology.per_node)
+        gathered = comm.allgather_fixed(plan.payload, plan.gathered, self.node_group)
+        return BucketStep(
+            averaged=gathered.then(_scattering_into(grad, plan, failure)),
+            bytes_sent=bytes_sent,
+            elements_sent=elements_sent,
+        )
+
+
+def _scattering_into(
+    grad: torch.Tensor, plan: _ShardPlan, failure: Callable[[Exception], Exception] | None
+) -> Callable[[Future[torch.Tensor]], torch.Tensor]:
+    """A ``.then`` callback writing every local rank's averaged shard into the bucket (holds neither
+    the hook state nor a process group: it runs on the backend's thread)."""
+
+    def scatter(done: Future[torch.Tensor]) -> torch.Tensor:
+        wait(done, failure)
+        rows = plan.gathered.view(len(plan.positions), -1)
+        for positions, row in zip(plan.positions, rows):
+            grad.index_copy_(0, positions, row[: positions.numel()])
+        return grad
+
+    return scatter
