@@ -50,6 +50,13 @@ def allgather_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGrou
     return work.get_future().then(_resolving_to(out))
 
 
+def reduce_scatter_sum(staged: torch.Tensor, out: torch.Tensor, group: ProcessGroup) -> None:
+    """Sum ``staged`` (``world_size`` equal rows, flat) over ranks and leave row ``rank`` of the sum
+    in ``out``. Blocking: gloo's reduce-scatter has no future (``Work::getFuture`` is not
+    implemented there), and its callers need the sum before they go on anyway."""
+    dist.reduce_scatter_tensor(out, staged, op=dist.ReduceOp.SUM, group=group)
+
+
 def alltoall_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGroup) -> Future[torch.Tensor]:
     """All-to-all of equal rows: ``payload``'s row ``j`` goes to rank ``j``, ``out``'s row ``i``
     comes from rank ``i`` (both ``world_size`` equal rows, flat); resolves to ``out``."""

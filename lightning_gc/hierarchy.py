@@ -5,9 +5,9 @@ device's payload: with ``L`` devices per node, ``L`` times what one node's gradi
 ``N = K`` nodes x ``L`` devices and rank ``r = k L + l`` (node ``k``, local rank ``l``: Lightning's
 and torchrun's numbering), one bucket with local gradient ``g_r`` goes::
 
-    1. within node k (fast link), all-reduce:   S_k = sum_l g_(k,l)        on every local rank
-    2. local rank l owns shard l: the l-th of L pieces of every tensor of the bucket
+    1. local rank l owns shard l: the l-th of L pieces of every tensor of the bucket
        (lightning_gc.layout.chunk_segments, as the two-phase exchange's chunks)
+    2. within node k (fast link), reduce-scatter: local rank l gets S_k[shard l], S_k = sum_l g_(k,l)
     3. the pipeline on the shard (lightning_gc.pipeline), among the K ranks of local rank l:
            v <- compensate(S_k[shard l]) ; enc = encode(v) ; memory.commit(enc)
            exchange enc across nodes (slow link) ; decode -> (1/K) sum_k decode(enc_k)
@@ -16,7 +16,8 @@ and torchrun's numbering), one bucket with local gradient ``g_r`` goes::
 
 Slow-link traffic: each rank sends its shard's payload, ``~1/L`` of a bucket's, so a node sends
 one bucket's payload across instead of ``L``, and all ``L`` local ranks keep their links busy
-(application-level flow splitting). The fast link carries a dense all-reduce and all-gather.
+(application-level flow splitting). The fast link carries a dense reduce-scatter and all-gather,
+``2 (L-1)/L`` of the bucket, what a ring all-reduce would; shards are padded to the largest.
 
 Memory is exact: the residual and momentum of shard ``l`` live on local rank ``l`` only, by parameter
 name (each rank holds its piece of each tensor), and what a shard did not send stays there; the
@@ -48,9 +49,9 @@ from lightning_gc import comm
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.exchange import CollectiveExchange
 from lightning_gc.guard import StepGuard
-from lightning_gc.layout import BucketLayout, Segment, Shard, chunk_segments
+from lightning_gc.layout import BucketLayout, Segment, Shard
 from lightning_gc.memory import CompensationMemory
-from lightning_gc.pipeline import BucketStep, Timeline, run_bucket, wait
+from lightning_gc.pipeline import BucketStep, Timeline, reported, run_bucket, wait
 from lightning_gc.validation import check_choice
 
 HIERARCHIES = ("flat", "node", "auto")
@@ -85,9 +86,7 @@ class NodeTopology:
         return self.nodes, self.per_node
 
 
-def resolve_hierarchy(
-    hierarchy: str, world_size: int, rank: int, devices_per_node: int | None
-) -> NodeTopology | None:
+def resolve_hierarchy(hierarchy: str, world_size: int, rank: int, devices_per_node: int | None) -> NodeTopology | None:
     """The topology of a two-level exchange, or ``None`` for a flat one.
 
     ``devices_per_node``: ranks per node (Lightning's devices; torchrun's ``LOCAL_WORLD_SIZE``);
@@ -116,8 +115,8 @@ class _ShardPlan:
 
     mine: Shard
     positions: list[torch.Tensor]  # every local rank's shard positions in the bucket
-    payload: torch.Tensor  # this rank's averaged shard, padded to the largest shard
-    gathered: torch.Tensor  # every local rank's payload, in local-rank order
+    rows: torch.Tensor  # L x P: row l for shard l, padded with zeros (reduce-scatter in, all-gather out)
+    row: torch.Tensor  # P: this rank's row of the node sum, then of the average
 
 
 class NodeHierarchy:
@@ -135,8 +134,8 @@ class NodeHierarchy:
             )
         self.topology = topology
         nodes, per_node = topology.nodes, topology.per_node
-        node_groups = [dist.new_group([k * per_node + l for l in range(per_node)]) for k in range(nodes)]
-        cross_groups = [dist.new_group([k * per_node + l for k in range(nodes)]) for l in range(per_node)]
+        node_groups = [dist.new_group([node * per_node + j for j in range(per_node)]) for node in range(nodes)]
+        cross_groups = [dist.new_group([node * per_node + j for node in range(nodes)]) for j in range(per_node)]
         self.node_group = node_groups[topology.node]
         self.cross_exchange = CollectiveExchange(cross_groups[topology.local])
         self._plans: dict[int, tuple[BucketLayout, _ShardPlan]] = {}
@@ -147,18 +146,15 @@ class NodeHierarchy:
         if cached is not None and cached[0] is layout:
             return cached[1]
         per_node = self.topology.per_node
-        mine = Shard.build(layout, self.topology.local, per_node, like.device)
-        sizes = [sum(s.numel for s in chunk_segments(layout, l, per_node)) for l in range(per_node)]
-        positions = [
-            mine.positions if l == self.topology.local else Shard.build(layout, l, per_node, like.device).positions
-            for l in range(per_node)
-        ]
-        widest = max(sizes)
+        shards = [Shard.build(layout, local, per_node, like.device) for local in range(per_node)]
+        mine = shards[self.topology.local]
+        positions = [shard.positions for shard in shards]
+        widest = max(shard.numel for shard in shards)
         plan = _ShardPlan(
             mine=mine,
             positions=positions,
-            payload=torch.zeros(widest, dtype=like.dtype, device=like.device),
-            gathered=torch.empty(per_node * widest, dtype=like.dtype, device=like.device),
+            rows=torch.zeros(per_node, widest, dtype=like.dtype, device=like.device),
+            row=torch.zeros(widest, dtype=like.dtype, device=like.device),
         )
         self._plans[layout.index] = (layout, plan)
         return plan
@@ -182,9 +178,12 @@ class NodeHierarchy:
         """One bucket through the two levels; the future resolves to ``grad`` holding the mean."""
         topology = self.topology
         plan = self.plan(layout, grad)
-        wait(comm.allreduce_sum(grad, self.node_group), failure)
+        for positions, row in zip(plan.positions, plan.rows):
+            torch.index_select(grad, 0, positions, out=row[: positions.numel()])  # padding stays 0
+        with reported(failure):
+            comm.reduce_scatter_sum(plan.rows.view(-1), plan.row, self.node_group)
         shard = plan.mine
-        local = shard.cut(grad)
+        local = plan.row[: shard.numel]  # this node's sum on shard l
         bytes_sent = elements_sent = 0
         if shard.numel:  # every rank of this local rank has the same (empty) shard: none exchanges
             sent = run_bucket(
@@ -209,8 +208,8 @@ class NodeHierarchy:
             )
             wait(sent.averaged, failure)
             bytes_sent, elements_sent = sent.bytes_sent, sent.elements_sent
-        plan.payload[: shard.numel].copy_(local).div_(topology.per_node)
-        gathered = comm.allgather_fixed(plan.payload, plan.gathered, self.node_group)
+        local.div_(topology.per_node)
+        gathered = comm.allgather_fixed(plan.row, plan.rows.view(-1), self.node_group)
         return BucketStep(
             averaged=gathered.then(_scattering_into(grad, plan, failure)),
             bytes_sent=bytes_sent,
@@ -226,8 +225,7 @@ def _scattering_into(
 
     def scatter(done: Future[torch.Tensor]) -> torch.Tensor:
         wait(done, failure)
-        rows = plan.gathered.view(len(plan.positions), -1)
-        for positions, row in zip(plan.positions, rows):
+        for positions, row in zip(plan.positions, plan.rows):
             grad.index_copy_(0, positions, row[: positions.numel()])
         return grad
 

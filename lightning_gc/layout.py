@@ -128,7 +128,9 @@ class Shard:
         for piece in chunk_segments(layout, chunk, chunks):
             source = where[piece.name]
             segments.append(
-                Segment(name=piece.name, order=piece.order, start=start, shape=piece.shape, whole_shape=piece.whole_shape)
+                Segment(
+                    name=piece.name, order=piece.order, start=start, shape=piece.shape, whole_shape=piece.whole_shape
+                )
             )
             sources.append((source, piece.start - layout.segments[source].start))
             ranges.append(torch.arange(piece.start, piece.stop))
@@ -143,10 +145,6 @@ class Shard:
     @property
     def numel(self) -> int:
         return self.layout.numel
-
-    def cut(self, flat: torch.Tensor) -> torch.Tensor:
-        """This shard's elements of a bucket-sized tensor, as a new contiguous tensor."""
-        return flat.index_select(0, self.positions)
 
     def pieces_of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """This shard's piece of each of the bucket's tensors (e.g. its parameters, in bucket layout

@@ -23,7 +23,8 @@ calibration and benchmarks).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,11 +195,18 @@ def run_bucket(
     )
 
 
-def wait(future: Future[Any], failure: Callable[[Exception], Exception] | None) -> None:
-    """Wait for ``future``; its error becomes ``failure(error)`` (e.g. naming the bucket) when given."""
+@contextmanager
+def reported(failure: Callable[[Exception], Exception] | None) -> Iterator[None]:
+    """An error inside becomes ``failure(error)`` (e.g. naming the bucket) when ``failure`` is given."""
     try:
-        future.wait()
+        yield
     except Exception as error:
         if failure is None:
             raise
         raise failure(error) from error
+
+
+def wait(future: Future[Any], failure: Callable[[Exception], Exception] | None) -> None:
+    """Wait for ``future``; its error becomes ``failure(error)`` when given (see :func:`reported`)."""
+    with reported(failure):
+        future.wait()

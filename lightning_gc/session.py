@@ -82,7 +82,10 @@ class CompressionSession:
         names = {id(p): (name, order) for order, (name, p) in enumerate(ddp.module.named_parameters())}
         settings = self.settings
         topology = resolve_hierarchy(
-            settings.hierarchy, dist.get_world_size(ddp.process_group), dist.get_rank(ddp.process_group), devices_per_node
+            settings.hierarchy,
+            dist.get_world_size(ddp.process_group),
+            dist.get_rank(ddp.process_group),
+            devices_per_node,
         )
         self.hook_state = CompressionHookState(
             self.compressor,

@@ -57,9 +57,11 @@ def launch_ranks(
     world_size: int = 2,
     timeout: float = 600,
     env: dict[str, str] | None = None,
+    devices_per_node: int | None = None,
 ) -> list[Any]:
-    """Run ``worker`` as ``world_size`` ranks on loopback (gloo) and return each rank's saved results."""
-    codes, logs = start_ranks(worker, plan, out, world_size, timeout, env)
+    """Run ``worker`` as ``world_size`` ranks on loopback (gloo) and return each rank's saved results
+    (``devices_per_node``: see :func:`start_ranks`)."""
+    codes, logs = start_ranks(worker, plan, out, world_size, timeout, env, devices_per_node)
     if any(code != 0 for code in codes):
         tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + logs[r][-4000:] for r, c in enumerate(codes))
         raise AssertionError(f"distributed worker failed:\n{tails}")
@@ -73,16 +75,19 @@ def start_ranks(
     world_size: int = 2,
     timeout: float = 600,
     env: dict[str, str] | None = None,
+    devices_per_node: int | None = None,
 ) -> tuple[list[int | None], list[str]]:
     """Run ``worker`` as ``world_size`` ranks on loopback (gloo), with ``env`` added to the
     environment; each rank's exit code and output. A rank still running after ``timeout``
-    seconds is killed and reported with code ``None``."""
+    seconds is killed and reported with code ``None``. With ``devices_per_node``, the ranks play
+    nodes of that many devices, numbered node by node, as torchrun numbers them (``RANK``,
+    ``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE``); without, one node (``LOCAL_RANK`` = rank)."""
     out.mkdir(parents=True, exist_ok=True)
     plan = {**plan, "out": str(out)}
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
     for _ in range(3):  # a free port can be taken by another process before rank 0 listens on it
-        codes, logs = _run_once(worker, plan_path, out, world_size, timeout, env or {})
+        codes, logs = _run_once(worker, plan_path, out, world_size, timeout, env or {}, devices_per_node)
         if not any("EADDRINUSE" in log for log in logs):
             break
     return codes, logs
@@ -93,7 +98,13 @@ FAILURE_GRACE_S = 60.0
 
 
 def _run_once(
-    worker: str, plan_path: Path, out: Path, world_size: int, timeout: float, env: dict[str, str]
+    worker: str,
+    plan_path: Path,
+    out: Path,
+    world_size: int,
+    timeout: float,
+    env: dict[str, str],
+    devices_per_node: int | None,
 ) -> tuple[list[int | None], list[str]]:
     port = free_port()
     procs, logs = [], []
@@ -103,8 +114,10 @@ def _run_once(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "WORLD_SIZE": str(world_size),
-            "NODE_RANK": "0",
-            "LOCAL_RANK": str(rank),
+            "RANK": str(rank),
+            "NODE_RANK": str(rank // (devices_per_node or world_size)),
+            "LOCAL_RANK": str(rank % (devices_per_node or world_size)),
+            "LOCAL_WORLD_SIZE": str(devices_per_node or world_size),
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1",
             "PYTHONFAULTHANDLER": "1",  # a rank that aborts prints every thread's Python stack

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import launch_ranks
+
 from lightning_gc import DGCStrategy, GradientCompressionStrategy
 from lightning_gc.hierarchy import NodeTopology, resolve_hierarchy
 from lightning_gc.layout import BucketLayout, Shard
@@ -20,7 +20,7 @@ def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _two_nodes_of_two(runs: list[dict], tmp_path: Path) -> list[list[dict]]:
-    return launch_ranks("attach_worker.py", {"runs": runs}, tmp_path, world_size=4, env={"LOCAL_WORLD_SIZE": "2"})
+    return launch_ranks("attach_worker.py", {"runs": runs}, tmp_path, world_size=4, devices_per_node=2)
 
 
 def test_two_levels_equal_ddp_where_the_maths_says_and_carry_half_the_bytes_across_nodes(tmp_path: Path) -> None:
@@ -40,7 +40,9 @@ def test_two_levels_equal_ddp_where_the_maths_says_and_carry_half_the_bytes_acro
     assert _relative_difference(dgc_dense["params"], ddp["params"]) < 1e-5
     assert not torch.equal(node["params"], flat["params"])  # selection on node sums, not per rank
     # as far from DDP as the flat exchange is (it is no worse an approximation)
-    assert _relative_difference(node["params"], ddp["params"]) < 1.5 * _relative_difference(flat["params"], ddp["params"])
+    assert _relative_difference(node["params"], ddp["params"]) < 1.5 * _relative_difference(
+        flat["params"], ddp["params"]
+    )
     for other in ranks[1:]:
         for ours, theirs in zip(ranks[0], other):
             assert torch.equal(ours["params"], theirs["params"])
@@ -61,6 +63,24 @@ def test_two_levels_resume_exactly(tmp_path: Path) -> None:
     ranks = _two_nodes_of_two([common, {**common, "resume_after": 6}], tmp_path)
     for straight, resumed in ranks:
         assert torch.equal(straight["params"], resumed["params"])
+
+
+def test_trainer_on_two_nodes_of_two_devices_takes_the_hierarchy_from_lightning(tmp_path: Path) -> None:
+    """``DGCStrategy(hierarchy=...)`` under the Trainer with ``num_nodes=2, devices=2``: ``"auto"``
+    is ``"node"`` there (same parameters), every rank ends identical, and each rank sends about half
+    the flat exchange's bytes across nodes."""
+    common = {"model": {"hidden": [64, 64]}, "epochs": 1, "data": {"batch_size": 32}}
+    fits = [
+        {**common, "strategy": {"kind": "dgc", "compress_ratio": 0.05, "hierarchy": hierarchy}}
+        for hierarchy in ("flat", "node", "auto")
+    ]
+    ranks = launch_ranks("fit_worker.py", {"fits": fits}, tmp_path, world_size=4, devices_per_node=2)
+    flat, node, auto = ranks[0]
+    assert torch.equal(auto["params"], node["params"]) and not torch.equal(node["params"], flat["params"])
+    for other in ranks[1:]:
+        for ours, theirs in zip(ranks[0], other):
+            assert torch.equal(ours["params"], theirs["params"])
+    assert 1.6 < flat["totals"]["bytes_sent"] / node["totals"]["bytes_sent"] < 2.4
 
 
 def test_topology_and_settings_are_checked_where_they_are_written(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +113,7 @@ def test_a_shard_is_every_tensors_piece_and_the_shards_tile_the_bucket() -> None
     assert [s.numel for s in shards] == [3 + 1 + 3, 3 + 0 + 2]
     assert sorted(torch.cat([s.positions for s in shards]).tolist()) == list(range(12))
     flat = torch.arange(12.0)
-    assert shards[1].cut(flat).tolist() == [3.0, 4.0, 5.0, 10.0, 11.0]
+    assert flat[shards[1].positions].tolist() == [3.0, 4.0, 5.0, 10.0, 11.0]
     values = [torch.arange(6.0).reshape(3, 2), torch.tensor([7.0]), torch.arange(5.0)]
     assert [p.tolist() for p in shards[1].pieces_of(values)] == [[3.0, 4.0, 5.0], [3.0, 4.0]]
     assert [s.name for s in shards[1].segments_of({"p2", "p1"})] == ["p2"]

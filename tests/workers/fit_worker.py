@@ -1,6 +1,6 @@
 """One rank of a multi-process test: runs the fits described in a JSON plan, saves what it saw.
 
-Launched by ``tests/conftest.py::run_ranks`` once per rank with ``LOCAL_RANK``/``MASTER_PORT`` set,
+Launched by ``tests/conftest.py::run_ranks`` once per rank with ``RANK``/``LOCAL_RANK``/``MASTER_PORT`` set,
 the way torchrun or a cluster scheduler launches Lightning, so Lightning uses the processes
 as they are (no re-launch). Each fit of the plan is a dict::
 
@@ -43,6 +43,9 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy, SparsityWarmup
 from recipes.quickstart import NUM_CLASSES, DigitsClassifier, DigitsDataModule
+
+# as the launcher set them (Lightning rewrites WORLD_SIZE and friends once a fit has run)
+RANK, WORLD_SIZE, DEVICES_PER_NODE = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"))
 
 
 def flat_parameters(module: torch.nn.Module) -> torch.Tensor:
@@ -227,7 +230,7 @@ def make_strategy(spec: dict[str, Any]) -> DDPStrategy:
 
 def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
     L.seed_everything(fit.get("seed", 0), workers=True, verbose=False)
-    rank = int(os.environ["LOCAL_RANK"])
+    rank = RANK
     model = VARIANTS[fit.get("variant")](**fit.get("model", {}))
     data = DigitsDataModule(**fit.get("data", {}))
     strategy = make_strategy({**fit["strategy"], **fit.get("rank_strategy", {}).get(str(rank), {})})
@@ -243,7 +246,8 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
         trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=DEVICES_PER_NODE,
+        num_nodes=WORLD_SIZE // DEVICES_PER_NODE,
         strategy=strategy,
         callbacks=callbacks,
         max_epochs=fit["epochs"],
@@ -290,7 +294,7 @@ def main() -> None:
     torch.set_num_threads(1)  # two ranks share two cores
     with open(sys.argv[1]) as f:
         plan = json.load(f)
-    rank = int(os.environ["LOCAL_RANK"])
+    rank = RANK
     results = [run_fit(fit) for fit in plan["fits"]]
     torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
 

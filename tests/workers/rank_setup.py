@@ -17,6 +17,6 @@ def join_gloo() -> tuple[dict[str, Any], int]:
     torch.set_num_threads(1)
     with open(sys.argv[1]) as f:
         plan = json.load(f)
-    rank = int(os.environ["LOCAL_RANK"])
+    rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     return plan, rank
