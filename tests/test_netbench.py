@@ -46,6 +46,20 @@ def test_two_nodes_on_loopback_produce_the_record(tmp_path):
     assert 0 < record["hook_s_per_step"] < record["median_s"]
 
 
+def test_two_nodes_of_two_processes_send_half_the_payload_each_with_the_hierarchy(tmp_path):
+    """``--devices-per-node 2``: Lightning starts each node's second process, four ranks in all; with
+    ``gc_dgc_node`` each sends its shard's payload, about half of the flat exchange's."""
+    common = dict(nodes=[Node("lo"), Node("lo")], master_addr="127.0.0.1", steps=STEPS, warmup=WARMUP)
+    flat, node = (
+        run_mode(mode, "tiny", out=tmp_path / mode, batch_size=BATCH, devices_per_node=2, **common)
+        for mode in ("gc_dgc", "gc_dgc_node")
+    )
+    assert (node["world_size"], flat["world_size"]) == (4, 4)
+    assert sorted(p.name for p in (tmp_path / "gc_dgc_node").glob("rank*.json")) == [f"rank{r}.json" for r in range(4)]
+    assert node["samples_per_s"] == pytest.approx(4 * BATCH / node["median_s"])
+    assert 0.4 < node["payload_bytes_per_step"] / flat["payload_bytes_per_step"] < 0.6
+
+
 def test_report_ratios_and_predictions():
     def rec(mode: str, median: float) -> dict:
         steps = [median, median * 1.5]

@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per run (after warm-up)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (torch PowerSGD needs >= 2)")
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
+    parser.add_argument(
+        "--devices-per-node",
+        type=int,
+        default=1,
+        help="processes per emulated node, sharing its core (no predictions then: the model is of 1 per node)",
+    )
     parser.add_argument("--overlap", type=float, default=0.5, help="perf model: fraction of compute hiding comm")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / time.strftime("netbench-%Y%m%d-%H%M%S"))
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
@@ -107,8 +113,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 mode, model, nodes=link.nodes, master_addr=link.master_addr,
                                 out=args.out / rate / model / mode / f"r{repeat}",
                                 steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
+                                devices_per_node=args.devices_per_node,
                             )  # fmt: skip
-                            record.update(rate=rate, repeat=repeat, link_bps=link.measured_bps, nodes_total=2)
+                            record.update(
+                                rate=rate, repeat=repeat, link_bps=link.measured_bps, nodes_total=2,
+                                devices_per_node=args.devices_per_node,
+                            )  # fmt: skip
                             records.append(record)
                             stream.write(json.dumps(record) + "\n")
                             stream.flush()
@@ -126,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         args.modes = list(dict.fromkeys(r["mode"] for r in records))
     elif os.geteuid() != 0:
         sys.exit("netbench needs root (network namespaces, tc); run it as root")
-    costs = {model: calibrate(model, args.modes, args.out) for model in args.models}
+    modelled = args.devices_per_node == 1  # the predictions are of one process per node
+    costs = {model: calibrate(model, args.modes, args.out) for model in args.models} if modelled else {}
     if args.records is None:
         records = measure(args)
     link_bps = {r["rate"]: r["link_bps"] for r in records}
@@ -134,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     # (the unshaped link's socket test) is the host-bound part of every exchange.
     host_bps = link_bps.get(UNSHAPED)
     predicted = {}
-    for rate in args.rates:
+    devices_per_node = max(r.get("devices_per_node", 1) for r in records)
+    for rate in args.rates if devices_per_node == 1 else ():
         for model in args.models:
             floor = [r["median_s"] for r in records if (r["rate"], r["model"], r["mode"]) == (rate, model, "noop")]
             if not floor:
@@ -153,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     header = (
         f"\n### `{command}` — {platform.node()}, {os.cpu_count()} CPUs, {stamp}\n\n"
         f"Two emulated nodes (netns + veth + tbf), one pinned core and one torch thread each, gloo; "
-        f"batch {records[0]['batch_size']} per node; {steps} timed steps after warm-up, "
+        + ("" if devices_per_node == 1 else f"{devices_per_node} processes per node sharing its core; ")
+        + f"batch {records[0]['batch_size']} per process; {steps} timed steps after warm-up, "
         f"{repeats} interleaved repeat(s). Links: {rates}. Predictions: `lightning_gc.perfmodel` from the "
         f"measured `noop` step, the socket-test rate, codec costs calibrated on both cores at once, "
         f"overlap {args.overlap}"

@@ -74,6 +74,7 @@ def run_mode(
     batch_size: int,
     timeout: float = 900.0,
     master_port: int | None = None,
+    devices_per_node: int = 1,
 ) -> dict[str, Any]:
     """Run ``mode`` once and return rank 0's record, completed with ``samples_per_s``: global
     throughput, ``len(nodes) * batch_size / median step``. Mode ``ideal`` runs one process on
@@ -84,6 +85,7 @@ def run_mode(
     used = nodes[:1] if mode == IDEAL else nodes
     command = [sys.executable, "-m", "benchmarks.netbench.worker", "--mode", mode, "--model", model]
     command += ["--out", str(out), "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(batch_size)]
+    command += ["--devices", str(devices_per_node), "--nodes", str(len(used))]
     procs, logs = [], []
     try:
         for rank, node in enumerate(used):
@@ -110,5 +112,5 @@ def run_mode(
         raise RuntimeError(f"mode {mode!r} failed:\n{tails}")
     record = json.loads((out / "rank0.json").read_text())
     record["processes"] = len(used)
-    record["samples_per_s"] = record["batch_size"] * len(nodes) / record["median_s"]
+    record["samples_per_s"] = record["batch_size"] * len(nodes) * devices_per_node / record["median_s"]
     return record

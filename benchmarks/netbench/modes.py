@@ -12,6 +12,8 @@
   bfloat16 dense tensors (the ResNet-50 recipe's settings);
 * ``<gc mode>_delay1`` -- any ``gc_*`` mode with ``delay=1`` (:mod:`lightning_gc.delay`): each
   step applies the previous step's average and its own exchange overlaps the next step;
+* ``<gc mode>_node`` -- any ``gc_*`` mode with ``hierarchy="node"`` (:mod:`lightning_gc.hierarchy`):
+  dense within a node, compressed across nodes (with ``--devices-per-node`` > 1);
 * ``ideal`` -- one process, no distributed strategy at all (handled by the launcher).
 """
 
@@ -45,6 +47,10 @@ DELAYED = "_delay1"
 """Suffix of a ``gc_*`` mode run with ``delay=1``."""
 
 
+HIERARCHICAL = "_node"
+"""Suffix of a ``gc_*`` mode run with ``hierarchy="node"``."""
+
+
 def split_delay(mode: str) -> tuple[str, int]:
     """``("gc_fp16", 1)`` for ``"gc_fp16_delay1"``; ``(mode, 0)`` for any other mode."""
     if mode.startswith("gc_") and mode.endswith(DELAYED):
@@ -52,11 +58,18 @@ def split_delay(mode: str) -> tuple[str, int]:
     return mode, 0
 
 
+def split_hierarchy(mode: str) -> tuple[str, str]:
+    """``("gc_dgc", "node")`` for ``"gc_dgc_node"``; ``(mode, "flat")`` for any other mode."""
+    if mode.startswith("gc_") and mode.endswith(HIERARCHICAL):
+        return mode.removesuffix(HIERARCHICAL), "node"
+    return mode, "flat"
+
+
 def all_modes() -> list[str]:
     """Every mode, references first, then torch's hooks, then ours (one per registered compressor,
-    then each of those with ``delay=1``)."""
+    then each of those with ``delay=1``, then the DGC modes with ``hierarchy="node"``)."""
     ours = [*DGC_MODES, *(mode for mode in (f"gc_{name}" for name in available()) if mode not in DGC_MODES)]
-    return [IDEAL, *TORCH_MODES, *ours, *(mode + DELAYED for mode in ours)]
+    return [IDEAL, *TORCH_MODES, *ours, *(mode + DELAYED for mode in ours), *(m + HIERARCHICAL for m in DGC_MODES)]
 
 
 class HookedDDPStrategy(DDPStrategy):
@@ -90,9 +103,11 @@ def make_strategy(mode: str) -> Strategy:
         return HookedDDPStrategy(
             ddp_comm_state=state, ddp_comm_hook=powersgd.powerSGD_hook, bucket_cap_mb=1024, **common
         )
-    base, delay = split_delay(mode)
+    base, hierarchy = split_hierarchy(mode)
+    base, delay = split_delay(base)
+    ours = {"delay": delay, "hierarchy": hierarchy, **common}
     if base in DGC_MODES:
-        return DGCStrategy(**DGC_MODES[base], delay=delay, **common)
+        return DGCStrategy(**DGC_MODES[base], **ours)
     if base.startswith("gc_") and base.removeprefix("gc_") in available():
-        return GradientCompressionStrategy(base.removeprefix("gc_"), delay=delay, **common)
+        return GradientCompressionStrategy(base.removeprefix("gc_"), **ours)
     raise ValueError(f"unknown mode {mode!r}; modes are {all_modes()}")

@@ -2,9 +2,10 @@
 
 Launched once per node exactly as a user launches Lightning on a cluster without a scheduler:
 ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK`` and ``WORLD_SIZE`` in the environment,
-``Trainer(num_nodes=2, devices=1)``, no ``LOCAL_RANK`` (Lightning starts no extra process for
-one device per node). ``GLOO_SOCKET_IFNAME`` names the interface gloo uses. Mode ``ideal`` runs
-one process without any distributed strategy.
+``Trainer(num_nodes=2, devices=--devices)``, no ``LOCAL_RANK`` (with one device per node Lightning
+starts no extra process; with more it starts them in the node's namespace, as it does on a
+cluster). ``GLOO_SOCKET_IFNAME`` names the interface gloo uses; processes of one node talk over
+the namespace's loopback, unshaped. Mode ``ideal`` runs one process without any distributed strategy.
 
     python -m benchmarks.netbench.worker --mode gc_dgc --model resnet18 --out DIR [--steps 10 --warmup 3]
 
@@ -70,19 +71,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--devices", type=int, default=1, help="processes per node (Lightning starts the others)")
+    parser.add_argument("--nodes", type=int, default=2, help="nodes (not WORLD_SIZE: Lightning rewrites it)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    nodes = 1 if args.mode == IDEAL else int(os.environ["WORLD_SIZE"])
+    nodes = 1 if args.mode == IDEAL else args.nodes
     node_rank = int(os.environ.get("NODE_RANK", 0))
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     L.seed_everything(0, verbose=False)
     module = BenchModule(args.model)
-    batches = synthetic_batches(args.warmup + args.steps + 1, args.batch_size, seed=node_rank)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # set by Lightning in the processes it starts
+    seed = node_rank * args.devices + local_rank
+    batches = synthetic_batches(args.warmup + args.steps + 1, args.batch_size, seed=seed)
     clock = StepClock(ifname)
     strategy = "auto" if args.mode == IDEAL else make_strategy(args.mode)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=1 if args.mode == IDEAL else args.devices,
         num_nodes=nodes,
         strategy=strategy,
         max_steps=len(batches),
