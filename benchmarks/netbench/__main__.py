@@ -167,11 +167,16 @@ def main(argv: list[str] | None = None) -> None:
         f"Two emulated nodes (netns + veth + tbf), one pinned core and one torch thread each, gloo; "
         + ("" if devices_per_node == 1 else f"{devices_per_node} processes per node sharing its core; ")
         + f"batch {records[0]['batch_size']} per process; {steps} timed steps after warm-up, "
-        f"{repeats} interleaved repeat(s). Links: {rates}. Predictions: `lightning_gc.perfmodel` from the "
-        f"measured `noop` step, the socket-test rate, codec costs calibrated on both cores at once, "
-        f"overlap {args.overlap}"
-        + ("" if host_bps is None else f", host-bound transport at the unshaped rate {host_bps / 1e9:.3f} Gbit/s")
-        + ".\n\n"
+        f"{repeats} interleaved repeat(s). Links: {rates}. "
+        + (
+            "No predictions: the model is of one process per node.\n\n"
+            if devices_per_node > 1
+            else "Predictions: `lightning_gc.perfmodel` from the "
+            f"measured `noop` step, the socket-test rate, codec costs calibrated on both cores at once, "
+            f"overlap {args.overlap}"
+            + ("" if host_bps is None else f", host-bound transport at the unshaped rate {host_bps / 1e9:.3f} Gbit/s")
+            + ".\n\n"
+        )
     )
     table = header + report.markdown(rows) + "\n"
     print(table)
