@@ -255,41 +255,32 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     failure = lambda error, rank=state.rank, world_size=state.world_size: exchange_failed(  # noqa: E731
         rank, world_size, layout, step, error
     )
+    pipeline: dict[str, Any] = {
+        "step": step,
+        "params": params,
+        "absent": absent,
+        "loss_scale": state.grad_scale,
+        "guard": state.guard,
+        "timeline": Timeline(),
+        "on_decoded": on_decoded,
+        "failure": failure,
+    }
     if state.hierarchy is not None:
-        sent = state.hierarchy.run(
-            compressor,
-            state.memory,
-            grad,
-            layout,
-            step=step,
-            params=params,
-            absent=absent,
-            loss_scale=state.grad_scale,
-            guard=state.guard,
-            timeline=Timeline(),
-            on_decoded=on_decoded,
-            failure=failure,
-        )
+        sent = state.hierarchy.run(compressor, state.memory, grad, layout, **pipeline)
     else:
+        bucket_memory = state.memory.bucket(layout, grad)
         sent = run_bucket(
             compressor,
             state.memory,
-            state.memory.bucket(layout, grad),
+            bucket_memory,
             grad,
             layout,
             state.exchange,
-            step=step,
             world_size=state.world_size,
             rank=state.rank,
-            params=params,
             out=out,
             own=own,
-            absent=absent,
-            loss_scale=state.grad_scale,
-            guard=state.guard,
-            timeline=Timeline(),
-            on_decoded=on_decoded,
-            failure=failure,
+            **pipeline,
         )
     if bucket.is_last():
         state.step += 1
