@@ -33,9 +33,16 @@ def test_two_levels_equal_ddp_where_the_maths_says_and_carry_half_the_bytes_acro
         {"compressor": "dgc", "optimizer": "sgd", "steps": 12, "kwargs": {"compress_ratio": 1.0, **NODE}},
         {"compressor": "dgc", "optimizer": "sgd", "steps": 12, "kwargs": {"compress_ratio": 0.05}},
         {"compressor": "dgc", "optimizer": "sgd", "steps": 12, "kwargs": {"compress_ratio": 0.05, **NODE}},
+        {"compressor": "onebit", "optimizer": "sgd", "steps": 12, "kwargs": NODE},
+        {"compressor": "qsgd", "optimizer": "sgd", "steps": 12, "kwargs": {"exchange": "two_phase", **NODE}},
     ]
     ranks = _two_nodes_of_two(runs, tmp_path)
-    ddp, dense, dgc_dense, flat, node = ranks[0]
+    ddp, dense, dgc_dense, flat, node, onebit, qsgd = ranks[0]
+    for quantised in (onebit, qsgd):  # a gathered and a two-phase codec across nodes: as close to DDP as DGC
+        assert torch.isfinite(quantised["params"]).all()
+        assert _relative_difference(quantised["params"], ddp["params"]) < 1.5 * _relative_difference(
+            flat["params"], ddp["params"]
+        )
     assert _relative_difference(dense["params"], ddp["params"]) < 1e-5
     assert _relative_difference(dgc_dense["params"], ddp["params"]) < 1e-5
     assert not torch.equal(node["params"], flat["params"])  # selection on node sums, not per rank
@@ -49,7 +56,7 @@ def test_two_levels_equal_ddp_where_the_maths_says_and_carry_half_the_bytes_acro
     ratio = flat["totals"]["bytes_sent"] / node["totals"]["bytes_sent"]
     assert 1.6 < ratio < 2.4, ratio
     # local ranks 0 and 1 hold complementary pieces; the same local rank on both nodes the same piece
-    pieces = [rank[4]["memory_numel"] for rank in ranks]
+    pieces = [rank[4]["memory_numel"] for rank in ranks]  # the hierarchical DGC run's
     assert pieces[0] == pieces[2] and pieces[1] == pieces[3]
     whole = flat["memory_numel"]
     assert {name: pieces[0][name] + pieces[1].get(name, 0) for name in whole} == whole
