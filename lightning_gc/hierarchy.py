@@ -22,9 +22,9 @@ one bucket's payload across instead of ``L``, and all ``L`` local ranks keep the
 Memory is exact: the residual and momentum of shard ``l`` live on local rank ``l`` only, by parameter
 name (each rank holds its piece of each tensor), and what a shard did not send stays there; the
 invariant of :mod:`lightning_gc.memory` holds for node sums, to which weight decay (added once
-per rank) is added ``L`` times. Local clipping clips each piece of a
-node sum to ``clip_norm / sqrt(N)``: ``L`` gradients of squared norm ``clip^2 / N`` each, summed and
-cut into ``L`` pieces, have that norm, as DGC's per-rank clipping intends.
+per rank) is added ``L`` times, and a momentum handed over (Adam's first moment) is seeded as ``L``
+times this rank's piece. Local clipping happens where DGC puts it, on each rank's own gradient per
+tensor before the node sum, so it is the flat exchange's exactly.
 
 Equalities the maths gives (and the tests check): with a dense codec the result is DDP's mean up
 to float summation order; DGC at ``compress_ratio=1`` is DDP + momentum SGD. A compressor's selection
@@ -49,7 +49,7 @@ from lightning_gc import comm
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.exchange import CollectiveExchange
 from lightning_gc.guard import StepGuard
-from lightning_gc.layout import BucketLayout, Segment, Shard
+from lightning_gc.layout import BucketLayout, Segment, Shard, piece_bounds
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.pipeline import BucketStep, Timeline, reported, run_bucket, wait
 from lightning_gc.validation import check_choice
@@ -109,6 +109,31 @@ def resolve_hierarchy(hierarchy: str, world_size: int, rank: int, devices_per_no
     return topology
 
 
+def agreed_topology(
+    hierarchy: str, devices_per_node: int | None, group: dist.ProcessGroup | None = None
+) -> NodeTopology | None:
+    """:func:`resolve_hierarchy` on every rank of ``group``, checked to agree before any group is
+    built: a rank that sees another ``LOCAL_WORLD_SIZE`` or ``devices_per_node`` raises the same
+    ``ValueError`` on every rank instead of leaving the others waiting in ``new_group``."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    try:
+        topology = resolve_hierarchy(hierarchy, world_size, rank, devices_per_node)
+        mine: object = None if topology is None else topology.describe()
+    except ValueError as error:
+        topology, mine = None, f"error: {error}"
+    every: list[object] = [None] * world_size
+    dist.all_gather_object(every, mine, group=group)
+    failed = [f"rank {r}: {seen}" for r, seen in enumerate(every) if isinstance(seen, str)]
+    if failed:
+        raise ValueError(f"hierarchy={hierarchy!r} could not be set up: " + "; ".join(failed))
+    if any(seen != every[0] for seen in every):
+        raise ValueError(
+            f"the ranks disagree on hierarchy={hierarchy!r}: (nodes, devices per node) per rank {every}; give every "
+            "rank the same devices_per_node (or LOCAL_WORLD_SIZE)"
+        )
+    return topology
+
+
 @dataclass
 class _ShardPlan:
     """One bucket layout's shards (every local rank's, for the final all-gather) and buffers."""
@@ -139,6 +164,12 @@ class NodeHierarchy:
         self.node_group = node_groups[topology.node]
         self.cross_exchange = CollectiveExchange(cross_groups[topology.local])
         self._plans: dict[int, tuple[BucketLayout, _ShardPlan]] = {}
+
+    def node_sum_piece(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a whole parameter's flattened per-rank quantity, in node-sum units
+        (times the devices per node): what the memory holds of a momentum handed over."""
+        low, high = piece_bounds(flat.numel(), self.topology.local, self.topology.per_node)
+        return flat[low:high] * self.topology.per_node
 
     def plan(self, layout: BucketLayout, like: torch.Tensor) -> _ShardPlan:
         """The shards of ``layout`` (built once per layout)."""
@@ -178,6 +209,7 @@ class NodeHierarchy:
         """One bucket through the two levels; the future resolves to ``grad`` holding the mean."""
         topology = self.topology
         plan = self.plan(layout, grad)
+        memory.clip_local_(grad, layout, topology.world_size, loss_scale)
         for positions, row in zip(plan.positions, plan.rows):
             torch.index_select(grad, 0, positions, out=row[: positions.numel()])  # padding stays 0
         with reported(failure):
@@ -203,11 +235,14 @@ class NodeHierarchy:
                 timeline=timeline,
                 on_decoded=on_decoded,
                 failure=failure,
-                clip_ranks=topology.world_size,
                 summed_ranks=topology.per_node,
+                clip=False,
             )
             wait(sent.averaged, failure)
             bytes_sent, elements_sent = sent.bytes_sent, sent.elements_sent
+        elif guard is not None:  # still take part in the step's settling, as every rank must
+            empty = memory.bucket(shard.layout, local)
+            guard.screen(local, shard.layout, empty, step=step, loss_scaled=loss_scale is not None)
         local.div_(topology.per_node)
         gathered = comm.allgather_fixed(plan.row, plan.rows.view(-1), self.node_group)
         return BucketStep(

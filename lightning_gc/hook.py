@@ -119,6 +119,7 @@ class CompressionHookState:
         if hierarchy is not None and self.delay_line is not None:
             raise ValueError(f"a hierarchical exchange does not combine with a delay yet, got delay={delay}")
         self.hierarchy = hierarchy
+        memory.seed_view = None if hierarchy is None else hierarchy.node_sum_piece
         if self.delay_line is not None:
             self.guard.before_roll_back = self.delay_line.drain  # a skipped step's exchange must land first
         self.step = 0

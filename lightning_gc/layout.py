@@ -83,6 +83,13 @@ class BucketLayout:
         return len(params) == len(self.param_ids) and all(id(p) == i for p, i in zip(params, self.param_ids))
 
 
+def piece_bounds(numel: int, chunk: int, chunks: int) -> tuple[int, int]:
+    """``[low, high)`` of piece ``chunk`` of ``chunks`` of a tensor of ``numel`` elements: pieces of
+    ``ceil(numel / chunks)`` elements, the last ones shorter or empty."""
+    size = -(-numel // chunks)
+    return min(chunk * size, numel), min((chunk + 1) * size, numel)
+
+
 def chunk_segments(layout: BucketLayout, chunk: int, chunks: int) -> tuple[Segment, ...]:
     """Chunk ``chunk`` of ``chunks`` of ``layout``: the ``chunk``-th of ``chunks`` pieces of
     ``ceil(numel / chunks)`` elements of every tensor (fewer or none at a tensor's end), as 1-D
@@ -92,8 +99,7 @@ def chunk_segments(layout: BucketLayout, chunk: int, chunks: int) -> tuple[Segme
     buckets: who owns an element is the same before and after a bucket rebuild and across a resume."""
     pieces = []
     for segment in layout.segments:
-        size = -(-segment.numel // chunks)
-        low, high = (min(k * size, segment.numel) for k in (chunk, chunk + 1))
+        low, high = piece_bounds(segment.numel, chunk, chunks)
         if low < high:
             pieces.append(
                 Segment(

@@ -26,6 +26,7 @@ carried over by name when DDP rebuilds its buckets.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +107,9 @@ class CompensationMemory:
         self._spec_version = 0
         self._buckets: dict[int, BucketMemory] = {}
         self._state = FlatState(_STATE_NAMES)
+        self.seed_view: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """What of a whole parameter's flattened momentum this rank's memory holds, as
+        :meth:`seed_momentum` stores it (a hierarchical exchange's piece of a node sum); ``None``: all."""
 
     # ------------------------------------------------------------------ configuration
     def config(self) -> dict[str, object]:
@@ -183,11 +187,13 @@ class CompensationMemory:
         absent: list[Segment] | None = None,
         loss_scale: float | None = None,
         summed_ranks: int = 1,
+        clip: bool = True,
     ) -> torch.Tensor:
         """Fold the local gradient ``grad`` into the velocity and return it (``grad`` may be overwritten).
 
         ``summed_ranks``: ``grad`` is the sum of that many ranks' gradients (a node's, in a
         hierarchical exchange), so weight decay, which each rank adds once, is added that many times.
+        ``clip=False``: no local clipping here (the ranks clipped before summing, :meth:`clip_local_`).
 
         ``loss_scale``: the gradient is ``s * g`` (mixed precision); memory works on ``g`` (exact:
         ``s`` is a power of 2) and :meth:`restore_loss_scale` scales the decoded average back.
@@ -197,7 +203,7 @@ class CompensationMemory:
         if loss_scale is not None:
             grad.div_(loss_scale)
         memory.aside = self.set_aside(memory, absent) if absent else []
-        velocity = self._accumulate(memory, grad, params, world_size, summed_ranks)
+        velocity = self._accumulate(memory, grad, params, world_size, summed_ranks, clip)
         for segment, _ in memory.aside:
             segment.of(velocity).zero_()
         return velocity
@@ -209,11 +215,35 @@ class CompensationMemory:
         if loss_scale is not None:
             averaged.mul_(loss_scale)
 
+    def clip_threshold(self, world_size: int) -> float | None:
+        """DGC's local clipping threshold, ``clip_norm / sqrt(world_size)`` (``None``: no clipping)."""
+        return None if self.clip_norm is None else self.clip_norm / math.sqrt(world_size)
+
+    def clip_local_(
+        self, grad: torch.Tensor, layout: BucketLayout, world_size: int, loss_scale: float | None = None
+    ) -> None:
+        """Clip each tensor of a bucket's local gradient in place to :meth:`clip_threshold`, as
+        :meth:`compensate` would (``loss_scale``: ``grad`` is scaled by it). For an exchange that
+        sums gradients before they reach the memory (a node's, :mod:`lightning_gc.hierarchy`)."""
+        threshold = self.clip_threshold(world_size)
+        if threshold is None:
+            return
+        threshold *= 1.0 if loss_scale is None else loss_scale
+        for segment in layout.segments:
+            g = segment.of(grad)
+            g.mul_((threshold / (torch.linalg.vector_norm(g) + 1e-12)).clamp_(max=1.0))
+
     def _accumulate(
-        self, memory: BucketMemory, grad: torch.Tensor, params: list[torch.Tensor], world_size: int, summed_ranks: int
+        self,
+        memory: BucketMemory,
+        grad: torch.Tensor,
+        params: list[torch.Tensor],
+        world_size: int,
+        summed_ranks: int,
+        clip: bool,
     ) -> torch.Tensor:
         """The DGC update (module docstring) of every piece of the bucket, in place on the velocity."""
-        threshold = None if self.clip_norm is None else self.clip_norm / math.sqrt(world_size)
+        threshold = self.clip_threshold(world_size) if clip else None
         for piece in memory.pieces:
             g = grad[piece.start : piece.stop]
             scale = None
@@ -309,7 +339,9 @@ class CompensationMemory:
         (Adam's first moment at the freeze, :mod:`lightning_gc.handover`)."""
         state = self.state_dict()
         for name, moment in moments.items():
-            state.setdefault(name, {})["momentum"] = moment.detach().reshape(-1).cpu().clone()
+            flat = moment.detach().reshape(-1)
+            flat = flat if self.seed_view is None else self.seed_view(flat)
+            state.setdefault(name, {})["momentum"] = flat.cpu().clone()
         self.load_state_dict(state)
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:

@@ -107,8 +107,8 @@ def run_bucket(
     timeline: Timeline | None = None,
     on_decoded: Callable[[Timeline], None] | None = None,
     failure: Callable[[Exception], Exception] | None = None,
-    clip_ranks: int | None = None,
     summed_ranks: int = 1,
+    clip: bool = True,
 ) -> BucketStep:
     """Run the pipeline (module docstring) on one bucket whose local gradient is ``grad``.
 
@@ -129,10 +129,8 @@ def run_bucket(
         timeline: records the phases; ``on_decoded`` is called with it after decode (on the
             thread that completes the exchange), when every phase is in.
         failure: turns an exchange's exception into the one to raise (e.g. naming the bucket).
-        clip_ranks: the ``N`` of local clipping's ``clip_norm / sqrt(N)`` (default ``world_size``;
-            a hierarchical exchange compensates node sums but clips as all ``N`` ranks would).
-        summed_ranks: ``grad`` is the sum of that many ranks' gradients (a node's); see
-            :meth:`CompensationMemory.compensate`.
+        summed_ranks, clip: ``grad`` is the sum of that many ranks' gradients (a node's), which
+            were clipped before summing when ``clip`` is false; see :meth:`CompensationMemory.compensate`.
     """
     timeline = timeline if timeline is not None else Timeline()
     target = grad if out is None else out
@@ -144,10 +142,11 @@ def run_bucket(
         bucket,
         grad,
         params or [],
-        clip_ranks or world_size,
+        world_size,
         absent=absent,
         loss_scale=loss_scale,
         summed_ranks=summed_ranks,
+        clip=clip,
     )
     timeline.mark("compensate")
     unused = frozenset(segment.name for segment in absent or ())

@@ -27,14 +27,13 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.checkpoint import gather_entry, rank_state
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.handover import HandOver, MomentumHandOver, hand_over_for
-from lightning_gc.hierarchy import NodeHierarchy, resolve_hierarchy
+from lightning_gc.hierarchy import NodeHierarchy, agreed_topology
 from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.momentum import unwrap_optimizer
 from lightning_gc.policy import agreed
@@ -81,12 +80,7 @@ class CompressionSession:
         node, for a two-level ``hierarchy`` (``None``: torchrun's ``LOCAL_WORLD_SIZE``)."""
         names = {id(p): (name, order) for order, (name, p) in enumerate(ddp.module.named_parameters())}
         settings = self.settings
-        topology = resolve_hierarchy(
-            settings.hierarchy,
-            dist.get_world_size(ddp.process_group),
-            dist.get_rank(ddp.process_group),
-            devices_per_node,
-        )
+        topology = agreed_topology(settings.hierarchy, devices_per_node, ddp.process_group)
         self.hook_state = CompressionHookState(
             self.compressor,
             self.memory,

@@ -13,6 +13,7 @@ from lightning_gc.hierarchy import NodeTopology, resolve_hierarchy
 from lightning_gc.layout import BucketLayout, Shard
 
 NODE = {"hierarchy": "node"}
+ADAM = {"adam_warmup_steps": 4}
 
 
 def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,9 +36,18 @@ def test_two_levels_equal_ddp_where_the_maths_says_and_carry_half_the_bytes_acro
         {"compressor": "dgc", "optimizer": "sgd", "steps": 12, "kwargs": {"compress_ratio": 0.05, **NODE}},
         {"compressor": "onebit", "optimizer": "sgd", "steps": 12, "kwargs": NODE},
         {"compressor": "qsgd", "optimizer": "sgd", "steps": 12, "kwargs": {"exchange": "two_phase", **NODE}},
+        {"compressor": "none", "optimizer": "sgd", "steps": 12, "kwargs": {"clip_norm": 0.05}},
+        {"compressor": "none", "optimizer": "sgd", "steps": 12, "kwargs": {"clip_norm": 0.05, **NODE}},
+        {"compressor": "dgc", "optimizer": "adamw", "steps": 12, "kwargs": {"compress_ratio": 1.0, **ADAM}},
+        {"compressor": "dgc", "optimizer": "adamw", "steps": 12, "kwargs": {"compress_ratio": 1.0, **ADAM, **NODE}},
     ]
     ranks = _two_nodes_of_two(runs, tmp_path)
-    ddp, dense, dgc_dense, flat, node, onebit, qsgd = ranks[0]
+    ddp, dense, dgc_dense, flat, node, onebit, qsgd, clipped, clipped_node, adam, adam_node = ranks[0]
+    # local clipping on each rank's own gradient before the node sum: the flat exchange's exactly
+    assert not torch.allclose(clipped["params"], dense["params"])
+    assert _relative_difference(clipped_node["params"], clipped["params"]) < 1e-5
+    # Adam's first moment handed over at the freeze (step 4) as this rank's piece of a node sum
+    assert _relative_difference(adam_node["params"], adam["params"]) < 1e-5
     for quantised in (onebit, qsgd):  # a gathered and a two-phase codec across nodes: as close to DDP as DGC
         assert torch.isfinite(quantised["params"]).all()
         assert _relative_difference(quantised["params"], ddp["params"]) < 1.5 * _relative_difference(
