@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch_ranks
+from conftest import launch_ranks, start_ranks
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy
 from lightning_gc.hierarchy import NodeTopology, resolve_hierarchy
@@ -98,6 +98,22 @@ def test_trainer_on_two_nodes_of_two_devices_takes_the_hierarchy_from_lightning(
         for ours, theirs in zip(ranks[0], other):
             assert torch.equal(ours["params"], theirs["params"])
     assert 1.6 < flat["totals"]["bytes_sent"] / node["totals"]["bytes_sent"] < 2.4
+
+
+def test_ranks_that_disagree_on_the_topology_fail_alike_instead_of_hanging(tmp_path: Path) -> None:
+    """Two ranks told different devices per node: every rank raises the same error before any
+    process group is built (not a hang in ``new_group``)."""
+    run = {
+        "compressor": "dgc",
+        "optimizer": "sgd",
+        "steps": 2,
+        "kwargs": NODE,
+        "rank_kwargs": {"0": {"devices_per_node": 1}, "1": {"devices_per_node": 2}},
+    }
+    codes, logs = start_ranks("attach_worker.py", {"runs": [run]}, tmp_path, world_size=2, timeout=120)
+    assert codes == [1, 1], codes
+    for log in logs:
+        assert "the ranks disagree on hierarchy='node': (nodes, devices per node) per rank [(2, 1), (1, 2)]" in log
 
 
 def test_topology_and_settings_are_checked_where_they_are_written(monkeypatch: pytest.MonkeyPatch) -> None:

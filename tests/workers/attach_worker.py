@@ -26,7 +26,8 @@ def build(run: dict) -> tuple:
     # a power-of-two loss scale, fp32 throughout: scaling and unscaling are exact
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if run.get("scaler") else None
     if run["compressor"] is not None:
-        gc = lightning_gc.attach(model, optimizer, run["compressor"], scaler=scaler, **run.get("kwargs", {}))
+        kwargs = {**run.get("kwargs", {}), **run.get("rank_kwargs", {}).get(str(dist.get_rank()), {})}
+        gc = lightning_gc.attach(model, optimizer, run["compressor"], scaler=scaler, **kwargs)
     return net, model, optimizer, gc, scaler
 
 
