@@ -216,12 +216,13 @@ class NodeHierarchy:
             comm.reduce_scatter_sum(plan.rows.view(-1), plan.row, self.node_group)
         shard = plan.mine
         local = plan.row[: shard.numel]  # this node's sum on shard l
+        bucket_memory = memory.bucket(shard.layout, local)
         bytes_sent = elements_sent = 0
         if shard.numel:  # every rank of this local rank has the same (empty) shard: none exchanges
             sent = run_bucket(
                 compressor,
                 memory,
-                memory.bucket(shard.layout, local),
+                bucket_memory,
                 local,
                 shard.layout,
                 self.cross_exchange,
@@ -241,8 +242,7 @@ class NodeHierarchy:
             wait(sent.averaged, failure)
             bytes_sent, elements_sent = sent.bytes_sent, sent.elements_sent
         elif guard is not None:  # still take part in the step's settling, as every rank must
-            empty = memory.bucket(shard.layout, local)
-            guard.screen(local, shard.layout, empty, step=step, loss_scaled=loss_scale is not None)
+            guard.screen(local, shard.layout, bucket_memory, step=step, loss_scaled=loss_scale is not None)
         local.div_(topology.per_node)
         gathered = comm.allgather_fixed(plan.row, plan.rows.view(-1), self.node_group)
         return BucketStep(

@@ -40,6 +40,12 @@ from lightning_gc.momentum import NO_MOMENTUM, MomentumSpec
 _STATE_NAMES = ("velocity", "momentum")
 
 
+def clip_factor(g: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``min(1, threshold / ||g||)``, the factor that clips ``g`` to L2 norm ``threshold``; it stays
+    on the device (no host sync)."""
+    return (threshold / (torch.linalg.vector_norm(g) + 1e-12)).clamp_(max=1.0)
+
+
 @dataclass
 class CompensationPiece:
     """A slice ``[start, stop)`` of a bucket compensated by one kernel call.
@@ -231,7 +237,7 @@ class CompensationMemory:
         threshold *= 1.0 if loss_scale is None else loss_scale
         for segment in layout.segments:
             g = segment.of(grad)
-            g.mul_((threshold / (torch.linalg.vector_norm(g) + 1e-12)).clamp_(max=1.0))
+            g.mul_(clip_factor(g, threshold))
 
     def _accumulate(
         self,
@@ -248,8 +254,7 @@ class CompensationMemory:
             g = grad[piece.start : piece.stop]
             scale = None
             if threshold is not None:
-                # min(1, thr/||g||) stays on the device: no host sync.
-                scale = (threshold / (torch.linalg.vector_norm(g) + 1e-12)).clamp_(max=1.0)
+                scale = clip_factor(g, threshold)
             keep = 1.0 - piece.dampening  # folded into the gradient's scale and the decay: (1 - d)(g s + wd p)
             if keep != 1.0:
                 scale = torch.tensor(keep, device=g.device) if scale is None else scale.mul_(keep)
