@@ -25,6 +25,10 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 """Every rank's equally sized tensor concatenated into one output: torch >= 2.10 names it
 ``all_gather_single`` and deprecates ``all_gather_into_tensor``, which older versions only have."""
 
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""Each rank's row of a sum of equally sized tensors, under torch >= 2.10's name (older versions
+have only ``reduce_scatter_tensor``, which newer ones deprecate)."""
+
 
 def _resolving_to(tensor: torch.Tensor) -> Callable[[Future[Any]], torch.Tensor]:
     """A ``.then`` callback returning ``tensor``; it reads the collective's result first, so a
@@ -54,7 +58,7 @@ def reduce_scatter_sum(staged: torch.Tensor, out: torch.Tensor, group: ProcessGr
     """Sum ``staged`` (``world_size`` equal rows, flat) over ranks and leave row ``rank`` of the sum
     in ``out``. Blocking: gloo's reduce-scatter has no future (``Work::getFuture`` is not
     implemented there), and its callers need the sum before they go on anyway."""
-    dist.reduce_scatter_tensor(out, staged, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, staged, op=dist.ReduceOp.SUM, group=group)
 
 
 def alltoall_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGroup) -> Future[torch.Tensor]:
