@@ -68,6 +68,32 @@ def alltoall_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGroup
     return work.get_future().then(_resolving_to(out))
 
 
+def transfer(
+    payload: torch.Tensor,
+    to: int | None,
+    into: torch.Tensor | None,
+    source: int | None,
+    group: ProcessGroup,
+) -> None:
+    """Send ``payload`` to group rank ``to`` and/or receive group rank ``source``'s message into
+    ``into`` (either may be ``None``). Blocking: gloo's point-to-point work has no future, and the
+    callers (the rounds of a selection) need the message before they go on. Both are posted
+    before either is waited for, so two ranks swapping messages cannot deadlock."""
+    requests = []
+    if to is not None:
+        requests.append(dist.isend(payload, _global_rank(group, to), group=group))
+    if source is not None:
+        assert into is not None
+        requests.append(dist.irecv(into, _global_rank(group, source), group=group))
+    for request in requests:
+        request.wait()
+
+
+def _global_rank(group: ProcessGroup, rank: int) -> int:
+    """The default group's rank of ``group``'s rank ``rank`` (point-to-point calls take those)."""
+    return rank if group is None or group is dist.GroupMember.WORLD else dist.get_global_rank(group, rank)
+
+
 def any_rank(flag: torch.Tensor, group: ProcessGroup) -> bool:
     """Whether ``flag`` (a boolean 0-d tensor) is true on any rank; blocking, called on every rank."""
     value = flag.to(torch.int32).reshape(1)

@@ -8,7 +8,8 @@ collectives *from the caller's thread* (the comm hook, in bucket order on every 
 * ``summed`` holds the sum over ranks of what they put there;
 * ``gathered_out`` holds every rank's ``gathered`` payload, in rank order;
 * ``scattered_out`` holds, in rank order, the row of every rank's ``scattered`` payload meant for
-  this rank.
+  this rank;
+* ``peer.into`` holds the message rank ``peer.source`` sent this rank.
 
 The immediate exchanges below resolve to the round they were given; a delayed exchange resolves
 to a round launched earlier.
@@ -27,7 +28,7 @@ import torch
 from torch.futures import Future, collect_all
 
 from lightning_gc import comm
-from lightning_gc.compressors.base import Encoded
+from lightning_gc.compressors.base import Encoded, PeerTransfer
 from lightning_gc.perfmodel import ALLREDUCE, GATHER, exchange_bytes
 
 
@@ -40,8 +41,10 @@ class Exchange(ABC):
 
 
 def _payloads(encoded: Encoded) -> None:
-    if encoded.summed is None and encoded.gathered is None and encoded.scattered is None:
-        raise RuntimeError("a compressor round sends nothing: Encoded needs `summed`, `gathered` or `scattered`")
+    if encoded.summed is None and encoded.gathered is None and encoded.scattered is None and encoded.peer is None:
+        raise RuntimeError(
+            "a compressor round sends nothing: Encoded needs `summed`, `gathered`, `scattered` or `peer`"
+        )
     if encoded.gathered is not None and encoded.gathered_out is None:
         raise RuntimeError("Encoded.gathered needs `gathered_out` to receive every rank's payload")
     if encoded.scattered is not None and encoded.scattered_out is None:
@@ -49,11 +52,13 @@ def _payloads(encoded: Encoded) -> None:
 
 
 class CollectiveExchange(Exchange):
-    """The real collectives: an all-reduce of ``summed``, an all-gather of ``gathered`` and an
-    all-to-all of ``scattered``, launched in that order.
+    """The real collectives: a point-to-point round of ``peer`` (completed before the others), an
+    all-reduce of ``summed``, an all-gather of ``gathered`` and an all-to-all of ``scattered``,
+    launched in that order.
 
     Bytes on the wire per rank (:func:`traffic_bytes`) for a payload of ``m`` bytes over ``N``
-    ranks: ring all-reduce ``2 (N-1)/N m``, all-gather ``(N-1) m``, all-to-all ``(N-1)/N m``.
+    ranks: ring all-reduce ``2 (N-1)/N m``, all-gather ``(N-1) m``, all-to-all ``(N-1)/N m``,
+    point to point ``m`` when this rank sends.
     """
 
     def __init__(self, group: comm.ProcessGroup = None) -> None:
@@ -62,6 +67,11 @@ class CollectiveExchange(Exchange):
     def launch(self, encoded: Encoded) -> Future[Encoded]:
         _payloads(encoded)
         futures: list[Future[Any]] = []
+        if encoded.peer is not None:
+            transferred = _transferred(encoded.peer, self.group)
+            futures.append(transferred)
+            if transferred.done() and transferred.exception() is not None:  # launch nothing after a failure
+                return transferred.then(lambda done: _completed(done, encoded))
         if encoded.summed is not None:
             futures.append(comm.allreduce_sum(encoded.summed, self.group))
         if encoded.gathered is not None:
@@ -77,10 +87,11 @@ class CollectiveExchange(Exchange):
 class LocalExchange(Exchange):
     """A stand-in without collectives, for timing and benchmarks: a world of ``world_size`` ranks
     that all send what this rank sends (the all-reduce sums ``world_size`` equal payloads, the
-    all-gather repeats this one, the all-to-all hands every rank row ``rank`` of this one's).
-    Completes at once. Counts the bytes each kind of payload would hand to its collective over all
-    rounds (``summed_bytes``, ``gathered_bytes``, ``scattered_bytes``) and the bytes each rank
-    would put on the wire (``traffic``, see :func:`traffic_bytes`)."""
+    all-gather repeats this one, the all-to-all hands every rank row ``rank`` of this one's, a
+    point-to-point round receives this one's message). Completes at once. Counts the bytes each
+    kind of payload would hand to its collective over all rounds (``summed_bytes``,
+    ``gathered_bytes``, ``scattered_bytes``, ``peer_bytes``) and the bytes each rank would put on
+    the wire (``traffic``, see :func:`traffic_bytes`)."""
 
     def __init__(self, world_size: int, rank: int = 0) -> None:
         self.world_size = world_size
@@ -88,6 +99,7 @@ class LocalExchange(Exchange):
         self.summed_bytes = 0
         self.gathered_bytes = 0
         self.scattered_bytes = 0
+        self.peer_bytes = 0
         self.traffic = 0.0
 
     def launch(self, encoded: Encoded) -> Future[Encoded]:
@@ -95,7 +107,10 @@ class LocalExchange(Exchange):
         self.summed_bytes += payload_bytes(encoded.summed)
         self.gathered_bytes += payload_bytes(encoded.gathered)
         self.scattered_bytes += payload_bytes(encoded.scattered)
+        self.peer_bytes += 0 if encoded.peer is None or encoded.peer.to is None else payload_bytes(encoded.peer.payload)
         self.traffic += traffic_bytes(encoded, self.world_size)
+        if encoded.peer is not None and encoded.peer.into is not None:
+            encoded.peer.into.copy_(encoded.peer.payload)
         if encoded.summed is not None:
             encoded.summed.mul_(self.world_size)
         if encoded.gathered is not None:
@@ -111,6 +126,19 @@ class LocalExchange(Exchange):
         return done
 
 
+def _transferred(peer: PeerTransfer, group: comm.ProcessGroup) -> Future[None]:
+    """The blocking point-to-point round of ``peer``, as a completed future (failed with the
+    transfer's error, e.g. a dead peer, like a failed collective's)."""
+    done: Future[None] = Future()
+    try:
+        comm.transfer(peer.payload, peer.to, peer.into, peer.source, group)
+    except Exception as error:
+        done.set_exception(error)
+    else:
+        done.set_result(None)
+    return done
+
+
 def _raise_first_error(done: Future[list[Future[Any]]]) -> None:
     for future in done.value():
         future.value()  # re-raises a failed collective's error
@@ -124,13 +152,16 @@ def _completed(done: Future[Any], encoded: Encoded) -> Encoded:
 def traffic_bytes(encoded: Encoded, world_size: int) -> float:
     """Bytes one rank puts on the wire for one round (what it sends; with these algorithms, also
     what it receives): ring all-reduce of ``summed`` and all-gather of ``gathered`` as the
-    performance model counts them (:func:`~lightning_gc.perfmodel.exchange_bytes`), and the
-    all-to-all of ``scattered``, ``(N-1)/N m`` (every row but its own)."""
+    performance model counts them (:func:`~lightning_gc.perfmodel.exchange_bytes`), the
+    all-to-all of ``scattered``, ``(N-1)/N m`` (every row but its own), and a point-to-point
+    ``peer`` message when this rank sends one."""
     n = world_size
+    sent_to_peer = encoded.peer is not None and encoded.peer.to is not None
     return (
         exchange_bytes(ALLREDUCE, payload_bytes(encoded.summed), n)
         + exchange_bytes(GATHER, payload_bytes(encoded.gathered), n)
         + (n - 1) / n * payload_bytes(encoded.scattered)
+        + (payload_bytes(encoded.peer.payload) if sent_to_peer else 0)
     )
 
 

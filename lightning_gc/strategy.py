@@ -86,8 +86,8 @@ def resolve_compressor(
     if "exchange" in kwargs and "exchange" not in allowed:
         raise ValueError(
             f"`exchange={kwargs['exchange']!r}` is not for compressor {compressor.name!r}: the two-phase exchange "
-            f"re-encodes averaged chunks, which only {two_phase_compressors()} can; sparse compressors (topk, dgc, "
-            "randomk) gather index-value pairs and powersgd is all-reduced already"
+            f"re-encodes averaged chunks, which only {two_phase_compressors()} can, and the global top-k exchange "
+            "merges the selections of topk and dgc; randomk and powersgd are all-reduced already"
         )
     unknown = {name: kwargs[name] for name in sorted(set(kwargs) - allowed)}
     if unknown:
@@ -420,6 +420,10 @@ class DGCStrategy(GradientCompressionStrategy):
         dense_dtype: dtype of the tensors sent dense (1-D, small) next to compressed ones,
             ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``None`` (the gradient's); what
             rounding drops stays in the residual.
+        exchange: ``"gather"`` (every rank's pairs all-gathered) or ``"global_topk"`` (ranks
+            agree on ``k`` positions per tensor in ``log2 N`` pairwise merge rounds, then
+            all-reduce their values: traffic per rank grows as ``log N``, not ``N``; see
+            :mod:`lightning_gc.compressors.global_topk`).
         **kwargs: :class:`GradientCompressionStrategy` / ``DDPStrategy`` arguments.
     """
 
@@ -436,6 +440,7 @@ class DGCStrategy(GradientCompressionStrategy):
         value_dtype: str = "float32",
         index_encoding: str = "int32",
         dense_dtype: str | None = None,
+        exchange: str = "gather",
         **kwargs: Any,
     ) -> None:
         compressor = DGCCompressor(
@@ -445,6 +450,7 @@ class DGCStrategy(GradientCompressionStrategy):
             value_dtype=value_dtype,
             index_encoding=index_encoding,
             dense_dtype=dense_dtype,
+            exchange=exchange,
         )
         super().__init__(
             compressor,

@@ -13,7 +13,10 @@ Payloads come in two kinds, and one bucket may use both:
   all-gathered into ``gathered_out`` without a size exchange;
 * ``scattered`` -- ``world_size`` equal rows, row ``j`` for rank ``j``: exchanged all-to-all into
   ``scattered_out``, whose row ``i`` is what rank ``i`` sent to this rank (the first phase of the
-  two-phase exchange, :mod:`lightning_gc.compressors.two_phase`).
+  two-phase exchange, :mod:`lightning_gc.compressors.two_phase`);
+* ``peer`` -- a :class:`PeerTransfer`: a payload sent to one rank and/or one received from one
+  rank, point to point (the rounds of the global top-k selection,
+  :mod:`lightning_gc.compressors.global_topk`).
 
 A compressor may need several rounds of communication per bucket (PowerSGD all-reduces P, then
 Q computed from the reduced P). Its :meth:`Compressor.encode` then returns the first round with
@@ -37,6 +40,26 @@ from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_range
 
 
+@dataclass(frozen=True)
+class PeerTransfer:
+    """One round of point-to-point traffic (ranks are ranks of the exchange's group).
+
+    ``payload`` is this rank's message of the round, sent to rank ``to`` unless that is ``None``;
+    when ``source`` is set, rank ``source``'s message (of the same size) is received into ``into``.
+    Neither: this rank sits the round out. Both ends of every transfer are in the same round on
+    their two ranks, so a round is a set of matched pairs and cannot deadlock.
+    """
+
+    payload: torch.Tensor
+    to: int | None = None
+    into: torch.Tensor | None = None
+    source: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.into is None) != (self.source is None):
+            raise ValueError("PeerTransfer receives with both `into` and `source`, or neither")
+
+
 @dataclass(kw_only=True)
 class Encoded:
     """One rank's contribution for one bucket, and what it means for memory.
@@ -48,6 +71,7 @@ class Encoded:
         gathered: all-gathered into ``gathered_out`` (``world_size`` x its size), or ``None``.
         scattered: exchanged all-to-all: ``world_size`` equal rows, row ``j`` goes to rank ``j``
             and row ``i`` of ``scattered_out`` comes from rank ``i``; or ``None``.
+        peer: a point-to-point round (:class:`PeerTransfer`), or ``None``.
         sent_indices: bucket positions (int64) of the pairs sent sparsely, or ``None``.
         sent_values: the values of those pairs as receivers decode them; a pair with value 0
             is a no-op (the Triton selection pads with such pairs).
@@ -71,6 +95,7 @@ class Encoded:
     gathered_out: torch.Tensor | None = None
     scattered: torch.Tensor | None = None
     scattered_out: torch.Tensor | None = None
+    peer: PeerTransfer | None = None
     sent_indices: torch.Tensor | None = None
     sent_values: torch.Tensor | None = None
     dense_positions: torch.Tensor | None = None
@@ -200,10 +225,22 @@ class DensePart:
         if not segments:
             return None
         positions = torch.cat([torch.arange(s.start, s.stop, device=like.device) for s in segments])
+        return DensePart.over(positions, like, values, dtype)
+
+    @staticmethod
+    def over(
+        positions: torch.Tensor,
+        like: torch.Tensor,
+        values: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> DensePart:
+        """The dense part at the distinct bucket ``positions`` (int64; the caller may rewrite them
+        in place between steps, e.g. the positions a global top-k agreed on); ``values`` and
+        ``dtype`` as for :meth:`of`."""
         if values is None:
             values = torch.empty(positions.numel(), dtype=dtype or like.dtype, device=like.device)
         elif values.numel() != positions.numel():
-            raise ValueError(f"dense buffer holds {values.numel()} elements, the segments {positions.numel()}")
+            raise ValueError(f"dense buffer holds {values.numel()} elements, the positions {positions.numel()}")
         staging = None if values.dtype == like.dtype else like.new_empty(positions.numel())
         return DensePart(positions=positions, values=values, staging=staging)
 

@@ -10,7 +10,11 @@ The pairs go on the wire in the layout of :mod:`lightning_gc.compressors.wire`: 
 an Elias--Fano code of the sorted indices (``index_encoding="elias_fano"``, ~12 bits per index at
 0.1 % density), with values in ``value_dtype``.
 
-Decompression::
+With ``exchange="global_topk"`` the ranks first agree on ``k`` positions per tensor through
+pairwise merges of their selections and then all-reduce their values there, so traffic per rank
+grows as ``log N`` instead of ``N`` (:mod:`lightning_gc.compressors.global_topk`).
+
+Decompression of the gathered pairs::
 
     out = 0;  out[idx_r] += val_r / N  for every rank r   (duplicates add: scatter-add)
     out[dense] = (sum over ranks of dense values) / N
@@ -38,6 +42,7 @@ from lightning_gc.compressors.base import (
     encode_whole_bucket,
     split_segments,
 )
+from lightning_gc.compressors.global_topk import EXCHANGES, GlobalTopKPlan
 from lightning_gc.compressors.wire import INDEX_ENCODINGS, VALUE_DTYPES
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_choice, check_int
@@ -66,6 +71,7 @@ class _SparsePlan:
     sent_values: torch.Tensor
     payload: torch.Tensor
     gathered: torch.Tensor
+    global_topk: GlobalTopKPlan | None  # with exchange="global_topk" on a compressed bucket
 
 
 class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
@@ -89,9 +95,15 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
             all-reduced (``"float32"``, ``"float16"``, ``"bfloat16"``); ``None``: the gradient's.
             The sum over ranks is accumulated in that dtype, and what rounding drops stays in the
             velocity. A bucket sent wholly dense (``compress_ratio == 1``) is unaffected.
+        exchange: ``"gather"`` (default): every rank's pairs are all-gathered, ``(N-1) k`` pairs
+            received per rank. ``"global_topk"``: the ranks agree on ``k`` positions per tensor
+            by merging their selections pairwise in ``log2 N`` rounds (gTop-k, Shi et al. 2019)
+            and all-reduce their values there (in ``dense_dtype``; ``value_dtype`` and
+            ``index_encoding`` then shape the merge rounds' messages). Fewer bytes from 4 ranks
+            on; see :mod:`lightning_gc.compressors.global_topk`.
     """
 
-    arguments = ("compress_ratio", "min_compress_numel", "value_dtype", "index_encoding", "dense_dtype")
+    arguments = ("compress_ratio", "min_compress_numel", "value_dtype", "index_encoding", "dense_dtype", "exchange")
 
     def __init__(
         self,
@@ -101,6 +113,7 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         value_dtype: str | torch.dtype = "float32",
         index_encoding: str = "int32",
         dense_dtype: str | torch.dtype | None = None,
+        exchange: str = "gather",
     ) -> None:
         super().__init__()
         self.compress_ratio = compress_ratio
@@ -108,6 +121,16 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         self.value_dtype = dtype_name("value_dtype", value_dtype)  # a name, as in config()
         self.index_encoding = check_choice("index_encoding", index_encoding, INDEX_ENCODINGS)
         self.dense_dtype = dtype_name("dense_dtype", dense_dtype, optional=True)
+        if exchange in ("two_phase", "auto"):
+            from lightning_gc.compressors.two_phase import two_phase_compressors  # registered after this module
+
+            raise ValueError(
+                f"`exchange={exchange!r}` is not for sparse compressors: the two-phase exchange re-encodes averaged "
+                f"chunks, which only {two_phase_compressors()} can; a sparse compressor takes exchange in "
+                f"{list(EXCHANGES)} "
+                "('global_topk': agree on k positions in log2 N merge rounds, then all-reduce their values)"
+            )
+        self.exchange = check_choice("exchange", exchange, EXCHANGES)
         self.wire = INDEX_ENCODINGS[self.index_encoding](VALUE_DTYPES[self.value_dtype])
 
     @property
@@ -144,18 +167,26 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         return compressed, dense, total_k
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        """The pairs' payload and the dense values; with ``exchange="global_topk"`` one merge
+        round's message and the all-reduced agreed and dense values (what two ranks send: each
+        doubling of the world size adds one message)."""
         compressed, dense, total_k = self._split(layout)
         if not compressed:
             return layout.numel * element_size
         dense_wire_dtype = self.dense_wire_dtype
         dense_size = element_size if dense_wire_dtype is None else dense_wire_dtype.itemsize
-        return self.wire.payload_bytes(total_k, layout.numel) + sum(s.numel for s in dense) * dense_size
+        summed = sum(s.numel for s in dense) + (total_k if self.exchange == "global_topk" else 0)
+        return self.wire.payload_bytes(total_k, layout.numel) + summed * dense_size
 
     def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _SparsePlan:
         compressed, dense, total_k = self._split(layout)
         device = like.device
         dense_all = not compressed
         payload_bytes = self.wire.payload_bytes(total_k, layout.numel) if compressed else 0
+        global_topk = None
+        if self.exchange == "global_topk" and compressed:
+            global_topk = GlobalTopKPlan.build(compressed, dense, layout.numel, self.wire, like, self.dense_wire_dtype)
+            payload_bytes = 0  # the rounds have buffers of their own
         return _SparsePlan(
             layout=layout,
             compressed=tuple(compressed),
@@ -166,6 +197,7 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
             sent_values=like.new_empty(total_k),
             payload=torch.empty(payload_bytes, dtype=torch.uint8, device=device),
             gathered=torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=device),
+            global_topk=global_topk,
         )
 
     # ------------------------------------------------------------------ encode / decode
@@ -183,6 +215,8 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
                 out_values=plan.sent_values[chosen],
             )
             plan.sent_indices[chosen].add_(segment.start)
+        if plan.global_topk is not None:
+            return plan.global_topk.first_round(velocity, plan.sent_indices, plan.sent_values, context)
         sent = self.wire.pack(plan.payload, plan.sent_indices, plan.sent_values, context.layout.numel)
         summed = None if plan.dense is None else plan.dense.gather(velocity, context.world_size)
         return Encoded(
@@ -200,6 +234,9 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         if decode_whole_bucket(encoded, out, world_size):
+            return
+        if isinstance(encoded.context, GlobalTopKPlan):
+            encoded.context.decode(out, world_size)
             return
         plan: _SparsePlan = encoded.context
         out.zero_()
