@@ -28,7 +28,7 @@ import torch
 from torch.futures import Future, collect_all
 
 from lightning_gc import comm
-from lightning_gc.compressors.base import Encoded, PeerTransfer
+from lightning_gc.compressors.base import Encoded
 from lightning_gc.perfmodel import ALLREDUCE, GATHER, exchange_bytes
 
 
@@ -68,10 +68,13 @@ class CollectiveExchange(Exchange):
         _payloads(encoded)
         futures: list[Future[Any]] = []
         if encoded.peer is not None:
-            transferred = _transferred(encoded.peer, self.group)
-            futures.append(transferred)
-            if transferred.done() and transferred.exception() is not None:  # launch nothing after a failure
-                return transferred.then(lambda done: _completed(done, encoded))
+            peer = encoded.peer
+            try:  # blocking (see comm.transfer): done before anything else is launched
+                comm.transfer(peer.payload, peer.to, peer.into, peer.source, self.group)
+            except Exception as error:  # a dead peer or a timeout fails the round, as a failed collective does
+                return _resolved(encoded, error)
+            if encoded.summed is None and encoded.gathered is None and encoded.scattered is None:
+                return _resolved(encoded)
         if encoded.summed is not None:
             futures.append(comm.allreduce_sum(encoded.summed, self.group))
         if encoded.gathered is not None:
@@ -121,21 +124,16 @@ class LocalExchange(Exchange):
             assert encoded.scattered_out is not None
             mine = encoded.scattered.view(self.world_size, -1)[self.rank]
             encoded.scattered_out.view(self.world_size, -1).copy_(mine.view(1, -1).expand(self.world_size, -1))
-        done: Future[Encoded] = Future()
+        return _resolved(encoded)
+
+
+def _resolved(encoded: Encoded, error: Exception | None = None) -> Future[Encoded]:
+    """A completed future of ``encoded`` (failed with ``error`` when one is given)."""
+    done: Future[Encoded] = Future()
+    if error is None:
         done.set_result(encoded)
-        return done
-
-
-def _transferred(peer: PeerTransfer, group: comm.ProcessGroup) -> Future[None]:
-    """The blocking point-to-point round of ``peer``, as a completed future (failed with the
-    transfer's error, e.g. a dead peer, like a failed collective's)."""
-    done: Future[None] = Future()
-    try:
-        comm.transfer(peer.payload, peer.to, peer.into, peer.source, group)
-    except Exception as error:
-        done.set_exception(error)
     else:
-        done.set_result(None)
+        done.set_exception(error)
     return done
 
 

@@ -73,13 +73,19 @@ def test_two_levels_equal_ddp_where_the_maths_says_and_carry_half_the_bytes_acro
     assert pieces[0] != whole
 
 
-def test_two_levels_resume_exactly(tmp_path: Path) -> None:
+def test_two_levels_resume_exactly_with_the_gathered_and_the_global_topk_exchange(tmp_path: Path) -> None:
     """Rebuilt after step 6 from a checkpoint's state, a two-level DGC run ends bit for bit where an
-    uninterrupted one does (each rank's residual pieces and momenta restored)."""
+    uninterrupted one does (each rank's residual pieces and momenta restored), with the pairs
+    gathered across nodes or agreed by global top-k; the global top-k run keeps ranks identical."""
     common = {"compressor": "dgc", "optimizer": "sgd", "steps": 12, "kwargs": {"compress_ratio": 0.05, **NODE}}
-    ranks = _two_nodes_of_two([common, {**common, "resume_after": 6}], tmp_path)
-    for straight, resumed in ranks:
+    agreed = {**common, "kwargs": {**common["kwargs"], "exchange": "global_topk"}}
+    runs = [common, {**common, "resume_after": 6}, agreed, {**agreed, "resume_after": 6}]
+    ranks = _two_nodes_of_two(runs, tmp_path)
+    for straight, resumed, agreed_straight, agreed_resumed in ranks:
         assert torch.equal(straight["params"], resumed["params"])
+        assert torch.equal(agreed_straight["params"], agreed_resumed["params"])
+        assert not torch.equal(agreed_straight["params"], straight["params"])
+        assert torch.equal(agreed_straight["params"], ranks[0][2]["params"])
 
 
 def test_trainer_on_two_nodes_of_two_devices_takes_the_hierarchy_from_lightning(tmp_path: Path) -> None:
