@@ -71,7 +71,7 @@ def plot(rows: list[leafspine.ComparisonRow], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in ("dense ring", "dense hierarchical", "flat gather", "hierarchical gather", "gTop-k", "PowerSGD"):
+    for name in [s.name for s in all_schemes(M, WIRE_RATIO, POWERSGD_BYTES, cluster(2, 10))]:
         ys = [
             next(t for t in all_schemes(M, WIRE_RATIO, POWERSGD_BYTES, cluster(n, 10)) if t.name == name).seconds * 1e3
             for n in NODES

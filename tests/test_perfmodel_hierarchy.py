@@ -18,7 +18,9 @@ SMALL = h.Cluster(2, 2, 100.0, 1.0, 10.0, 2.0)
         (lambda c: h.dense_hierarchical(1000, c), 2 * (500 / 100 + 1) + 1000 / 10 + 2 * 2, 1000),  # 116
         (lambda c: h.flat_gather(1000, 10, c), 3 * 100 / 10 + 3 * 2, 300),  # 36
         (lambda c: h.hierarchical_gather(1000, 10, c), 2 * (500 / 100 + 1) + 100 / 10 + 2, 100),  # 24
-        (lambda c: h.gtopk(1000, 10, c), 2 * ((1 + 100 / 100) + (2 + 100 / 10)), 100),  # 28
+        # log2 L = 1 intra round, log2 K = 1 inter round of L m, then 50 B of agreed values hierarchically
+        (lambda c: h.global_topk(1000, 10, c), (1 + 100 / 100) + (2 + 200 / 10) + 2 * (25 / 100 + 1) + 50 / 10 + 2 * 2, 250),
+        (lambda c: h.hierarchical_topk(1000, 10, c), 2 * (500 / 100 + 1) + (2 + 100 / 10) + 50 / 10 + 2 * 2, 150),
         (lambda c: h.powersgd(200, c), 2 * (100 / 100 + 1) + 200 / 10 + 2 * 2, 200),  # 28
     ],
 )
@@ -121,3 +123,19 @@ def test_compare_rows():
         assert set(row.relative) == {"ecmp", "L=2", "L=4", "L=8", "spray"}
         assert row.relative["spray"] == pytest.approx(1.0)
         assert min(row.relative.values()) == pytest.approx(1.0)
+
+
+def test_global_topk_node_bytes_grow_with_log_nodes_where_the_gather_grows_with_nodes():
+    """Through the busiest NIC per step: the global top-k exchange's merge rounds (log2 K of them,
+    one payload m each on two levels) and its agreed values (2(K-1)/K v m) against the flat
+    gather's (N-1) m."""
+    m = 1e8 / 500
+    for nodes in (2, 8, 64, 512):
+        log_nodes = nodes.bit_length() - 1
+        two_level = h.hierarchical_topk(1e8, 500, _cluster(nodes, 8)).inter_bytes_per_node
+        assert two_level == pytest.approx(log_nodes * m + 2 * (nodes - 1) / nodes * 0.5 * m)
+        flat = h.global_topk(1e8, 500, _cluster(nodes, 8)).inter_bytes_per_node
+        assert flat == pytest.approx(log_nodes * 8 * m + 2 * (nodes - 1) / nodes * 0.5 * m)
+        assert flat < h.flat_gather(1e8, 500, _cluster(nodes, 8)).inter_bytes_per_node
+    with pytest.raises(ValueError, match="values"):
+        h.global_topk(1e8, 500, _cluster(2, 8), values=1.5)

@@ -1,4 +1,4 @@
-"""Two-level cluster model: dense, flat-gather, hierarchical, gTop-k and PowerSGD exchange times.
+"""Two-level cluster model: dense, gathered, global top-k and PowerSGD exchange times, flat and hierarchical.
 
 A simulation (alpha-beta model), not a measurement: nothing here runs a collective.
 
@@ -15,9 +15,17 @@ node's NIC per step. Every inter term vanishes at ``K = 1``; every intra term at
     flat_gather           (N-1) m / B_e + (N-1) a_e                inter (N-1) m
     hierarchical_gather   2 [(L-1)/L M / B_i + (L-1) a_i]
                           + (K-1) m / B_e + (K-1) a_e              inter (K-1) m
-    gtopk                 2 [ceil(log2 L) (a_i + m/B_i) + ceil(log2 K) (a_e + m/B_e)]
-                                                                   inter ceil(log2 K) m
+    global_topk           log2 L (a_i + m/B_i) + log2 K (a_e + L m/B_e)
+                          + dense_hierarchical(v m)                 inter log2 K L m + 2(K-1)/K v m
+    hierarchical_topk     2 [(L-1)/L M / B_i + (L-1) a_i] + log2 K (a_e + m/B_e)
+                          + 2(K-1)/K v m / B_e + 2(K-1) a_e        inter log2 K m + 2(K-1)/K v m
     powersgd(s)           dense_hierarchical with M = s (the summed low-rank factors)
+
+(the global top-k exchange of :mod:`lightning_gc.compressors.global_topk`: ``log2 N``
+recursive-doubling merge rounds of the ``m``-byte candidate pairs, then an all-reduce of the
+agreed values, a fraction ``v`` of ``m``: 1/2 for fp32 values with int32 indices. Ranks numbered
+node by node make the first ``log2 L`` rounds intra-node; in the others all ``L`` devices of a node
+swap through its NIC at once. A world size that is not a power of two adds up to two rounds.)
 
 So the hierarchical gather's inter bytes per node do not depend on ``L``; the flat gather's
 grow as ``K L - 1``.
@@ -156,22 +164,40 @@ def hierarchical_gather(nbytes: float, compression: float, cluster: Cluster) -> 
     return SchemeTime("hierarchical gather", 2 * _intra_phase_s(nbytes, cluster) + inter_s, (k - 1) * m)
 
 
-def gtopk(nbytes: float, compression: float, cluster: Cluster) -> SchemeTime:
-    """gTop-k (Shi et al., ICDCS 2019): a tree reduction of ``log2`` rounds, each sending ``k``
-    (value, index) pairs, ``m = M/c`` bytes, keeping the top-k of each merge, then a broadcast of
-    the global top-k down the same tree: ``2 log2 N`` rounds, ``O(k log N)``. Topology-aware tree
-    (inside nodes first): ``2[ceil(log2 L)(a_i + m/B_i) + ceil(log2 K)(a_e + m/B_e)]``; one
-    sender per node in an inter round, the root node's NIC carries ``ceil(log2 K) m`` each way."""
+def global_topk(nbytes: float, compression: float, cluster: Cluster, values: float = 0.5) -> SchemeTime:
+    """The library's global top-k over all ``N`` ranks (``hierarchy="flat"``): ``log2 L`` intra
+    merge rounds of ``m`` bytes, ``log2 K`` inter rounds in which the node's ``L`` devices each
+    swap ``m`` through the NIC, then the agreed values (``values`` of ``m``) all-reduced as NCCL's
+    hierarchical pattern does (:func:`dense_hierarchical`)."""
     _check(nbytes, compression)
+    check_range("values", values, 0.0, 1.0)
     m = nbytes / compression
     if m == 0:
-        return SchemeTime("gTop-k", 0.0, 0.0)
+        return SchemeTime("global top-k", 0.0, 0.0)
     intra_rounds, inter_rounds = math.ceil(math.log2(cluster.per_node)), math.ceil(math.log2(cluster.nodes))
-    seconds = 2 * (
-        intra_rounds * (cluster.intra_latency + m / cluster.intra_bandwidth)
-        + inter_rounds * (cluster.inter_latency + m / cluster.inter_bandwidth)
+    selection_s = intra_rounds * (cluster.intra_latency + m / cluster.intra_bandwidth) + inter_rounds * (
+        cluster.inter_latency + cluster.per_node * m / cluster.inter_bandwidth
     )
-    return SchemeTime("gTop-k", seconds, inter_rounds * m)
+    agreed = dense_hierarchical(values * m, cluster)
+    inter = inter_rounds * cluster.per_node * m + agreed.inter_bytes_per_node
+    return SchemeTime("global top-k", selection_s + agreed.seconds, inter)
+
+
+def hierarchical_topk(nbytes: float, compression: float, cluster: Cluster, values: float = 0.5) -> SchemeTime:
+    """The global top-k on the two-level exchange (``hierarchy="node"``): the intra reduce-scatter
+    and all-gather of the dense bucket, and between them, per local rank on its shard (``m/L``),
+    ``log2 K`` merge rounds and a ring all-reduce of its agreed values among the ``K`` nodes; the
+    ``L`` ranks share the NIC: ``log2 K (a_e + m/B_e) + 2(K-1)/K v m / B_e + 2(K-1) a_e``."""
+    _check(nbytes, compression)
+    check_range("values", values, 0.0, 1.0)
+    m = nbytes / compression
+    k = cluster.nodes
+    inter_rounds = math.ceil(math.log2(k))
+    inter_s = inter_rounds * (cluster.inter_latency + m / cluster.inter_bandwidth) + ring_allreduce_s(
+        values * m, cluster.inter
+    )
+    inter = inter_rounds * m + 2 * (k - 1) / k * values * m
+    return SchemeTime("hierarchical global top-k", 2 * _intra_phase_s(nbytes, cluster) + inter_s, inter)
 
 
 def powersgd(summed_bytes: float, cluster: Cluster) -> SchemeTime:
@@ -188,7 +214,8 @@ def all_schemes(nbytes: float, compression: float, powersgd_bytes: float, cluste
         dense_hierarchical(nbytes, cluster),
         flat_gather(nbytes, compression, cluster),
         hierarchical_gather(nbytes, compression, cluster),
-        gtopk(nbytes, compression, cluster),
+        global_topk(nbytes, compression, cluster),
+        hierarchical_topk(nbytes, compression, cluster),
         powersgd(powersgd_bytes, cluster),
     ]
 
