@@ -19,7 +19,7 @@ SMALL = h.Cluster(2, 2, 100.0, 1.0, 10.0, 2.0)
         (lambda c: h.flat_gather(1000, 10, c), 3 * 100 / 10 + 3 * 2, 300),  # 36
         (lambda c: h.hierarchical_gather(1000, 10, c), 2 * (500 / 100 + 1) + 100 / 10 + 2, 100),  # 24
         # log2 L = 1 intra round, log2 K = 1 inter round of L m, then 50 B of agreed values hierarchically
-        (lambda c: h.global_topk(1000, 10, c), (1 + 100 / 100) + (2 + 200 / 10) + 2 * (25 / 100 + 1) + 50 / 10 + 2 * 2, 250),
+        (lambda c: h.global_topk(1000, 10, c), (1 + 1) + (2 + 200 / 10) + 2 * (25 / 100 + 1) + 50 / 10 + 4, 250),
         (lambda c: h.hierarchical_topk(1000, 10, c), 2 * (500 / 100 + 1) + (2 + 100 / 10) + 50 / 10 + 2 * 2, 150),
         (lambda c: h.powersgd(200, c), 2 * (100 / 100 + 1) + 200 / 10 + 2 * 2, 200),  # 28
     ],
