@@ -1,14 +1,16 @@
-"""Bytes on the wire per rank and step, all-gather vs two-phase, measured on real gloo processes.
+"""Bytes on the wire per rank and step by exchange, measured on real gloo processes.
 
     python benchmarks/exchange_bytes.py [--world-sizes 2 4] [--model resnet18]
 
 ``N`` processes (gloo on loopback) train a few steps of the model through the comm hook with
-``onebit`` and 4-bit ``qsgd``, each with ``exchange="gather"`` and ``"two_phase"``. The hook's
-exchange is the real :class:`~lightning_gc.exchange.CollectiveExchange`, wrapped to add up what
-every collective it launches puts on the wire per rank (:func:`lightning_gc.exchange.traffic_bytes`:
-all-gather ``(N-1) m``, all-to-all ``(N-1)/N m``, ring all-reduce ``2 (N-1)/N m``). The table
-compares the last step's bytes with ``2 (N-1)/N M/c``, where ``M`` is the dense gradient and ``c``
-the gathered form's compression (dense bytes / payload bytes of one rank).
+``onebit`` and 4-bit ``qsgd``, each with ``exchange="gather"`` and ``"two_phase"``, and with DGC at
+0.1 % with ``exchange="gather"`` and ``"global_topk"``. The hook's exchange is the real
+:class:`~lightning_gc.exchange.CollectiveExchange`, wrapped to add up what every collective it
+launches puts on the wire per rank (:func:`lightning_gc.exchange.traffic_bytes`: all-gather
+``(N-1) m``, all-to-all ``(N-1)/N m``, ring all-reduce ``2 (N-1)/N m``, a point-to-point message
+``m``). The quantisers' table compares the last step's bytes with ``2 (N-1)/N M/c``, where ``M`` is
+the dense gradient and ``c`` the gathered form's compression (dense bytes / payload bytes of one
+rank); DGC's compares the global top-k exchange with the gather.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from lightning_gc.settings import CompressionSettings
 
 SCHEMES = [("onebit", {}), ("qsgd", {"levels": 7})]
 EXCHANGES = ("gather", "two_phase")
+SPARSE = ("dgc", {"compress_ratio": 0.001})
+SPARSE_EXCHANGES = ("gather", "global_topk")
 STEPS = 3
 
 
@@ -60,24 +64,25 @@ def worker(rank: int, world_size: int, port: int, model_name: str, results: dict
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    for name, arguments in SCHEMES:
-        for exchange in EXCHANGES:
-            model = model_for(model_name)
-            ddp = DistributedDataParallel(model)
-            compressor = create(name, exchange=exchange, **arguments)
-            names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
-            counting = CountingExchange(world_size)
-            memory = CompressionSettings().memory_for(compressor)
-            state = CompressionHookState(compressor, memory, names, exchange=counting)
-            ddp.register_comm_hook(state, compression_hook)
-            for _ in range(STEPS):  # the last step runs on DDP's rebuilt buckets
-                counting.traffic, counting.payload = 0.0, 0
-                inputs = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(rank))
-                ddp(inputs).sum().backward()
-                model.zero_grad()
-            if rank == 0:
-                dense = sum(p.numel() * p.element_size() for p in model.parameters())
-                results[(world_size, name, exchange)] = (counting.traffic, counting.payload, dense)
+    runs = [(name, arguments, exchange) for name, arguments in SCHEMES for exchange in EXCHANGES]
+    runs += [(SPARSE[0], SPARSE[1], exchange) for exchange in SPARSE_EXCHANGES]
+    for name, arguments, exchange in runs:
+        model = model_for(model_name)
+        ddp = DistributedDataParallel(model)
+        compressor = create(name, exchange=exchange, **arguments)
+        names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
+        counting = CountingExchange(world_size)
+        memory = CompressionSettings().memory_for(compressor)
+        state = CompressionHookState(compressor, memory, names, exchange=counting)
+        ddp.register_comm_hook(state, compression_hook)
+        for _ in range(STEPS):  # the last step runs on DDP's rebuilt buckets
+            counting.traffic, counting.payload = 0.0, 0
+            inputs = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(rank))
+            ddp(inputs).sum().backward()
+            model.zero_grad()
+        if rank == 0:
+            dense = sum(p.numel() * p.element_size() for p in model.parameters())
+            results[(world_size, name, exchange)] = (counting.traffic, counting.payload, dense)
     dist.destroy_process_group()
 
 
@@ -109,6 +114,13 @@ def main() -> None:
                     f"| {world_size} | {name} | {exchange} | {traffic:,.0f} | {ratio:.1f} | {ideal:,.0f} "
                     f"| {traffic / ideal:.3f} |"
                 )
+    print(f"\n{SPARSE[0]} {SPARSE[1]}: bytes on the wire per rank at step {STEPS}\n")
+    print("| N | " + " | ".join(SPARSE_EXCHANGES) + " | global_topk / gather |")
+    print("|---" * (2 + len(SPARSE_EXCHANGES)) + "|")
+    for world_size in args.world_sizes:
+        traffic = [results[(world_size, SPARSE[0], exchange)][0] for exchange in SPARSE_EXCHANGES]
+        cells = " | ".join(f"{t:,.0f}" for t in traffic)
+        print(f"| {world_size} | {cells} | {traffic[1] / traffic[0]:.2f} |")
 
 
 if __name__ == "__main__":

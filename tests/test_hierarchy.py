@@ -88,6 +88,30 @@ def test_two_levels_resume_exactly_with_the_gathered_and_the_global_topk_exchang
         assert torch.equal(agreed_straight["params"], ranks[0][2]["params"])
 
 
+def test_eight_processes_as_four_nodes_of_two(tmp_path: Path) -> None:
+    """4 nodes x 2 devices: the dense codec over two levels equals DDP, and DGC at 5 % across four
+    nodes, gathered or agreed by global top-k (two merge rounds among the nodes), keeps all eight
+    ranks identical and stays about as close to DDP as the flat gather."""
+    sparse = {"compressor": "dgc", "optimizer": "sgd", "steps": 8, "kwargs": {"compress_ratio": 0.05}}
+    runs = [
+        {"compressor": None, "optimizer": "sgd", "steps": 8},
+        {"compressor": "none", "optimizer": "sgd", "steps": 8, "kwargs": NODE},
+        sparse,
+        {**sparse, "kwargs": {**sparse["kwargs"], **NODE}},
+        {**sparse, "kwargs": {**sparse["kwargs"], **NODE, "exchange": "global_topk"}},
+    ]
+    ranks = launch_ranks("attach_worker.py", {"runs": runs}, tmp_path, world_size=8, devices_per_node=2)
+    ddp, dense, flat, node, agreed = ranks[0]
+    assert _relative_difference(dense["params"], ddp["params"]) < 1e-5
+    for run in (node, agreed):
+        assert _relative_difference(run["params"], ddp["params"]) < 2 * _relative_difference(
+            flat["params"], ddp["params"]
+        )
+    for other in ranks[1:]:
+        for ours, theirs in zip(ranks[0], other):
+            assert torch.equal(ours["params"], theirs["params"])
+
+
 def test_trainer_on_two_nodes_of_two_devices_takes_the_hierarchy_from_lightning(tmp_path: Path) -> None:
     """``DGCStrategy(hierarchy=...)`` under the Trainer with ``num_nodes=2, devices=2``: ``"auto"``
     is ``"node"`` there (same parameters), every rank ends identical, and each rank sends about half
