@@ -35,7 +35,7 @@ exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,9 +58,14 @@ class DelayedBucket:
     owns: list[torch.Tensor]
     carries: list[torch.Tensor] = field(default_factory=list)
     in_flight: Future[torch.Tensor] | None = None
+    finish: Callable[[], None] | None = None  # work the in-flight exchange still needs from this thread
 
     def wait(self) -> None:
-        """Block until the exchange in flight (if any) has been decoded into its slot."""
+        """Block until the exchange in flight (if any) has been decoded into its slot (running its
+        ``finish`` first: called from the hook's thread, on every rank in the same order)."""
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
         if self.in_flight is not None:
             future, self.in_flight = self.in_flight, None
             future.wait()

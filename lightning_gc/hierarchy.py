@@ -33,6 +33,12 @@ on a node sum differs from the flat one's on each rank's gradient, so sparse res
 The shard's encode and exchange complete inside the comm hook (as the two-phase exchange's first
 phase does): only the final intra-node all-gather runs while backward goes on, so every collective is
 launched from the hook in bucket order on every rank (:mod:`lightning_gc.comm`).
+
+With a delayed exchange (``delay >= 1``, :mod:`lightning_gc.delay`) the shard's cross-node
+exchange is left in flight instead, overlapping the next step's compute, and steps 3's division and
+4 run when the delay line next waits for the bucket: at the bucket's next hook call, or when the
+line drains (a checkpoint, the end of training, a bucket rebuild). Both happen on the hook's
+thread on every rank in bucket order, so the all-gather keeps the collective order.
 """
 
 from __future__ import annotations
@@ -142,6 +148,7 @@ class _ShardPlan:
     positions: list[torch.Tensor]  # every local rank's shard positions in the bucket
     rows: torch.Tensor  # L x P: row l for shard l, padded with zeros (reduce-scatter in, all-gather out)
     row: torch.Tensor  # P: this rank's row of the node sum, then of the average
+    averaged: torch.Tensor  # P: a delayed exchange's shard average, unscaled (run_bucket's `out`)
 
 
 class NodeHierarchy:
@@ -186,6 +193,7 @@ class NodeHierarchy:
             positions=positions,
             rows=torch.zeros(per_node, widest, dtype=like.dtype, device=like.device),
             row=torch.zeros(widest, dtype=like.dtype, device=like.device),
+            averaged=torch.zeros(widest, dtype=like.dtype, device=like.device),
         )
         self._plans[layout.index] = (layout, plan)
         return plan
@@ -205,8 +213,13 @@ class NodeHierarchy:
         timeline: Timeline,
         on_decoded: Callable[[Timeline], None] | None,
         failure: Callable[[Exception], Exception] | None,
+        out: torch.Tensor | None = None,
     ) -> BucketStep:
-        """One bucket through the two levels; the future resolves to ``grad`` holding the mean."""
+        """One bucket through the two levels; ``averaged`` resolves to ``grad`` holding the mean.
+
+        With ``out`` (a delayed exchange's slot, bucket-sized) the mean is left unscaled in ``out``
+        instead, and ``averaged`` is a :class:`DeferredAverage`: the cross-node exchange is in
+        flight, and its ``wait()`` finishes the bucket (see the module docstring)."""
         topology = self.topology
         plan = self.plan(layout, grad)
         memory.clip_local_(grad, layout, topology.world_size, loss_scale)
@@ -218,6 +231,8 @@ class NodeHierarchy:
         local = plan.row[: shard.numel]  # this node's sum on shard l
         bucket_memory = memory.bucket(shard.layout, local)
         bytes_sent = elements_sent = 0
+        averaged = local if out is None else plan.averaged[: shard.numel]
+        in_flight: Future[torch.Tensor] | None = None
         if shard.numel:  # every rank of this local rank has the same (empty) shard: none exchanges
             sent = run_bucket(
                 compressor,
@@ -226,6 +241,7 @@ class NodeHierarchy:
                 local,
                 shard.layout,
                 self.cross_exchange,
+                out=None if out is None else averaged,
                 step=step,
                 world_size=topology.nodes,
                 rank=topology.node,
@@ -239,17 +255,57 @@ class NodeHierarchy:
                 summed_ranks=topology.per_node,
                 clip=False,
             )
-            wait(sent.averaged, failure)
+            in_flight = sent.averaged
             bytes_sent, elements_sent = sent.bytes_sent, sent.elements_sent
         elif guard is not None:  # still take part in the step's settling, as every rank must
             guard.screen(local, shard.layout, bucket_memory, step=step, loss_scaled=loss_scale is not None)
-        local.div_(topology.per_node)
-        gathered = comm.allgather_fixed(plan.row, plan.rows.view(-1), self.node_group)
+        if out is not None:
+            done: Future[torch.Tensor] = Future()
+            finish = self._finisher(plan, averaged, in_flight, out, done, failure)
+            return BucketStep(averaged=done, bytes_sent=bytes_sent, elements_sent=elements_sent, finish=finish)
+        if in_flight is not None:
+            wait(in_flight, failure)
         return BucketStep(
-            averaged=gathered.then(_scattering_into(grad, plan, failure)),
+            averaged=self._gather(plan, local, grad, failure),
             bytes_sent=bytes_sent,
             elements_sent=elements_sent,
         )
+
+    def _gather(
+        self,
+        plan: _ShardPlan,
+        averaged: torch.Tensor,
+        into: torch.Tensor,
+        failure: Callable[[Exception], Exception] | None,
+    ) -> Future[torch.Tensor]:
+        """Steps 3's division and 4: this rank's shard mean (``averaged``, the node sum's average
+        over nodes) divided by ``L`` into its row, the rows all-gathered within the node and
+        written into ``into``; the future resolves to ``into``."""
+        local = plan.row[: averaged.numel()]
+        torch.div(averaged, self.topology.per_node, out=local)
+        gathered = comm.allgather_fixed(plan.row, plan.rows.view(-1), self.node_group)
+        return gathered.then(_scattering_into(into, plan, failure))
+
+    def _finisher(
+        self,
+        plan: _ShardPlan,
+        averaged: torch.Tensor,
+        in_flight: Future[torch.Tensor] | None,
+        slot: torch.Tensor,
+        done: Future[torch.Tensor],
+        failure: Callable[[Exception], Exception] | None,
+    ) -> Callable[[], None]:
+        """What finishes a delayed bucket once its cross-node exchange is ``in_flight``: wait for
+        it, then :meth:`_gather` into ``slot`` and resolve ``done``. It launches a collective, so
+        it runs on the hook's thread, on every rank in bucket order (``BucketStep.finish``)."""
+
+        def finish() -> None:
+            if in_flight is not None:
+                wait(in_flight, failure)
+            wait(self._gather(plan, averaged, slot, failure), failure)
+            done.set_result(slot)
+
+        return finish
 
 
 def _scattering_into(

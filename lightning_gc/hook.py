@@ -116,8 +116,8 @@ class CompressionHookState:
         if self.delay_line is None and local_update:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
         self.sync_warmup_steps = check_int("sync_warmup_steps", sync_warmup_steps, 0)
-        if hierarchy is not None and self.delay_line is not None:
-            raise ValueError(f"a hierarchical exchange does not combine with a delay yet, got delay={delay}")
+        if hierarchy is not None and local_update:
+            raise ValueError("a hierarchical exchange does not combine with local_update=True (see settings.py)")
         self.hierarchy = hierarchy
         memory.seed_view = None if hierarchy is None else hierarchy.node_sum_piece
         if self.delay_line is not None:
@@ -267,7 +267,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
         "failure": failure,
     }
     if state.hierarchy is not None:
-        sent = state.hierarchy.run(compressor, state.memory, grad, layout, **pipeline)
+        sent = state.hierarchy.run(compressor, state.memory, grad, layout, out=out, **pipeline)
     else:
         bucket_memory = state.memory.bucket(layout, grad)
         sent = run_bucket(
@@ -294,7 +294,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     if delayed is None:
         return sent.averaged
     assert state.delay_line is not None
-    delayed.in_flight = sent.averaged
+    delayed.in_flight, delayed.finish = sent.averaged, sent.finish
     state.delay_line.hand_over(delayed, step, grad, absent)
     state.memory.restore_loss_scale(grad, state.grad_scale)
     handed: Future[torch.Tensor] = Future()

@@ -80,11 +80,16 @@ class Timeline:
 
 @dataclass
 class BucketStep:
-    """What one bucket's step sent, and the future of its averaged gradient."""
+    """What one bucket's step sent, and the future of its averaged gradient.
+
+    ``finish``, when set, is work left for the caller's thread (it launches a collective, so it
+    must run where the hook runs, on every rank in bucket order) before ``averaged`` can resolve:
+    a delayed two-level bucket's intra-node all-gather (:mod:`lightning_gc.hierarchy`)."""
 
     averaged: Future[torch.Tensor]
     bytes_sent: int
     elements_sent: int
+    finish: Callable[[], None] | None = None
 
 
 def run_bucket(

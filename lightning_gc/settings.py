@@ -69,10 +69,10 @@ class CompressionSettings:
         check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
         check_int("adam_warmup_steps", self.adam_warmup_steps, 0)
         check_choice("hierarchy", self.hierarchy, HIERARCHIES)
-        if self.hierarchy != "flat" and self.delay:
+        if self.hierarchy != "flat" and self.local_update:
             raise ValueError(
-                f"`hierarchy={self.hierarchy!r}` does not combine with a delayed exchange yet, got delay={self.delay}; "
-                "use hierarchy='flat' with delay"
+                f"`hierarchy={self.hierarchy!r}` does not combine with local_update=True: a rank's own contribution "
+                "is a piece of its node's sum, not its own gradient; use local_update=False or hierarchy='flat'"
             )
         if self.local_update and not self.delay:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")

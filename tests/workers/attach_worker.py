@@ -4,6 +4,7 @@ run's final parameters and totals; see test_attach.py."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -41,7 +42,9 @@ def train(run: dict, rank: int) -> dict:
         if step == run.get("resume_after"):
             entry = [gc.state_dict()]  # complete on rank 0, which a checkpoint file would hold
             dist.broadcast_object_list(entry, src=0)
-            saved = (net.state_dict(), optimizer.state_dict(), entry[0])
+            # copies: state dicts share storage with the live tensors, and finish() applies what a
+            # delayed exchange still owes to them
+            saved = copy.deepcopy((net.state_dict(), optimizer.state_dict(), entry[0]))
             gc.finish()
             net, model, optimizer, gc, scaler = build(run)
             net.load_state_dict(saved[0])
