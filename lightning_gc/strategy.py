@@ -196,7 +196,7 @@ class GradientCompressionStrategy(DDPStrategy):
             the compressed exchange across nodes with every device carrying ``1/devices`` of each
             bucket, then a dense all-gather within the node; residuals stay exact on the device that
             owns each piece. ``"auto"``: two levels when there is more than one node and more than
-            one device per node. Not with ``delay`` nor PowerSGD (which needs whole matrices).
+            one device per node. Not with ``local_update`` nor PowerSGD (which needs whole matrices).
         **kwargs: the named compressor's arguments (e.g. ``compress_ratio``), and anything
             :class:`~lightning.pytorch.strategies.DDPStrategy` or ``DistributedDataParallel``
             take (e.g. ``bucket_cap_mb``, ``find_unused_parameters``, ``start_method``,
