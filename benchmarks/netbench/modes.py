@@ -14,6 +14,7 @@
   step applies the previous step's average and its own exchange overlaps the next step;
 * ``<gc mode>_node`` -- any ``gc_*`` mode with ``hierarchy="node"`` (:mod:`lightning_gc.hierarchy`):
   dense within a node, compressed across nodes (with ``--devices-per-node`` > 1);
+  ``<gc mode>_delay1_node`` both;
 * ``ideal`` -- one process, no distributed strategy at all (handled by the launcher).
 """
 
@@ -67,9 +68,11 @@ def split_hierarchy(mode: str) -> tuple[str, str]:
 
 def all_modes() -> list[str]:
     """Every mode, references first, then torch's hooks, then ours (one per registered compressor,
-    then each of those with ``delay=1``, then the DGC modes with ``hierarchy="node"``)."""
+    then each of those with ``delay=1``, then the DGC modes with ``hierarchy="node"``, without and
+    with ``delay=1``)."""
     ours = [*DGC_MODES, *(mode for mode in (f"gc_{name}" for name in available()) if mode not in DGC_MODES)]
-    return [IDEAL, *TORCH_MODES, *ours, *(mode + DELAYED for mode in ours), *(m + HIERARCHICAL for m in DGC_MODES)]
+    two_level = [m + suffix + HIERARCHICAL for suffix in ("", DELAYED) for m in DGC_MODES]
+    return [IDEAL, *TORCH_MODES, *ours, *(mode + DELAYED for mode in ours), *two_level]
 
 
 class HookedDDPStrategy(DDPStrategy):
