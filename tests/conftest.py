@@ -20,8 +20,19 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_gc.layout import BucketLayout, Segment
+
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def layout_of(shapes: list[tuple[int, ...]]) -> BucketLayout:
+    """Bucket 0 holding tensors of ``shapes`` back to back, named ``p0, p1, ...`` in that order."""
+    segments, start = [], 0
+    for order, shape in enumerate(shapes):
+        segments.append(Segment(f"p{order}", order, start, shape))
+        start = segments[-1].stop
+    return BucketLayout(0, tuple(segments), tuple(range(len(segments))))
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch_ranks
+from conftest import launch_ranks, layout_of
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy
 from lightning_gc.compressors import registry
@@ -23,17 +23,13 @@ from lightning_gc.compressors.global_topk import (
     selection_rounds,
 )
 from lightning_gc.exchange import traffic_bytes
-from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.layout import BucketLayout
 
 SHAPES = [(30, 20), (50,), (7, 9), (100,), (16, 16)]
 
 
 def make_layout(shapes: list[tuple[int, ...]] = SHAPES) -> BucketLayout:
-    segments, start = [], 0
-    for order, shape in enumerate(shapes):
-        segments.append(Segment(f"p{order}", order, start, shape))
-        start = segments[-1].stop
-    return BucketLayout(0, tuple(segments), tuple(range(len(segments))))
+    return layout_of(shapes)
 
 
 def simulate(compressors: list, velocities: list[torch.Tensor], layout: BucketLayout, step: int = 0) -> tuple:

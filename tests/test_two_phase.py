@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import layout_of
 
 from lightning_gc import GradientCompressionStrategy
 from lightning_gc.compressors import registry
@@ -20,11 +21,7 @@ ACCEPTED = ["bf16", "fp16", "none", "onebit", "qsgd", "signsgd", "terngrad"]
 
 
 def make_layout(shapes: list[tuple[int, ...]] = SHAPES) -> BucketLayout:
-    segments, start = [], 0
-    for order, shape in enumerate(shapes):
-        segments.append(Segment(f"p{order}", order, start, shape))
-        start = segments[-1].stop
-    return BucketLayout(0, tuple(segments), tuple(range(len(segments))))
+    return layout_of(shapes)
 
 
 def simulate(compressors: list, velocities: list[torch.Tensor], layout: BucketLayout, step: int) -> tuple:
