@@ -10,6 +10,8 @@
   (``gc_dgc`` is ``DGCStrategy(compress_ratio=0.001)`` with momentum correction);
 * ``gc_dgc_compact`` -- the same with the compact wire: Elias--Fano indices, bfloat16 values and
   bfloat16 dense tensors (the ResNet-50 recipe's settings);
+* ``<gc mode>_2p`` / ``<gc mode>_gtopk`` -- a ``gc_*`` mode with ``exchange="two_phase"`` (the
+  quantisers' compressed all-reduce) / ``exchange="global_topk"`` (topk and DGC);
 * ``<gc mode>_delay1`` -- any ``gc_*`` mode with ``delay=1`` (:mod:`lightning_gc.delay`): each
   step applies the previous step's average and its own exchange overlaps the next step;
 * ``<gc mode>_node`` -- any ``gc_*`` mode with ``hierarchy="node"`` (:mod:`lightning_gc.hierarchy`):
@@ -28,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy, available
+from lightning_gc.compressors.two_phase import two_phase_compressors
 
 IDEAL = "ideal"
 TORCH_MODES = ("ddp", "noop", "torch_fp16", "torch_powersgd1", "torch_powersgd4")
@@ -52,6 +55,27 @@ HIERARCHICAL = "_node"
 """Suffix of a ``gc_*`` mode run with ``hierarchy="node"``."""
 
 
+EXCHANGE_SUFFIXES = {"_2p": "two_phase", "_gtopk": "global_topk"}
+"""Suffixes of a ``gc_*`` mode run with another ``exchange`` than the gather."""
+
+
+def split_exchange(mode: str) -> tuple[str, str | None]:
+    """``("gc_onebit", "two_phase")`` for ``"gc_onebit_2p"``; ``(mode, None)`` without such a suffix."""
+    for suffix, exchange in EXCHANGE_SUFFIXES.items():
+        if mode.startswith("gc_") and mode.endswith(suffix):
+            return mode.removesuffix(suffix), exchange
+    return mode, None
+
+
+def split_mode(mode: str) -> tuple[str, str | None, int, str]:
+    """A ``gc_*`` mode's base, exchange, delay and hierarchy, its suffixes read in the order
+    ``<base>[_2p|_gtopk][_delay1][_node]``."""
+    base, hierarchy = split_hierarchy(mode)
+    base, delay = split_delay(base)
+    base, exchange = split_exchange(base)
+    return base, exchange, delay, hierarchy
+
+
 def split_delay(mode: str) -> tuple[str, int]:
     """``("gc_fp16", 1)`` for ``"gc_fp16_delay1"``; ``(mode, 0)`` for any other mode."""
     if mode.startswith("gc_") and mode.endswith(DELAYED):
@@ -69,10 +93,11 @@ def split_hierarchy(mode: str) -> tuple[str, str]:
 def all_modes() -> list[str]:
     """Every mode, references first, then torch's hooks, then ours (one per registered compressor,
     then each of those with ``delay=1``, then the DGC modes with ``hierarchy="node"``, without and
-    with ``delay=1``)."""
+    with ``delay=1``, then the quantisers two-phase and DGC by global top-k)."""
     ours = [*DGC_MODES, *(mode for mode in (f"gc_{name}" for name in available()) if mode not in DGC_MODES)]
     two_level = [m + suffix + HIERARCHICAL for suffix in ("", DELAYED) for m in DGC_MODES]
-    return [IDEAL, *TORCH_MODES, *ours, *(mode + DELAYED for mode in ours), *two_level]
+    exchanges = [f"gc_{name}_2p" for name in two_phase_compressors()] + [m + "_gtopk" for m in DGC_MODES]
+    return [IDEAL, *TORCH_MODES, *ours, *(mode + DELAYED for mode in ours), *two_level, *exchanges]
 
 
 class HookedDDPStrategy(DDPStrategy):
@@ -106,9 +131,8 @@ def make_strategy(mode: str) -> Strategy:
         return HookedDDPStrategy(
             ddp_comm_state=state, ddp_comm_hook=powersgd.powerSGD_hook, bucket_cap_mb=1024, **common
         )
-    base, hierarchy = split_hierarchy(mode)
-    base, delay = split_delay(base)
-    ours = {"delay": delay, "hierarchy": hierarchy, **common}
+    base, exchange, delay, hierarchy = split_mode(mode)
+    ours = {"delay": delay, "hierarchy": hierarchy, **({} if exchange is None else {"exchange": exchange}), **common}
     if base in DGC_MODES:
         return DGCStrategy(**DGC_MODES[base], **ours)
     if base.startswith("gc_") and base.removeprefix("gc_") in available():

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.netbench.models import BenchModule, gradient_shapes, synthetic_batches
-from benchmarks.netbench.modes import DGC_MODES, IDEAL, split_delay, split_hierarchy
+from benchmarks.netbench.modes import DGC_MODES, IDEAL, split_delay, split_mode
 from lightning_gc import calibration
 from lightning_gc.perfmodel import CodecCost, Network, Prediction, Workload, predict
 
@@ -113,10 +113,10 @@ def mode_cost(
     if mode.startswith("torch_powersgd"):
         return powersgd_hook_cost(shapes, int(mode.removeprefix("torch_powersgd")))
     if mode.startswith("gc_"):
-        base, _ = split_delay(split_hierarchy(mode)[0])  # a delay changes when the exchange happens, not what it costs
+        base, exchange, _, _ = split_mode(mode)  # a delay changes when the exchange happens, not what it costs
         dgc = base in DGC_MODES
         name = "dgc" if dgc else base.removeprefix("gc_")
-        arguments = DGC_MODES[base] if dgc else {}
+        arguments = {**(DGC_MODES[base] if dgc else {}), **({} if exchange is None else {"exchange": exchange})}
         momentum = DGC_MOMENTUM if dgc else 0.0
         cost = calibration.codec_cost(
             name,
