@@ -17,10 +17,18 @@ or rounded stays in the residual (error feedback, on by default: the compressor 
 Payload per rank and bucket (all-gathered, the same size on every rank)::
 
     [ (emax, E) int32 pair per tensor ][ k indices per tensor, int32 ][ 2k codes per tensor, 4-byte aligned ]
+
+With ``exchange="two_phase"`` (:mod:`lightning_gc.compressors.two_phase`) each rank owns the
+``r``-th piece of every tensor: a compressed tensor's piece is transformed and sparsified on its
+own (the same rule on a contiguous run of the flattened tensor, ``k`` from the piece's size), and
+the pieces of dense tensors travel as float32 values in the same payload, after the codes. The
+owner averages what it received, re-encodes the average the same way (with server error feedback:
+the compressor is biased) and every rank gathers every piece.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,18 +41,19 @@ from lightning_gc.compressors.base import (
     Encoded,
     PlannedCompressor,
     aligned,
+    compressible,
     decode_whole_bucket,
     encode_whole_bucket,
-    split_segments,
 )
 from lightning_gc.compressors.registry import register
+from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_choice, check_int
 
 
 @dataclass(frozen=True)
 class _Spectrum:
-    """One compressed tensor: ``k`` coefficients kept, and where its parts sit in the payload."""
+    """One compressed tensor (or piece): ``k`` coefficients kept, and where its parts sit in the payload."""
 
     segment: Segment
     k: int
@@ -57,18 +66,30 @@ class _Spectrum:
         return self.segment.numel // 2 + 1
 
 
+@dataclass(frozen=True)
+class _SpectraLayout:
+    """A payload's spectra (headers, then indices, then codes) and its dense values (float32) after them."""
+
+    spectra: tuple[_Spectrum, ...]
+    dense: tuple[tuple[Segment, int], ...]  # (segment, byte offset of its float32 values)
+    total_k: int
+
+
 @dataclass
 class _FFTPlan:
-    spectra: tuple[_Spectrum, ...]
+    fmt: ChunkFormat  # the compressed tensors' payload (the dense ones are all-reduced)
     dense: DensePart | None
     payload: torch.Tensor
     gathered: torch.Tensor
     local: torch.Tensor  # x_hat of this rank (velocity where dense): what memory subtracts
-    total_k: int
+
+    @property
+    def layout(self) -> _SpectraLayout:
+        return self.fmt.layout
 
 
 @register
-class FFTCompressor(AdjustableRatio, PlannedCompressor[_FFTPlan]):
+class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPlan]):
     """Top frequency components of each large tensor, sent as range-based few-bit floats.
 
     Args:
@@ -77,24 +98,39 @@ class FFTCompressor(AdjustableRatio, PlannedCompressor[_FFTPlan]):
         bits: bits per real or imaginary part, one of 4, 8, 16 (sign + range-sized exponent +
             mantissa; see :mod:`lightning_gc.compressors.rangefloat`).
         min_compress_numel: tensors with fewer elements (and 1-D tensors) are sent dense.
+        exchange, server_feedback: ``"gather"`` (default), ``"two_phase"`` or ``"auto"``, and the
+            owner's error feedback (see :mod:`lightning_gc.compressors.two_phase`).
     """
 
     name = "fft"
-    arguments = ("compress_ratio", "bits", "min_compress_numel")
+    arguments = ("compress_ratio", "bits", "min_compress_numel", *TwoPhaseExchange.exchange_arguments)
 
-    def __init__(self, compress_ratio: float = 0.01, *, bits: int = 8, min_compress_numel: int = 1024) -> None:
+    def __init__(
+        self,
+        compress_ratio: float = 0.01,
+        *,
+        bits: int = 8,
+        min_compress_numel: int = 1024,
+        exchange: str = "gather",
+        server_feedback: bool | None = None,
+    ) -> None:
         super().__init__()
         self.compress_ratio = compress_ratio
         self.bits = check_choice("bits", bits, rangefloat.CODE_BITS)
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 2)
+        self.init_exchange(exchange, server_feedback)
 
     def k_for(self, numel: int) -> int:
         """Coefficients kept of a tensor of ``numel`` elements."""
         return min(numel // 2 + 1, self.ratio_of(numel / 2))
 
-    def _sizes(self, layout: BucketLayout) -> tuple[list[_Spectrum], list[Segment], int, int]:
-        """(spectra, dense segments, total k, payload bytes)."""
-        compressed, dense = split_segments(layout.segments, self.min_compress_numel)
+    # ------------------------------------------------------------------ payload of a run of tensors
+    def chunk_format(self, segments: Sequence[Segment], dtype: torch.dtype | None = None) -> ChunkFormat:
+        """Headers of the compressed tensors, their indices, their codes (each from a 4-byte
+        boundary), then the dense tensors' float32 values. Which tensors are compressed follows the
+        whole tensor (:func:`~lightning_gc.compressors.base.compressible`); empty pieces send nothing."""
+        compressed = [s for s in segments if s.numel and compressible(s, self.min_compress_numel)]
+        dense = [s for s in segments if s.numel and not compressible(s, self.min_compress_numel)]
         total_k = sum(self.k_for(s.numel) for s in compressed)
         offset = 4 * (2 * len(compressed) + total_k)  # headers, then indices
         spectra, index_start = [], 0
@@ -104,33 +140,20 @@ class FFTCompressor(AdjustableRatio, PlannedCompressor[_FFTPlan]):
             spectra.append(_Spectrum(segment, k, index_start, offset, code_bytes))
             index_start += k
             offset += code_bytes
-        return spectra, dense, total_k, offset
+        placed = []
+        for segment in dense:
+            placed.append((segment, offset))
+            offset += 4 * segment.numel
+        layout = _SpectraLayout(tuple(spectra), tuple(placed), total_k)
+        return ChunkFormat(segments=tuple(segments), nbytes=aligned(offset), layout=layout)
 
-    def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
-        spectra, dense, _, payload_bytes = self._sizes(layout)
-        if not spectra:
-            return layout.numel * element_size
-        return payload_bytes + sum(s.numel for s in dense) * element_size
-
-    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _FFTPlan:
-        spectra, dense, total_k, payload_bytes = self._sizes(layout)
-        return _FFTPlan(
-            spectra=tuple(spectra),
-            dense=DensePart.of(dense, like),
-            payload=torch.zeros(payload_bytes, dtype=torch.uint8, device=like.device),
-            gathered=torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=like.device),
-            local=like.new_empty(layout.numel),
-            total_k=total_k,
-        )
-
-    # ------------------------------------------------------------------ encode / decode
-    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
-        plan = self.plan(context, velocity)
-        if not plan.spectra:
-            return encode_whole_bucket(velocity, out)
-        headers, indices = self._views(plan.payload, plan)
-        for position, spectrum in enumerate(plan.spectra):
-            x = spectrum.segment.of(velocity)
+    def encode_chunk(
+        self, values: torch.Tensor, fmt: ChunkFormat, payload: torch.Tensor, decoded: torch.Tensor, seed: int
+    ) -> None:
+        layout: _SpectraLayout = fmt.layout
+        headers, indices = self._views(payload, layout)
+        for position, spectrum in enumerate(layout.spectra):
+            x = spectrum.segment.of(values)
             coefficients = torch.fft.rfft(x.float())
             kept = torch.topk(coefficients.abs(), spectrum.k, sorted=False).indices
             parts = torch.view_as_real(coefficients[kept]).reshape(-1)
@@ -139,10 +162,62 @@ class FFTCompressor(AdjustableRatio, PlannedCompressor[_FFTPlan]):
             headers[position].copy_(head)
             indices[spectrum.index_start : spectrum.index_start + spectrum.k].copy_(kept)
             packed = rangefloat.pack(codes, self.bits)
-            plan.payload[spectrum.code_start : spectrum.code_start + packed.numel()].copy_(packed)
-            decoded = torch.zeros_like(coefficients)
-            decoded[kept] = torch.view_as_complex(rangefloat.decode(codes, head, self.bits).view(-1, 2))
-            spectrum.segment.of(plan.local).copy_(torch.fft.irfft(decoded, n=x.numel()))
+            payload[spectrum.code_start : spectrum.code_start + packed.numel()].copy_(packed)
+            spectrum_of_sent = torch.zeros_like(coefficients)
+            spectrum_of_sent[kept] = torch.view_as_complex(rangefloat.decode(codes, head, self.bits).view(-1, 2))
+            spectrum.segment.of(decoded).copy_(torch.fft.irfft(spectrum_of_sent, n=x.numel()))
+        for segment, start in layout.dense:
+            exact = segment.of(values)
+            payload[start : start + 4 * segment.numel].view(torch.float32).copy_(exact)
+            segment.of(decoded).copy_(exact)
+
+    def add_decoded_chunk(
+        self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        layout: _SpectraLayout = fmt.layout
+        limit = torch.finfo(dtype).max
+        for position, spectrum in enumerate(layout.spectra):
+            coefficients = torch.zeros(spectrum.bins, dtype=torch.complex64, device=total.device)
+            coefficients.index_add_(0, *self._coefficients(payload, layout, position))
+            signal = torch.fft.irfft(coefficients, n=spectrum.segment.numel)
+            spectrum.segment.of(total).add_(signal.clamp_(-limit, limit))
+        for segment, start in layout.dense:
+            segment.of(total).add_(payload[start : start + 4 * segment.numel].view(torch.float32))
+
+    @staticmethod
+    def _views(payload: torch.Tensor, layout: _SpectraLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(headers ``[tensors, 2]``, indices) int32 views of one payload."""
+        count = len(layout.spectra)
+        header_end, index_end = 8 * count, 8 * count + 4 * layout.total_k
+        return payload[:header_end].view(torch.int32).view(count, 2), payload[header_end:index_end].view(torch.int32)
+
+    # ------------------------------------------------------------------ the whole bucket, all-gathered
+    def _split(self, layout: BucketLayout) -> tuple[list[Segment], list[Segment]]:
+        compressed = [s for s in layout.segments if compressible(s, self.min_compress_numel)]
+        return compressed, [s for s in layout.segments if not compressible(s, self.min_compress_numel)]
+
+    def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
+        compressed, dense = self._split(layout)
+        if not compressed:
+            return layout.numel * element_size
+        return self.chunk_format(compressed).nbytes + sum(s.numel for s in dense) * element_size
+
+    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _FFTPlan:
+        compressed, dense = self._split(layout)
+        fmt = self.chunk_format(compressed)
+        return _FFTPlan(
+            fmt=fmt,
+            dense=DensePart.of(dense, like),
+            payload=torch.zeros(fmt.nbytes, dtype=torch.uint8, device=like.device),
+            gathered=torch.empty(world_size * fmt.nbytes, dtype=torch.uint8, device=like.device),
+            local=like.new_empty(layout.numel),
+        )
+
+    def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        plan = self.plan(context, velocity)
+        if not plan.layout.spectra:
+            return encode_whole_bucket(velocity, out)
+        self.encode_chunk(velocity, plan.fmt, plan.payload, plan.local, seed=0)
         summed = None
         if plan.dense is not None:
             summed = plan.dense.gather(velocity)
@@ -154,32 +229,34 @@ class FFTCompressor(AdjustableRatio, PlannedCompressor[_FFTPlan]):
             dense_all=True,
             dense_sent=plan.local,
             bytes_sent=plan.payload.numel() + (0 if summed is None else summed.numel() * summed.element_size()),
-            elements_sent=2 * plan.total_k + (0 if summed is None else summed.numel()),
+            elements_sent=2 * plan.layout.total_k + (0 if summed is None else summed.numel()),
             context=plan,
         )
 
-    @staticmethod
-    def _views(payload: torch.Tensor, plan: _FFTPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """(headers ``[tensors, 2]``, indices) int32 views of one rank's payload."""
-        count = len(plan.spectra)
-        header_end, index_end = 8 * count, 8 * count + 4 * plan.total_k
-        return payload[:header_end].view(torch.int32).view(count, 2), payload[header_end:index_end].view(torch.int32)
-
-    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+    def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        """Every rank's coefficients added into one spectrum per tensor, one ``irfft`` (the
+        transform is linear), divided by ``N``; the dense tensors' all-reduced mean."""
         if decode_whole_bucket(encoded, out, world_size):
             return
         plan: _FFTPlan = encoded.context
         rows = plan.gathered.view(world_size, -1)
-        for position, spectrum in enumerate(plan.spectra):
+        for position, spectrum in enumerate(plan.layout.spectra):
             total = torch.zeros(spectrum.bins, dtype=torch.complex64, device=out.device)
             for row in rows:
-                headers, indices = self._views(row, plan)
-                packed = row[spectrum.code_start : spectrum.code_start + spectrum.code_bytes]
-                codes = rangefloat.unpack(packed, self.bits, 2 * spectrum.k)
-                parts = rangefloat.decode(codes, headers[position], self.bits).view(-1, 2)
-                kept = indices[spectrum.index_start : spectrum.index_start + spectrum.k].long()
-                total.index_add_(0, kept, torch.view_as_complex(parts.contiguous()))
+                total.index_add_(0, *self._coefficients(row, plan.layout, position))
             signal = torch.fft.irfft(total, n=spectrum.segment.numel)
             spectrum.segment.of(out).copy_(signal.div_(world_size))
         if plan.dense is not None:
             plan.dense.write_mean(out, world_size)
+
+    def _coefficients(
+        self, payload: torch.Tensor, layout: _SpectraLayout, position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bin indices, decoded complex coefficients) of spectrum ``position`` in ``payload``."""
+        spectrum = layout.spectra[position]
+        headers, indices = self._views(payload, layout)
+        packed = payload[spectrum.code_start : spectrum.code_start + spectrum.code_bytes]
+        codes = rangefloat.unpack(packed, self.bits, 2 * spectrum.k)
+        parts = rangefloat.decode(codes, headers[position], self.bits).view(-1, 2)
+        kept = indices[spectrum.index_start : spectrum.index_start + spectrum.k].long()
+        return kept, torch.view_as_complex(parts.contiguous())
