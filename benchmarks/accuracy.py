@@ -20,6 +20,8 @@ Tasks:
 * ``compressors``: the shorter task, every registered compressor at its recommended settings
   on the quickstart (scikit-learn's digits), and onebit and qsgd through the two-phase exchange
   (onebit also without its server error feedback); needs no shared data.
+* ``lstm_ptb``: a small 2-layer LSTM language model on the full PTB text, dense DDP and DGC at
+  0.1 % after the paper's 4-epoch warm-up; validation perplexity (the data module has no test split).
 * ``cifar10``: ResNet-20 on CIFAR-10's training JPEGs (``<data>/cifar10``), a seeded subset of
   ``--train-size`` images, 5,000 held out for validation; SGD lr 0.1 (global batch 128), a step
   decay at 60 % and 85 % of the epochs; dense DDP and DGC at 0.1 % (after the paper's 4-epoch
@@ -148,6 +150,38 @@ def ptb_adamw_task(data: Path, steps: int, freeze: int) -> Task:
         percent=False,
         higher_is_better=False,
         by_step=True,
+    )
+
+
+def lstm_ptb_task(data: Path, epochs: int) -> Task:
+    """The paper's PTB experiment scaled to CPU: a 2-layer LSTM of 200 units (Zaremba et al.'s
+    small model) on the full PTB text, the recipes' SGD (lr 0.1, momentum 0.9) and clipping, a
+    step decay at 60 % and 85 % of the epochs; DGC after the paper's 4-epoch warm-up."""
+    milestones = f"[{round(0.6 * epochs)},{round(0.85 * epochs)}]"
+    shared = (
+        f"data.root={data / 'ptb'}",
+        "data.download=false",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        f"trainer.max_epochs={epochs}",
+        "trainer.enable_checkpointing=false",
+        "model.embedding_size=200",
+        "model.hidden_size=200",
+        "model.dropout=0.2",
+        f"model.lr_milestones={milestones}",
+        "seed=0",
+    )
+    return Task(
+        name="lstm_ptb",
+        description=(
+            f"2-layer LSTM (200 units, tied embeddings), full PTB, {epochs} epochs, "
+            "2 CPU processes x 20 x 35 tokens, SGD lr 0.1 momentum 0.9, clipping 0.25"
+        ),
+        runs=(Run("dense", "lstm_ptb_dense"), Run("DGC 0.1 %", "lstm_ptb_dgc")),
+        overrides=shared,
+        metric="perplexity",
+        percent=False,
+        higher_is_better=False,
     )
 
 
@@ -285,10 +319,12 @@ def plot(task: Task, results: dict[str, dict[str, Any]], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", choices=["cifar10", "ptb_adamw", "compressors"])
+    parser.add_argument("task", choices=["cifar10", "lstm_ptb", "ptb_adamw", "compressors"])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "accuracy")
-    parser.add_argument("--epochs", type=int, default=None, help="cifar10: 20, compressors: 12 (the quickstart's)")
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="cifar10: 20, lstm_ptb: 8, compressors: 12 (the quickstart's)"
+    )
     parser.add_argument("--train-size", type=int, default=20_000, help="cifar10: training images")
     parser.add_argument("--steps", type=int, default=600, help="ptb_adamw: optimizer steps")
     parser.add_argument("--freeze", type=int, default=120, help="ptb_adamw: steps before Adam's variance freezes")
@@ -301,6 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         task = cifar10_task(data, args.epochs or 20, args.train_size)
     elif args.task == "compressors":
         task = compressors_task(args.epochs or 12)
+    elif args.task == "lstm_ptb":
+        task = lstm_ptb_task(data, args.epochs or 8)
     else:
         task = ptb_adamw_task(data, args.steps, args.freeze)
     results: dict[str, dict[str, Any]] = {}
