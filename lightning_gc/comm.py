@@ -76,17 +76,27 @@ def transfer(
     group: ProcessGroup,
 ) -> None:
     """Send ``payload`` to group rank ``to`` and/or receive group rank ``source``'s message into
-    ``into`` (either may be ``None``). Blocking: gloo's point-to-point work has no future, and the
-    callers (the rounds of a selection) need the message before they go on. Both are posted
-    before either is waited for, so two ranks swapping messages cannot deadlock."""
-    requests = []
+    ``into`` (either may be ``None``); returns once both are done (on NCCL: once the current
+    stream is ordered after them). The two are posted as one batch: NCCL deadlocks on a send and a
+    receive between the same two ranks posted separately. Gloo moves only CPU tensors point to
+    point, so device tensors are staged through host memory there."""
+    staged = _needs_host(payload, group)
+    send = payload.cpu() if staged else payload
+    receive = into.cpu() if staged and into is not None else into
+    operations = []
     if to is not None:
-        requests.append(dist.isend(payload, _global_rank(group, to), group=group))
+        operations.append(dist.P2POp(dist.isend, send, _global_rank(group, to), group))
     if source is not None:
-        assert into is not None
-        requests.append(dist.irecv(into, _global_rank(group, source), group=group))
-    for request in requests:
+        assert receive is not None
+        operations.append(dist.P2POp(dist.irecv, receive, _global_rank(group, source), group))
+    for request in dist.batch_isend_irecv(operations) if operations else []:
         request.wait()
+    if staged and into is not None and receive is not None:
+        into.copy_(receive)
+
+
+def _needs_host(tensor: torch.Tensor, group: ProcessGroup) -> bool:
+    return tensor.device.type != "cpu" and dist.get_backend(group) == dist.Backend.GLOO
 
 
 def _global_rank(group: ProcessGroup, rank: int) -> int:

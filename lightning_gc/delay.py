@@ -126,7 +126,9 @@ class DelayLine:
             raise RuntimeError("parameters without a gradient need DelayLine(carry_unused=True)")
 
     def drain(self) -> None:
-        """Wait for every exchange in flight."""
+        """Wait for every exchange in flight. A two-level bucket's ``finish`` launches an
+        intra-node all-gather, so call this on every rank at the same point (every caller does:
+        the hook, a skipped step's roll-back, checkpoints, the end of training)."""
         for bucket in self._buckets.values():
             bucket.wait()
 

@@ -218,8 +218,8 @@ class NodeHierarchy:
         """One bucket through the two levels; ``averaged`` resolves to ``grad`` holding the mean.
 
         With ``out`` (a delayed exchange's slot, bucket-sized) the mean is left unscaled in ``out``
-        instead, and ``averaged`` is a :class:`DeferredAverage`: the cross-node exchange is in
-        flight, and its ``wait()`` finishes the bucket (see the module docstring)."""
+        instead: the cross-node exchange is left in flight, and the returned step's ``finish``
+        completes the bucket, after which ``averaged`` resolves (see the module docstring)."""
         topology = self.topology
         plan = self.plan(layout, grad)
         memory.clip_local_(grad, layout, topology.world_size, loss_scale)
@@ -300,9 +300,13 @@ class NodeHierarchy:
         it runs on the hook's thread, on every rank in bucket order (``BucketStep.finish``)."""
 
         def finish() -> None:
-            if in_flight is not None:
-                wait(in_flight, failure)
-            wait(self._gather(plan, averaged, slot, failure), failure)
+            try:
+                if in_flight is not None:
+                    wait(in_flight, failure)
+                wait(self._gather(plan, averaged, slot, failure), failure)
+            except Exception as error:  # whoever waits on `done` next must see it, not hang
+                done.set_exception(error)
+                raise
             done.set_result(slot)
 
         return finish

@@ -152,6 +152,7 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
     ) -> None:
         layout: _SpectraLayout = fmt.layout
         headers, indices = self._views(payload, layout)
+        limit = torch.finfo(decoded.dtype).max
         for position, spectrum in enumerate(layout.spectra):
             x = spectrum.segment.of(values)
             coefficients = torch.fft.rfft(x.float())
@@ -165,11 +166,12 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
             payload[spectrum.code_start : spectrum.code_start + packed.numel()].copy_(packed)
             spectrum_of_sent = torch.zeros_like(coefficients)
             spectrum_of_sent[kept] = torch.view_as_complex(rangefloat.decode(codes, head, self.bits).view(-1, 2))
-            spectrum.segment.of(decoded).copy_(torch.fft.irfft(spectrum_of_sent, n=x.numel()))
+            signal = torch.fft.irfft(spectrum_of_sent, n=x.numel())
+            spectrum.segment.of(decoded).copy_(signal.clamp_(-limit, limit))  # as receivers clamp it
         for segment, start in layout.dense:
-            exact = segment.of(values)
-            payload[start : start + 4 * segment.numel].view(torch.float32).copy_(exact)
-            segment.of(decoded).copy_(exact)
+            sent = payload[start : start + 4 * segment.numel].view(torch.float32)
+            sent.copy_(segment.of(values))
+            segment.of(decoded).copy_(sent)  # float32 on the wire: memory keeps a wider gradient's rounding
 
     def add_decoded_chunk(
         self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
