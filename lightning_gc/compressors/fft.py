@@ -152,7 +152,6 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
     ) -> None:
         layout: _SpectraLayout = fmt.layout
         headers, indices = self._views(payload, layout)
-        limit = torch.finfo(decoded.dtype).max
         for position, spectrum in enumerate(layout.spectra):
             x = spectrum.segment.of(values)
             coefficients = torch.fft.rfft(x.float())
@@ -167,7 +166,7 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
             spectrum_of_sent = torch.zeros_like(coefficients)
             spectrum_of_sent[kept] = torch.view_as_complex(rangefloat.decode(codes, head, self.bits).view(-1, 2))
             signal = torch.fft.irfft(spectrum_of_sent, n=x.numel())
-            spectrum.segment.of(decoded).copy_(signal.clamp_(-limit, limit))  # as receivers clamp it
+            spectrum.segment.of(decoded).copy_(_within(signal, decoded.dtype))  # as receivers clamp it
         for segment, start in layout.dense:
             sent = payload[start : start + 4 * segment.numel].view(torch.float32)
             sent.copy_(segment.of(values))
@@ -177,12 +176,11 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
         self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
     ) -> None:
         layout: _SpectraLayout = fmt.layout
-        limit = torch.finfo(dtype).max
         for position, spectrum in enumerate(layout.spectra):
             coefficients = torch.zeros(spectrum.bins, dtype=torch.complex64, device=total.device)
             coefficients.index_add_(0, *self._coefficients(payload, layout, position))
             signal = torch.fft.irfft(coefficients, n=spectrum.segment.numel)
-            spectrum.segment.of(total).add_(signal.clamp_(-limit, limit))
+            spectrum.segment.of(total).add_(_within(signal, dtype))
         for segment, start in layout.dense:
             segment.of(total).add_(payload[start : start + 4 * segment.numel].view(torch.float32))
 
@@ -262,3 +260,10 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
         parts = rangefloat.decode(codes, headers[position], self.bits).view(-1, 2)
         kept = indices[spectrum.index_start : spectrum.index_start + spectrum.k].long()
         return kept, torch.view_as_complex(parts.contiguous())
+
+
+def _within(signal: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``signal`` (float32) clamped in place to ``dtype``'s finite range when that is narrower
+    (fp16): the decoded value memory subtracts must be one receivers can hold."""
+    limit = torch.finfo(dtype).max
+    return signal.clamp_(-limit, limit) if limit < torch.finfo(signal.dtype).max else signal
