@@ -92,9 +92,9 @@ class LocalExchange(Exchange):
     that all send what this rank sends (the all-reduce sums ``world_size`` equal payloads, the
     all-gather repeats this one, the all-to-all hands every rank row ``rank`` of this one's, a
     point-to-point round receives this one's message). Completes at once. Counts the bytes each
-    kind of payload would hand to its collective over all rounds (``summed_bytes``,
-    ``gathered_bytes``, ``scattered_bytes``, ``peer_bytes``) and the bytes each rank would put on
-    the wire (``traffic``, see :func:`traffic_bytes`)."""
+    kind of collective payload would hand to its collective over all rounds (``summed_bytes``,
+    ``gathered_bytes``, ``scattered_bytes``) and the bytes each rank would put on the wire, point
+    to point included (``traffic``, see :func:`traffic_bytes`)."""
 
     def __init__(self, world_size: int, rank: int = 0) -> None:
         self.world_size = world_size
@@ -102,7 +102,6 @@ class LocalExchange(Exchange):
         self.summed_bytes = 0
         self.gathered_bytes = 0
         self.scattered_bytes = 0
-        self.peer_bytes = 0
         self.traffic = 0.0
 
     def launch(self, encoded: Encoded) -> Future[Encoded]:
@@ -110,7 +109,6 @@ class LocalExchange(Exchange):
         self.summed_bytes += payload_bytes(encoded.summed)
         self.gathered_bytes += payload_bytes(encoded.gathered)
         self.scattered_bytes += payload_bytes(encoded.scattered)
-        self.peer_bytes += 0 if encoded.peer is None or encoded.peer.to is None else payload_bytes(encoded.peer.payload)
         self.traffic += traffic_bytes(encoded, self.world_size)
         if encoded.peer is not None and encoded.peer.into is not None:
             encoded.peer.into.copy_(encoded.peer.payload)

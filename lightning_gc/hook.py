@@ -117,7 +117,9 @@ class CompressionHookState:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
         self.sync_warmup_steps = check_int("sync_warmup_steps", sync_warmup_steps, 0)
         if hierarchy is not None and local_update:
-            raise ValueError("a hierarchical exchange does not combine with local_update=True (see settings.py)")
+            raise ValueError(
+                "`local_update=True` does not combine with a hierarchical exchange: a rank's own part is a node's sum"
+            )
         self.hierarchy = hierarchy
         memory.seed_view = None if hierarchy is None else hierarchy.node_sum_piece
         if self.delay_line is not None:

@@ -41,9 +41,9 @@ from lightning_gc.compressors.base import (
     Encoded,
     PlannedCompressor,
     aligned,
-    compressible,
     decode_whole_bucket,
     encode_whole_bucket,
+    split_segments,
 )
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange
@@ -128,9 +128,8 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
     def chunk_format(self, segments: Sequence[Segment], dtype: torch.dtype | None = None) -> ChunkFormat:
         """Headers of the compressed tensors, their indices, their codes (each from a 4-byte
         boundary), then the dense tensors' float32 values. Which tensors are compressed follows the
-        whole tensor (:func:`~lightning_gc.compressors.base.compressible`); empty pieces send nothing."""
-        compressed = [s for s in segments if s.numel and compressible(s, self.min_compress_numel)]
-        dense = [s for s in segments if s.numel and not compressible(s, self.min_compress_numel)]
+        whole tensor (:func:`~lightning_gc.compressors.base.split_segments`); empty pieces send nothing."""
+        compressed, dense = split_segments([s for s in segments if s.numel], self.min_compress_numel)
         total_k = sum(self.k_for(s.numel) for s in compressed)
         offset = 4 * (2 * len(compressed) + total_k)  # headers, then indices
         spectra, index_start = [], 0
@@ -192,18 +191,14 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
         return payload[:header_end].view(torch.int32).view(count, 2), payload[header_end:index_end].view(torch.int32)
 
     # ------------------------------------------------------------------ the whole bucket, all-gathered
-    def _split(self, layout: BucketLayout) -> tuple[list[Segment], list[Segment]]:
-        compressed = [s for s in layout.segments if compressible(s, self.min_compress_numel)]
-        return compressed, [s for s in layout.segments if not compressible(s, self.min_compress_numel)]
-
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
-        compressed, dense = self._split(layout)
+        compressed, dense = split_segments(layout.segments, self.min_compress_numel)
         if not compressed:
             return layout.numel * element_size
         return self.chunk_format(compressed).nbytes + sum(s.numel for s in dense) * element_size
 
     def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _FFTPlan:
-        compressed, dense = self._split(layout)
+        compressed, dense = split_segments(layout.segments, self.min_compress_numel)
         fmt = self.chunk_format(compressed)
         return _FFTPlan(
             fmt=fmt,

@@ -232,8 +232,9 @@ class GlobalTopKPlan:
         if not rounds:
             return self._agreed_round(velocity, context)
         current, rest = rounds[0], rounds[1:]
-        decoded = self.wire.pack(self.payload, self.positions, self.values, self.universe)
-        self.values.copy_(decoded)  # merge what the partner decodes, as it does: the two stay equal
+        if current.to is not None:
+            decoded = self.wire.pack(self.payload, self.positions, self.values, self.universe)
+            self.values.copy_(decoded)  # merge what the partner decodes, as it does: the two stay equal
         receives = current.source is not None
         return Encoded(
             peer=PeerTransfer(

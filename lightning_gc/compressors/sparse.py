@@ -187,12 +187,15 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         if self.exchange == "global_topk" and compressed:
             global_topk = GlobalTopKPlan.build(compressed, dense, layout.numel, self.wire, like, self.dense_wire_dtype)
             payload_bytes = 0  # the rounds have buffers of their own
+        # the global top-k's all-reduce carries the dense tensors with the agreed values
+        separate = not dense_all and global_topk is None
+        dense_part = DensePart.of(dense, like, dtype=self.dense_wire_dtype) if separate else None
         return _SparsePlan(
             layout=layout,
             compressed=tuple(compressed),
             total_k=total_k,
             dense_all=dense_all,
-            dense=None if dense_all else DensePart.of(dense, like, dtype=self.dense_wire_dtype),
+            dense=dense_part,
             sent_indices=torch.empty(total_k, dtype=torch.int64, device=device),
             sent_values=like.new_empty(total_k),
             payload=torch.empty(payload_bytes, dtype=torch.uint8, device=device),
