@@ -21,6 +21,12 @@ CHECKPOINT_KEY = "lightning_gc"
 CHECKPOINT_FORMAT = 1
 
 
+def no_entry_notice(source: Any) -> str:
+    """What a front end says when it resumes from a checkpoint without compression state (one
+    written by dense DDP, say): the weights and optimizer load, residuals and momenta start empty."""
+    return f"lightning_gc: checkpoint {source} holds no compression state; memory starts empty"
+
+
 def gather_entry(
     local: dict[str, Any],
     *,

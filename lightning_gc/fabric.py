@@ -22,12 +22,13 @@ from typing import Any
 
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_gc.attach import AttachedCompression, build_session
-from lightning_gc.checkpoint import CHECKPOINT_KEY
+from lightning_gc.checkpoint import CHECKPOINT_KEY, no_entry_notice
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import available
 from lightning_gc.strategy import ddp_argument_names
@@ -104,17 +105,37 @@ class FabricCompressionStrategy(DDPStrategy):
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
-        """Restore what ``state`` names, and this rank's compression state (now, or at set-up)."""
+        """Restore what ``state`` names, and this rank's compression state (now, or at set-up).
+
+        Raises:
+            ValueError: a checkpoint without compression state after this run's first compressed
+                step (its residuals and momenta would not belong to the loaded weights); nothing
+                is loaded then.
+        """
+        restores_training = bool(state) and isinstance(state, dict)
+        if restores_training and self._steps_taken() > 0:
+            if CHECKPOINT_KEY not in self.checkpoint_io.load_checkpoint(path):
+                raise ValueError(
+                    f"checkpoint {path} holds no compression state, but this run has already taken "
+                    f"{self._steps_taken()} compressed steps, whose residuals and momenta do not belong to the "
+                    "loaded weights; load it before the first step (memory then starts empty), or a checkpoint "
+                    "that fabric.save wrote under this strategy"
+                )
         remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
-        if not state or not isinstance(state, dict):
+        if not restores_training:
             return remainder  # the raw checkpoint, or a module/optimizer of it
         entry = remainder.pop(CHECKPOINT_KEY, None)
-        if entry is not None:
-            if self._compression is None:
-                self._pending_entry = (entry, path)
-            else:
-                self._compression.load_state_dict(entry, source=path)
+        if entry is None:
+            rank_zero_info(no_entry_notice(path))
+        elif self._compression is None:
+            self._pending_entry = (entry, path)
+        else:
+            self._compression.load_state_dict(entry, source=path)
         return remainder
+
+    def _steps_taken(self) -> int:
+        hook_state = None if self._compression is None else self._compression.session.hook_state
+        return 0 if hook_state is None else hook_state.step
 
 
 def register_fabric_strategies(registry: _StrategyRegistry) -> None:

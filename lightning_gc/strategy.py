@@ -31,7 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gc.checkpoint import CHECKPOINT_KEY
+from lightning_gc.checkpoint import CHECKPOINT_KEY, no_entry_notice
 from lightning_gc.compressors.base import AdjustableRatio, Compressor
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
@@ -387,7 +387,7 @@ class GradientCompressionStrategy(DDPStrategy):
         if trainer is not None and trainer.state.fn != TrainerFn.FITTING:
             return checkpoint  # validate/test/predict exchange no gradients: any world size will do
         if entry is None:
-            rank_zero_info("lightning_gc: checkpoint holds no compression state; memory starts empty")
+            rank_zero_info(no_entry_notice(checkpoint_path))
             return checkpoint
         # Lightning loads checkpoints before setup, and every fit's setup builds a new hook state
         # (a second fit on the same Trainer too), which takes this over.

@@ -57,3 +57,37 @@ def test_the_fabric_example_checkpoints_and_resumes_exactly(tmp_path: Path) -> N
     assert not torch.equal(  # residuals are per rank, and both are in rank 0's file
         entry["ranks"][0]["memory"]["0.weight"]["velocity"], entry["ranks"][1]["memory"]["0.weight"]["velocity"]
     )
+
+
+def test_a_checkpoint_without_compression_state_loads_only_before_the_first_step(
+    world_of_one: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="dgc_ddp")
+    fabric.launch()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    dense = tmp_path / "dense.ckpt"  # what a dense run (or a user's own torch.save) leaves
+    saved = {k: v + 1.0 for k, v in net.state_dict().items()}
+    torch.save({"model": saved, "optimizer": optimizer.state_dict(), "step": 7}, dense)
+    model, optimizer = fabric.setup(net, optimizer)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+
+    with caplog.at_level("INFO"):
+        fabric.load(dense, state)
+    assert "holds no compression state; memory starts empty" in caplog.text and state["step"] == 7
+    assert all(torch.equal(p, saved[k]) for k, p in net.state_dict().items())
+
+    x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+    fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
+    optimizer.step()
+    trained = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(ValueError, match="already taken 1 compressed steps"):
+        fabric.load(dense, state)
+    assert all(torch.equal(p, trained[k]) for k, p in net.state_dict().items())  # nothing was loaded
+
+    fabric.save(tmp_path / "compressed.ckpt", state)  # with this run's state: loads mid-run
+    fabric.load(tmp_path / "compressed.ckpt", state)
+    assert all(torch.equal(p, trained[k]) for k, p in net.state_dict().items())

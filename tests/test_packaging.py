@@ -51,6 +51,9 @@ def test_built_wheel_installs_and_runs_the_torchrun_example(tmp_path: Path) -> N
     assert metadata["Name"] == "lightning_gc" and metadata["Version"] == version
     assert "License :: OSI Approved :: Apache Software License" in metadata.get_all("Classifier")
     assert "Typing :: Typed" in metadata.get_all("Classifier")
+    assert any(url.startswith("Paper, https://arxiv.org/abs/1712.01887") for url in metadata.get_all("Project-URL"))
+    licence = [n for n in names if n.startswith(f"lightning_gc-{version}.dist-info/") and n.endswith("/LICENSE")]
+    assert licence, f"the wheel carries no LICENSE: {sorted(n for n in names if 'dist-info' in n)}"
 
     site, outside = tmp_path / "site", tmp_path / "outside"
     outside.mkdir()
@@ -87,5 +90,5 @@ def test_built_wheel_installs_and_runs_the_torchrun_example(tmp_path: Path) -> N
 
     with tarfile.open(sdists[0]) as sdist:
         members = {m.name.split("/", 1)[1] for m in sdist.getmembers() if "/" in m.name}
-    missing = {"pyproject.toml", "README.md", "CHANGELOG.md", "PKG-INFO", "lightning_gc/py.typed"} - members
+    missing = {"pyproject.toml", "README.md", "CHANGELOG.md", "LICENSE", "PKG-INFO", "lightning_gc/py.typed"} - members
     assert not missing, f"the sdist lacks {sorted(missing)}"
