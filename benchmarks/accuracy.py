@@ -266,24 +266,28 @@ def curve(result: dict[str, Any], by_step: bool) -> list[tuple[int, float]]:
 
 
 def table(task: Task, results: dict[str, dict[str, Any]]) -> str:
-    """The task's Markdown table: one row per finished run."""
+    """The task's Markdown table: one row per finished run (a test column when runs were tested)."""
+    tested = any(r.get("test_metric") is not None for r in results.values())
+    test_header, test_rule = (f" test {task.metric} |", "---|") if tested else ("", "")
     lines = [
         f"{task.description}.",
         "",
-        f"| run | final {task.metric} | best {task.metric} | wire compression (run / last step) | s/step | wall |",
-        "|---|---|---|---|---|---|",
+        f"| run | final {task.metric} | best {task.metric} |{test_header} wire compression (run / last step) "
+        "| s/step | wall |",
+        f"|---|---|---|{test_rule}---|---|---|",
     ]
     for run in task.runs:
         result = results.get(run.label)
         if result is None:
-            lines.append(f"| {run.label} | not run | | | | |")
+            lines.append(f"| {run.label} | not run | |{' |' if tested else ''} | | |")
             continue
         values = [v for _, v in curve(result, task.by_step)]
         best = (max if task.higher_is_better else min)(values) if values else None
         last = result.get("last_step_wire_compression")
         wire = f"{result['wire_compression']:.1f}x" + ("" if last is None else f" / {last:.0f}x")
+        test_cell = f" {_shown(task, result.get('test_metric'))} |" if tested else ""
         lines.append(
-            f"| {run.label} | {_shown(task, result['metric'])} | {_shown(task, best)} | {wire} "
+            f"| {run.label} | {_shown(task, result['metric'])} | {_shown(task, best)} |{test_cell} {wire} "
             f"| {result['step_time_s']:.3f} | {result['wall_s'] / 60:.1f} min |"
         )
     return "\n".join(lines) + "\n"

@@ -111,10 +111,16 @@ def fit_once(
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     model = build("model", cfg.model)
     data = build("data", cfg.data)
+    test_after_fit = bool(cfg.get("test_after_fit", False))
+    if test_after_fit and not (is_overridden("test_step", model) and is_overridden("test_dataloader", data)):
+        raise UsageError(
+            f"`test_after_fit=true` evaluates on the data's test split, but {type(data).__name__} with "
+            f"{type(model).__name__} has none (the PTB language models have one); set test_after_fit=false"
+        )
     check_data = getattr(data, "check_data", None)
     if check_data is not None:
-        try:
-            check_data()  # a missing dataset fails here, before Lightning starts the other processes
+        try:  # a missing dataset fails here, before Lightning starts the other processes
+            check_data(test=True) if test_after_fit else check_data()
         except (FileNotFoundError, ValueError) as err:
             raise UsageError(str(err)) from err
     recorder = RunRecorder(out_dir, info)
@@ -138,6 +144,9 @@ def fit_once(
         # that a short run still reports its metric; every rank (or, spawned, the launching process)
         # sees the same callback metrics, so all take this branch together
         late = trainer.validate(model, datamodule=data, verbose=False)[0].get(metric_name)
+    tested = None
+    if test_after_fit and not trainer.interrupted:
+        tested = trainer.test(model, datamodule=data, verbose=False)[0].get(model.test_metric_name)
     if not trainer.is_global_zero or not (out_dir / RESULT_FILE).is_file():
         return None
     result: dict[str, Any] = json.loads((out_dir / RESULT_FILE).read_text())
@@ -147,6 +156,9 @@ def fit_once(
             value,
             [*result["curve"], [trainer.current_epoch, trainer.global_step, value]],
         )
+    if tested is not None:
+        result["test_metric_name"], result["test_metric"] = model.test_metric_name, float(tested)
+    if late is not None or tested is not None:
         write_result(out_dir, result)
     print(summary_line(result, out_dir), flush=True)
     if result["steps"] == 0:

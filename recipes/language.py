@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics.text import Perplexity
 
 from lightning_gc.validation import check_int, check_range
@@ -115,12 +115,12 @@ class PTBDataModule(RecipeDataModule):
             )
         return path
 
-    def check_data(self) -> None:
-        """Raise the missing-dataset error now (before any process starts) unless the data is
-        synthetic, will be downloaded, or is there."""
+    def check_data(self, test: bool = False) -> None:
+        """Raise a clear error now (before any process starts) unless the data is synthetic, will be
+        downloaded, or is there (``test``: the test split too)."""
         if not (self.synthetic or self.download):
-            self._path("train")
-            self._path("valid")
+            for split in ("train", "valid", "test") if test else ("train", "valid"):
+                self._path(split)
 
     def setup(self, stage: str | None = None) -> None:
         if self.synthetic:
@@ -132,15 +132,27 @@ class PTBDataModule(RecipeDataModule):
 
             self.train_set: Dataset = SyntheticDataset(self.synthetic_size, make, seed=0)
             self.val_set: Dataset = SyntheticDataset(max(1, self.synthetic_size // 4), make, seed=1)
+            self.test_set: Dataset = SyntheticDataset(max(1, self.synthetic_size // 4), make, seed=2)
             return
         train_tokens = read_tokens(self._path("train"))
         self.vocab = build_vocab(train_tokens)
         self.vocab_size = len(self.vocab)
-        unknown = sorted({w for w in read_tokens(self._path("valid")) if w not in self.vocab})
-        if unknown:
-            raise ValueError(f"ptb.valid.txt has words missing from ptb.train.txt: {unknown[:5]}")
         self.train_set = windows(torch.tensor([self.vocab[w] for w in train_tokens]), self.bptt)
-        self.val_set = windows(torch.tensor([self.vocab[w] for w in read_tokens(self._path("valid"))]), self.bptt)
+        self.val_set = self._held_out("valid")
+        if stage == "test":
+            self.test_set = self._held_out("test")
+
+    def _held_out(self, split: str) -> TensorDataset:
+        """The ``valid`` or ``test`` text as windows, in the training vocabulary."""
+        assert self.vocab is not None
+        tokens = read_tokens(self._path(split))
+        unknown = sorted({w for w in tokens if w not in self.vocab})
+        if unknown:
+            raise ValueError(f"{PTB_SPLITS[split]} has words missing from {PTB_SPLITS['train']}: {unknown[:5]}")
+        return windows(torch.tensor([self.vocab[w] for w in tokens]), self.bptt)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)
 
 
 class _LanguageModel(RecipeTask):
@@ -148,12 +160,14 @@ class _LanguageModel(RecipeTask):
     (lower is better), and a check that the model's vocabulary is the corpus's."""
 
     metric_name = "val/ppl"
+    test_metric_name = "test/ppl"
     metric_mode = "min"
 
     def __init__(self, vocab_size: int, **optim: Any) -> None:
         super().__init__(**optim)
         check_int("model.vocab_size", vocab_size, 2)
         self.val_ppl = Perplexity()
+        self.test_ppl = Perplexity()
 
     def setup(self, stage: str) -> None:
         data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
@@ -173,6 +187,11 @@ class _LanguageModel(RecipeTask):
         x, y = batch
         self.val_ppl(self(x), y)
         self.log("val/ppl", self.val_ppl, prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.test_ppl(self(x), y)
+        self.log("test/ppl", self.test_ppl, sync_dist=True)
 
 
 class LSTMLanguageModel(_LanguageModel):

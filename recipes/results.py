@@ -13,6 +13,8 @@
   and of the bytes plain DDP would have all-reduced; ``wire_compression = dense_bytes / bytes_sent``
   (1 for dense DDP, whose ``bytes_sent`` is the dense gradient bytes times the steps), and
   ``last_step_wire_compression`` the last step's (after any sparsity warm-up);
+- ``test_metric`` / ``test_metric_name``: with ``test_after_fit=true``, the final model's metric
+  on the data's test split (absent otherwise);
 - ``curve``: ``[epoch, global step, metric]`` after each validation run of the fit (sanity checks
   excluded), for learning curves;
 - ``step_time_s``: median wall time between the ends of consecutive training batches within an
@@ -156,14 +158,16 @@ def scheme(result: dict[str, Any]) -> str:
 
 
 def summary_line(result: dict[str, Any], out_dir: Path) -> str:
-    """``[name] val/acc 0.9120 | dgc 0.001 | wire 270x | 0.123 s/step, 1040 samples/s | <dir>``."""
+    """``[name] val/acc 0.9120 | dgc 0.001 | wire 270x | 0.123 s/step, 1040 samples/s | <dir>`` (after
+    the metric, ``| test/ppl 123.4000`` when the run was tested)."""
     metric = "n/a" if result["metric"] is None else f"{result['metric']:.4f}"
     ratio = "" if result["compress_ratio"] is None else f" {result['compress_ratio']:g}"
     wire = "n/a" if result["wire_compression"] is None else f"{result['wire_compression']:.0f}x"
     step = "n/a" if result["step_time_s"] is None else f"{result['step_time_s']:.3f} s/step"
     rate = "" if result["samples_per_s"] is None else f", {result['samples_per_s']:.0f} samples/s"
+    tested = "" if result.get("test_metric") is None else f" | {result['test_metric_name']} {result['test_metric']:.4f}"
     return (
-        f"[{result.get('name', 'run')}] {result['metric_name']} {metric} | {scheme(result)}{ratio} | "
+        f"[{result.get('name', 'run')}] {result['metric_name']} {metric}{tested} | {scheme(result)}{ratio} | "
         f"wire {wire} | {step}{rate} | {out_dir}"
     )
 

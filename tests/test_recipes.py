@@ -106,3 +106,7 @@ def test_a_run_that_stops_before_its_first_validation_validates_once_at_the_end(
     assert len(result["curve"]) == 1 and result["curve"][0][1] == 2
     assert f"{result['metric_name']} {result['metric']:.4f}" in done.stdout
     assert "v_num" not in done.stdout  # the progress bar shows metrics, not the logger's version
+    # the PTB task tests the final model on the test split (test_after_fit=true)
+    assert result["test_metric_name"] == "test/ppl" and math.isfinite(result["test_metric"]), result
+    assert result["test_metric"] != result["metric"]  # another split (made up with another seed)
+    assert f"test/ppl {result['test_metric']:.4f}" in done.stdout

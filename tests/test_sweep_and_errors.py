@@ -81,8 +81,9 @@ def test_a_run_that_makes_no_training_step_fails_naming_the_batch_size(tmp_path:
         (["strategy.compress_ratio=abc"], "`strategy.compress_ratio` must be a finite number in (0, 1], got 'abc'"),
         (["data.batch_size=-1"], "`data.batch_size` must be an integer >= 1, got -1"),
         (["trainer.devices=0"], "`trainer.devices=0` value is not a valid input"),
+        (["test_after_fit=true"], "`test_after_fit=true` evaluates on the data's test split, but DigitsDataModule"),
     ],
-    ids=["ratio-0", "ratio-abc", "batch-negative", "devices-0"],
+    ids=["ratio-0", "ratio-abc", "batch-negative", "devices-0", "no-test-split"],
 )  # fmt: skip
 def test_a_mistake_is_one_line_on_stderr_with_exit_status_2(overrides: list[str], message: str) -> None:
     done = train(*overrides, "compare_dense=false")
