@@ -44,6 +44,11 @@ def test_ptb_reads_mikolovs_files() -> None:
     assert words[int(x[len(first_line)])] == "<eos>"
     assert torch.equal(x[1:], y[:-1])  # targets are the next tokens
     assert torch.equal(dm.train_set[1][0][0:1], y[-1:])  # windows are consecutive
+    assert not hasattr(dm, "test_set")  # read only for a test stage
+    dm.setup("test")
+    assert len(dm.test_set) == (82_430 - 1) // 35  # Mikolov's test text, 82,430 tokens with <eos>
+    test_line = (SHARED_DATA / "ptb" / "ptb.test.txt").read_text().splitlines()[0].split()
+    assert [words[int(i)] for i in dm.test_set[0][0][: len(test_line)]] == test_line
 
 
 @needs_librispeech
