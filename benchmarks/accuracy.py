@@ -102,6 +102,12 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
             Run("DGC 0.1 %, seed 0", "resnet20_cifar10_dgc", ("seed=0",)),
             # delayed synchronisation's staleness cost: the exchange of step t is applied at t + 1
             Run("DGC 0.1 %, delay 1, seed 0", "resnet20_cifar10_dgc", ("seed=0", "strategy.delay=1")),
+            # OD-SGD's local update: this rank's own update applied at once, only the ranks' disagreement stale
+            Run(
+                "DGC 0.1 %, delay 1, local update, seed 0",
+                "resnet20_cifar10_dgc",
+                ("seed=0", "strategy.delay=1", "strategy.local_update=true"),
+            ),
             Run("dense, seed 1", "resnet20_cifar10_dense", ("seed=1",)),
             Run("DGC 0.1 %, seed 1", "resnet20_cifar10_dgc", ("seed=1",)),
         ),

@@ -47,10 +47,11 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_momentum_specs, unwrap_optimizer
+from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_groups, sgd_momentum_specs, unwrap_optimizer
+from lightning_gc.staleness import staleness_warning
 
 
 class HandOver(ABC):
@@ -106,7 +107,12 @@ class MomentumHandOver(HandOver):
         return self.memory.momentum_correction
 
     def check(self, optimizers: Sequence[Any], *, local_update: bool, delay: int = 0) -> None:
-        """Raise ``ValueError`` for optimizers the run cannot hand over or update locally."""
+        """Raise ``ValueError`` for optimizers the run cannot hand over or update locally; warn
+        when a delay shrinks momentum SGD's stable learning rate (:mod:`lightning_gc.staleness`)."""
+        momenta = [float(group.get("momentum", 0.0)) for group in sgd_groups(optimizers)]
+        warning = staleness_warning(max([*momenta, self.explicit_momentum or 0.0]), delay, local_update)
+        if warning is not None:
+            rank_zero_warn(f"lightning_gc: {warning}")
         if self.active and len(optimizers) > 1:
             raise ValueError(
                 f"momentum_correction=True moves one optimizer's momentum into the compression memory, but "

@@ -54,7 +54,9 @@ def unwrap_optimizer(optimizer: object) -> object:
     return getattr(optimizer, "_optimizer", optimizer)
 
 
-def _sgd_groups(optimizers: Iterable[object]) -> Iterator[dict[str, Any]]:
+def sgd_groups(optimizers: Iterable[object]) -> Iterator[dict[str, Any]]:
+    """The param groups of the ``torch.optim.SGD`` optimizers among ``optimizers`` (wrappers
+    unwrapped), with the values an older checkpoint moved out put back."""
     for optimizer in optimizers:
         inner = unwrap_optimizer(optimizer)
         if isinstance(inner, torch.optim.SGD):
@@ -74,7 +76,7 @@ def sgd_momentum_specs(optimizers: Iterable[object]) -> dict[int, MomentumSpec]:
             which momentum correction cannot reproduce.
     """
     specs: dict[int, MomentumSpec] = {}
-    for group in _sgd_groups(optimizers):
+    for group in sgd_groups(optimizers):
         if group.get("momentum", 0.0) == 0.0:
             continue
         if group.get("dampening", 0.0) != 0.0:
@@ -100,7 +102,7 @@ def momentum_free(optimizers: Iterable[object]) -> Iterator[None]:
     ``weight_decay`` set to 0 (the memory applied them); afterwards they are restored, also when
     the block raises. Wrap exactly the optimizer's step in it."""
     saved = [
-        (group, {key: group[key] for key in _MOVED}) for group in _sgd_groups(optimizers) if group["momentum"] != 0.0
+        (group, {key: group[key] for key in _MOVED}) for group in sgd_groups(optimizers) if group["momentum"] != 0.0
     ]
     for group, _ in saved:
         group.update(momentum=0.0, nesterov=False, weight_decay=0.0)

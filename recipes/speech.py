@@ -9,6 +9,7 @@ WER = word-level edit distance / reference words (torchmetrics), from greedy CTC
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,13 +217,46 @@ class SpeechDataModule(RecipeDataModule):
         return {"collate_fn": pad_batch}
 
 
+DEEPSPEECH_CONV_KERNELS: tuple[tuple[int, int], ...] = ((11, 41), (11, 21))
+"""DeepSpeech 2's (time, frequency) kernel sizes of the two convolutions (``model.conv_kernels``)."""
+
+
+def conv_kernel_sizes(kernels: Sequence[Sequence[int]]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``model.conv_kernels`` checked: two (time, frequency) pairs of odd integers >= 1 (odd, so the
+    half-kernel padding keeps :meth:`DeepSpeech.output_lengths` exact)."""
+    if isinstance(kernels, (str, bytes)) or not isinstance(kernels, Sequence) or len(kernels) != 2:
+        raise ValueError(f"`model.conv_kernels` must be two [time, frequency] kernel sizes, got {kernels!r}")
+    pairs = []
+    for i, kernel in enumerate(kernels):
+        if isinstance(kernel, (str, bytes)) or not isinstance(kernel, Sequence) or len(kernel) != 2:
+            raise ValueError(f"`model.conv_kernels[{i}]` must be a [time, frequency] pair, got {kernel!r}")
+        for j, size in enumerate(kernel):
+            check_int(f"model.conv_kernels[{i}][{j}]", size, 1)
+            if size % 2 == 0:
+                raise ValueError(f"`model.conv_kernels[{i}][{j}]` must be odd, got {size!r}")
+        pairs.append((int(kernel[0]), int(kernel[1])))
+    return pairs[0], pairs[1]
+
+
 class DeepSpeech(RecipeTask):
     """DeepSpeech-style acoustic model (Amodei et al. 2016): two 2-D convolutions over
     (time, frequency) with batch norm and hardtanh, ``rnn_layers`` bidirectional recurrent layers
     (summed directions), a linear layer to the characters, CTC loss.
 
-    The convolutions stride time by 2 then 1, so ``T' = floor((T - 1) / 2) + 1`` output frames.
-    Reports validation word error rate ``val/wer`` (lower is better).
+    The convolutions stride (time, frequency) by (2, 2) then (1, 2), each padded by half its kernel,
+    so ``T' = floor((T - 1) / 2) + 1`` output frames. Reports validation word error rate ``val/wer``
+    (lower is better).
+
+    Args:
+        n_mels: mel bands per input frame (``data.n_mels``).
+        conv_channels: channels of both convolutions.
+        rnn_type: ``"gru"`` or ``"lstm"``.
+        rnn_layers: bidirectional recurrent layers (>= 1).
+        hidden_size: units per direction of each recurrent layer.
+        conv_kernels: the two convolutions' (time, frequency) kernel sizes, each odd; the default
+            ``((11, 41), (11, 21))`` is DeepSpeech 2's, sized for 80+ mel bands and hours of audio
+            (a small corpus with ~40 bands trains faster with e.g. ``((5, 5), (5, 5))``).
+        **sgd: the optimizer and schedule (:class:`~recipes.common.RecipeTask`).
     """
 
     metric_name = "val/wer"
@@ -235,18 +269,23 @@ class DeepSpeech(RecipeTask):
         rnn_type: str = "gru",
         rnn_layers: int = 5,
         hidden_size: int = 800,
+        conv_kernels: Sequence[Sequence[int]] = DEEPSPEECH_CONV_KERNELS,
         **sgd: float,
     ) -> None:
         super().__init__(**sgd)
         check_choice("model.rnn_type", rnn_type, ("gru", "lstm"))
         check_int("model.rnn_layers", rnn_layers, 1)
-        self.save_hyperparameters()
+        check_int("model.conv_channels", conv_channels, 1)
+        check_int("model.hidden_size", hidden_size, 1)
+        (k1, k2) = kernels = conv_kernel_sizes(conv_kernels)
+        self.save_hyperparameters(ignore=["conv_kernels"])
+        self.hparams["conv_kernels"] = [list(k) for k in kernels]  # plain lists: YAML-safe in hparams.yaml
         c = conv_channels
         self.conv = nn.Sequential(
-            nn.Conv2d(1, c, (11, 41), stride=(2, 2), padding=(5, 20)),
+            nn.Conv2d(1, c, k1, stride=(2, 2), padding=(k1[0] // 2, k1[1] // 2)),
             nn.BatchNorm2d(c),
             nn.Hardtanh(0, 20, inplace=True),
-            nn.Conv2d(c, c, (11, 21), stride=(1, 2), padding=(5, 10)),
+            nn.Conv2d(c, c, k2, stride=(1, 2), padding=(k2[0] // 2, k2[1] // 2)),
             nn.BatchNorm2d(c),
             nn.Hardtanh(0, 20, inplace=True),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,48 @@ def test_an_average_owed_to_a_parameter_unused_in_a_later_step_is_applied_later(
     for rank in ranks:
         for run, side in zip(runs, rank):
             torch.testing.assert_close(side, expected, rtol=1e-5, atol=1e-6, msg=str(run))
+
+
+def _heavy_ball_grows(step: float, momentum: float, delay: int, iterations: int = 4000) -> bool:
+    """Run the delayed heavy-ball recurrence of lightning_gc.staleness on one curvature direction."""
+    w, velocities = 1.0, [0.0] * (delay + 1)  # u_{t-1}, ..., u_{t-1-delay}
+    for _ in range(iterations):
+        u = momentum * velocities[0] + step * w
+        velocities = [u, *velocities[:-1]]
+        w -= velocities[delay] if delay else u
+        if abs(w) > 1e6:  # diverging (and before overflow turns it into NaN)
+            return True
+    return abs(w) > 1.0
+
+
+def test_stable_step_limits_match_the_closed_forms_and_the_recurrence() -> None:
+    import math
+
+    from lightning_gc.staleness import stable_step_limit
+
+    for momentum in (0.0, 0.5, 0.9):
+        assert stable_step_limit(momentum, 0) == pytest.approx(2 * (1 + momentum))
+        assert stable_step_limit(momentum, 1) == pytest.approx(1 - momentum, rel=1e-6)
+        limits = [stable_step_limit(momentum, d) for d in range(5)]
+        assert limits == sorted(limits, reverse=True)  # more delay, smaller steps
+        for delay, limit in enumerate(limits):  # the recurrence itself: converges below, diverges above
+            assert not _heavy_ball_grows(0.97 * limit, momentum, delay)
+            assert _heavy_ball_grows(1.03 * limit, momentum, delay)
+    for delay in (1, 2, 3, 4):  # plain SGD with stale gradients: 2 sin(pi / (4d + 2))
+        assert stable_step_limit(0.0, delay) == pytest.approx(2 * math.sin(math.pi / (4 * delay + 2)), rel=1e-6)
+
+
+def test_a_delay_of_momentum_sgd_without_the_local_update_warns_with_the_factor() -> None:
+    from lightning_gc.handover import MomentumHandOver
+
+    memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)
+    hand_over = MomentumHandOver(memory, None, "test")
+    with pytest.warns(UserWarning, match=r"delay=1 .* with momentum 0.9 the largest stable learning rate shrinks 38x"):
+        hand_over.check([sgd], local_update=False, delay=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hand_over.check([sgd], local_update=True, delay=1)  # own update fresh: no warning
+        hand_over.check([sgd], local_update=False, delay=0)
+        plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+        hand_over.check([plain], local_update=False, delay=1)  # no momentum: 2x, as any stale SGD
