@@ -166,7 +166,14 @@ def time_codec(
         encode_s=statistics.median(encode_times),
         decode_s=statistics.median(decode_times),
         two_phase_bytes=exchange.scattered_bytes if two_phase else 0,
+        peer_bytes=exchange.peer_bytes,
+        peer_messages=exchange.peer_messages,
     )
+
+
+CACHE_VERSION = 2
+"""Bumped when :class:`~lightning_gc.perfmodel.CodecCost` gains a field: older entries are timed anew
+(version 2: point-to-point bytes and rounds)."""
 
 
 def _cache_key(
@@ -181,7 +188,10 @@ def _cache_key(
     for gradient in gradients or []:
         digest.update(gradient.reshape(-1)[:4096].detach().cpu().numpy().tobytes())
     config = json.dumps(compressor.config(), sort_keys=True, default=str)
-    return f"{config}|data={digest.hexdigest()[:12]}|p={world_size}|m={momentum}|{device}|torch={torch.__version__}"
+    return (
+        f"{config}|data={digest.hexdigest()[:12]}|p={world_size}|m={momentum}|{device}|torch={torch.__version__}"
+        f"|v{CACHE_VERSION}"
+    )
 
 
 def codec_cost(

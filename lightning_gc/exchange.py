@@ -93,8 +93,9 @@ class LocalExchange(Exchange):
     all-gather repeats this one, the all-to-all hands every rank row ``rank`` of this one's, a
     point-to-point round receives this one's message). Completes at once. Counts the bytes each
     kind of collective payload would hand to its collective over all rounds (``summed_bytes``,
-    ``gathered_bytes``, ``scattered_bytes``) and the bytes each rank would put on the wire, point
-    to point included (``traffic``, see :func:`traffic_bytes`)."""
+    ``gathered_bytes``, ``scattered_bytes``), the point-to-point bytes this rank sends and its
+    point-to-point rounds (``peer_bytes``, ``peer_messages``), and the bytes each rank would put on
+    the wire (``traffic``, see :func:`traffic_bytes`)."""
 
     def __init__(self, world_size: int, rank: int = 0) -> None:
         self.world_size = world_size
@@ -102,6 +103,8 @@ class LocalExchange(Exchange):
         self.summed_bytes = 0
         self.gathered_bytes = 0
         self.scattered_bytes = 0
+        self.peer_bytes = 0
+        self.peer_messages = 0
         self.traffic = 0.0
 
     def launch(self, encoded: Encoded) -> Future[Encoded]:
@@ -109,6 +112,9 @@ class LocalExchange(Exchange):
         self.summed_bytes += payload_bytes(encoded.summed)
         self.gathered_bytes += payload_bytes(encoded.gathered)
         self.scattered_bytes += payload_bytes(encoded.scattered)
+        if encoded.peer is not None:  # a round in sequence, whether this rank sends, receives or both
+            self.peer_messages += 1
+            self.peer_bytes += payload_bytes(encoded.peer.payload) if encoded.peer.to is not None else 0
         self.traffic += traffic_bytes(encoded, self.world_size)
         if encoded.peer is not None and encoded.peer.into is not None:
             encoded.peer.into.copy_(encoded.peer.payload)

@@ -94,7 +94,8 @@ def test_onebit_gather_loses_to_dense_beyond_64_ranks_two_phase_does_not():
 def test_two_phase_cost_moves_the_gathered_bytes_and_reencodes():
     gathered = CodecCost("onebit", summed_bytes=8, gathered_bytes=1000, encode_s=0.004, decode_s=0.002)
     phased = two_phase_cost(gathered, world_size=4)
-    assert phased.name == "onebit+two_phase" and phased.payloads == {"allreduce": 8, "gather": 0, "two_phase": 1000}
+    assert phased.name == "onebit+two_phase"
+    assert phased.payloads == {"allreduce": 8, "gather": 0, "two_phase": 1000, "peer": 0}
     # encode x (1 + 1/p): one chunk re-encoded; decode x 2/p: two payloads' worth instead of p payloads
     assert phased.encode_s == pytest.approx(0.005) and phased.decode_s == pytest.approx(0.001)
     assert cli.two_phase_row("onebit", gathered, {}, 4) == phased  # the CLI's row for a gathering quantiser
@@ -294,3 +295,24 @@ def test_cli_with_a_delay_hides_the_exchange_behind_the_whole_step():
     assert process.returncode == 0, stderr
     # 4 MB at 100 Mbit/s: 320 ms of exchange; with a delay all of C = 100 ms hides it
     assert "| dense | 4.000 | 1.0 | 320.1 | 0.0 | 0.0 | 220.1 | 320.1 | 1.00 |" in stdout
+
+
+def test_point_to_point_rounds_hand_computed_and_counted_by_calibration():
+    # q = 3 rounds of a 1 kB payload each and 400 B all-reduced on p = 4: T_p2p = 3 a + 3 kB / B
+    cost = CodecCost("g", summed_bytes=400, gathered_bytes=0, peer_bytes=3000, peer_messages=3)
+    assert comm_s(cost, NET) == pytest.approx(ring_allreduce_s(400, NET) + 3e-3 + 3e-3)
+    assert comm_s(cost, NET, rounds=2) == pytest.approx(ring_allreduce_s(400, NET, rounds=2) + 6e-3 + 3e-3)
+    assert cost.wire_bytes(4) == pytest.approx(1.5 * 400 + 3000) and cost.bytes_sent == 3400
+    assert exchange_bytes("peer", 3000, 1) == 0.0 and comm_s(cost, Network(1, 1e6, 1e-3)) == 0.0
+
+    shapes = [(64, 1024), (64,)]
+    arguments = {"compress_ratio": 0.01}
+    gathered = calibration.codec_cost("dgc", shapes, world_size=8, arguments=arguments, repeats=1)
+    for world_size, messages, sends in ((8, 3, 3), (6, 4, 3)):  # 6 ranks: fold-in, 2 rounds, hand-back
+        merged = calibration.codec_cost(
+            "dgc", shapes, world_size=world_size, arguments={**arguments, "exchange": "global_topk"}, repeats=1
+        )
+        assert (merged.peer_messages, merged.gathered_bytes) == (messages, 0)
+        assert merged.peer_bytes == sends * gathered.gathered_bytes  # one pair payload per send
+        k = 656  # ceil(1 % of 65,536): agreed fp32 values, with the dense 64-element tensor
+        assert merged.summed_bytes == (k + 64) * 4

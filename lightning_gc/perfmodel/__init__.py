@@ -19,9 +19,10 @@ per-rank bytes stay below ``2m`` at any p, where the all-gather's ``(p-1) m`` gr
 ``m = M/r``, the all-gather sends more bytes than dense ring all-reduce exactly when
 ``(p-1) M/r > 2(p-1)/p * M``, i.e. ``p > 2r`` (:func:`gather_loses_to_dense_at`).
 
-A compressor's payload has a summed part (all-reduced), a gathered part (all-gathered) and a
-two-phase part: ``T_comm = T_ar(summed) + T_ag(gathered) + T_2p(two_phase)``; dense DDP is
-``T_ar(M)``.
+A compressor's payload has a summed part (all-reduced), a gathered part (all-gathered), a
+two-phase part and point-to-point rounds (global top-k's merges, ``q`` messages in sequence of
+``b`` bytes in all, each a swap with one partner on a full-duplex link): ``T_comm = T_ar(summed) +
+T_ag(gathered) + T_2p(two_phase) + T_p2p``, ``T_p2p = n q a + b / B``; dense DDP is ``T_ar(M)``.
 
 Overlap: DDP launches a bucket's collective while backward still computes earlier layers. With
 per-step compute time ``C`` (forward + backward + optimizer of one worker, nothing exchanged) and
@@ -80,7 +81,9 @@ GATHER = "gather"
 """Exchange of a payload that cannot be summed: all-gather (``CodecCost.gathered_bytes``)."""
 TWO_PHASE = "two_phase"
 """All-to-all of chunks, decode + average + re-encode, all-gather (``CodecCost.two_phase_bytes``)."""
-EXCHANGES = (ALLREDUCE, GATHER, TWO_PHASE)
+PEER = "peer"
+"""Point-to-point rounds, one partner each (``CodecCost.peer_bytes`` over ``peer_messages`` rounds)."""
+EXCHANGES = (ALLREDUCE, GATHER, TWO_PHASE, PEER)
 
 
 @dataclass(frozen=True)
@@ -180,6 +183,8 @@ class CodecCost:
         decode_s: decoding time per step, for ``p`` ranks' payloads.
         two_phase_bytes: encoded bytes per rank per step exchanged two-phase (exchange
             ``"two_phase"``: all-to-all, then all-gather of the re-encoded chunk averages).
+        peer_bytes: bytes per rank per step sent point to point (exchange ``"peer"``), over
+        peer_messages: rounds in sequence per bucket (each costs a latency).
     """
 
     name: str
@@ -188,6 +193,8 @@ class CodecCost:
     encode_s: float = 0.0
     decode_s: float = 0.0
     two_phase_bytes: int = 0
+    peer_bytes: int = 0
+    peer_messages: int = 0
 
     def __post_init__(self) -> None:
         check_int("summed_bytes", self.summed_bytes, 0)
@@ -195,11 +202,19 @@ class CodecCost:
         check_range("encode_s", self.encode_s, 0.0, None)
         check_range("decode_s", self.decode_s, 0.0, None)
         check_int("two_phase_bytes", self.two_phase_bytes, 0)
+        check_int("peer_bytes", self.peer_bytes, 0)
+        check_int("peer_messages", self.peer_messages, 0)
 
     @property
     def payloads(self) -> dict[str, int]:
-        """Encoded bytes per rank per step by exchange: ``{"allreduce": .., "gather": .., "two_phase": ..}``."""
-        return {ALLREDUCE: self.summed_bytes, GATHER: self.gathered_bytes, TWO_PHASE: self.two_phase_bytes}
+        """Encoded bytes per rank per step by exchange: ``{"allreduce": .., "gather": .., "two_phase": ..,
+        "peer": ..}``."""
+        return {
+            ALLREDUCE: self.summed_bytes,
+            GATHER: self.gathered_bytes,
+            TWO_PHASE: self.two_phase_bytes,
+            PEER: self.peer_bytes,
+        }
 
     @property
     def bytes_sent(self) -> int:
@@ -277,16 +292,29 @@ def two_phase_s(nbytes_per_rank: float, network: Network, rounds: int = 1) -> fl
     return all_to_all + all_gather
 
 
+def peer_s(nbytes: float, network: Network, rounds: int = 1, messages: int = 1) -> float:
+    """``T_p2p = n q a + b / B`` for ``b = nbytes`` sent over ``q = messages`` point-to-point rounds
+    per bucket (each a swap: sending and receiving overlap); 0 when nothing is sent or ``p = 1``."""
+    if nbytes <= 0 or network.world_size == 1:
+        return 0.0
+    return rounds * messages * network.latency + nbytes / network.bandwidth
+
+
 _EXCHANGE_S = {ALLREDUCE: ring_allreduce_s, GATHER: allgather_s, TWO_PHASE: two_phase_s}
 
 
 def exchange_bytes(kind: str, payload_bytes: float, world_size: int) -> float:
     """Bytes one rank sends to exchange ``m = payload_bytes`` on ``p = world_size`` ranks:
     ``"allreduce"`` ``2(p-1)/p * m`` (ring), ``"gather"`` ``(p-1) * m``, ``"two_phase"``
-    ``(p-1)/p * m + (p-1) * m/p = 2(p-1)/p * m`` (padding-free chunks); 0 for ``p = 1``."""
+    ``(p-1)/p * m + (p-1) * m/p = 2(p-1)/p * m`` (padding-free chunks), ``"peer"`` ``m`` (the
+    point-to-point messages themselves); 0 for ``p = 1``."""
     check_choice("exchange", kind, EXCHANGES)
     check_int("world_size", world_size, 1)
     p = world_size
+    if p == 1:
+        return 0.0
+    if kind == PEER:
+        return float(payload_bytes)
     return (p - 1) * payload_bytes if kind == GATHER else 2 * (p - 1) / p * payload_bytes
 
 
@@ -301,8 +329,11 @@ def gather_loses_to_dense_at(compression: float) -> int:
 
 
 def comm_s(cost: CodecCost, network: Network, rounds: int = 1) -> float:
-    """``T_comm = T_ar(summed) + T_ag(gathered) + T_2p(two_phase)``."""
-    return sum(_EXCHANGE_S[kind](nbytes, network, rounds) for kind, nbytes in cost.payloads.items())
+    """``T_comm = T_ar(summed) + T_ag(gathered) + T_2p(two_phase) + T_p2p``."""
+    collectives = sum(
+        _EXCHANGE_S[kind](nbytes, network, rounds) for kind, nbytes in cost.payloads.items() if kind != PEER
+    )
+    return collectives + peer_s(cost.peer_bytes, network, rounds, cost.peer_messages)
 
 
 def two_phase_cost(cost: CodecCost, world_size: int) -> CodecCost:

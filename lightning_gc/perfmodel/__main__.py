@@ -25,6 +25,7 @@ two payloads decoded instead of ``p``, one chunk re-encoded): nothing more is ti
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -119,14 +120,25 @@ def default_cache() -> Path:
 def scaled_cost(name: str, numel: int, sample: CodecCost, sampled_numel: int, arguments: dict) -> CodecCost:
     """``sample`` (timed on ``sampled_numel`` elements) scaled to a ``numel``-element gradient:
     seconds in proportion, bytes as the compressor sends them for the whole gradient, split between
-    all-reduce and all-gather as in the sample."""
+    all-reduce and all-gather as in the sample. A sample with point-to-point rounds (global top-k)
+    has its bytes scaled in proportion too (its ``k`` pairs and agreed values grow with the
+    gradient), its rounds kept."""
+    factor = numel / sampled_numel
     if sampled_numel == numel:
         return sample
+    if sample.peer_bytes:
+        return dataclasses.replace(
+            sample,
+            summed_bytes=round(sample.summed_bytes * factor),
+            gathered_bytes=round(sample.gathered_bytes * factor),
+            peer_bytes=round(sample.peer_bytes * factor),
+            encode_s=sample.encode_s * factor,
+            decode_s=sample.decode_s * factor,
+        )
     layout = calibration.layout_of_shapes(calibration.representative_shapes(numel))
     wire = create(name, **arguments).wire_bytes(layout, 4)
     sampled_sent = sample.summed_bytes + sample.gathered_bytes
     summed = round(wire * sample.summed_bytes / sampled_sent) if sampled_sent else 0
-    factor = numel / sampled_numel
     return CodecCost(name, summed, wire - summed, sample.encode_s * factor, sample.decode_s * factor)
 
 
