@@ -13,6 +13,11 @@ time per element, and ``T_host`` the byte terms of ``T_comm`` at the network's h
 without one; see :mod:`lightning_gc.perfmodel`). The bucket is compressed iff the compressed line
 is strictly smaller.
 
+A calibrated policy (:meth:`CompressWhenFaster.calibrate`) keeps the calibration's payloads by
+exchange instead of ``s`` and scales them by ``W / W_cal``, the bucket's wire bytes over the
+calibration layout's: a two-phase payload then costs its all-to-all and all-gather, and global
+top-k its ``log2 N`` point-to-point rounds, as in :func:`~lightning_gc.perfmodel.comm_s`.
+
 Every input is either the bucket layout, the compressor's settings, or a number of the policy,
 so ranks holding the same policy decide the same. Calibrating in each process would give each
 rank different numbers: :func:`lightning_gc.policy.agreed` hands every rank rank 0's policy (the
@@ -30,7 +35,7 @@ import torch
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.layout import BucketLayout
 from lightning_gc.perfmodel import DENSE, CodecCost, Network, exchange_cost_s
-from lightning_gc.validation import check_range
+from lightning_gc.validation import check_int, check_range
 
 
 @dataclass(frozen=True)
@@ -40,19 +45,27 @@ class CompressWhenFaster:
     Attributes:
         network: the cluster (world size, bandwidth in bytes/s, latency).
         codec_s_per_element: ``c``, encode + decode seconds per bucket element.
-        summed_fraction: ``s``, share of the compressor's wire bytes that is all-reduced, in [0, 1].
+        summed_fraction: ``s``, share of the compressor's wire bytes that is all-reduced, in [0, 1]
+            (used without ``calibrated``).
         hidden_s: ``h``, communication time per bucket that backward hides (0: none).
+        calibrated: the calibration's cost, whose payloads by exchange are scaled to each bucket
+            (``None``: ``summed_fraction`` splits the wire bytes between all-reduce and all-gather).
+        calibrated_wire_bytes: ``W_cal``, the compressor's wire bytes for the calibration layout.
     """
 
     network: Network
     codec_s_per_element: float
     summed_fraction: float = 0.0
     hidden_s: float = 0.0
+    calibrated: CodecCost | None = None
+    calibrated_wire_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_range("codec_s_per_element", self.codec_s_per_element, 0.0, None)
         check_range("summed_fraction", self.summed_fraction, 0.0, 1.0)
         check_range("hidden_s", self.hidden_s, 0.0, None)
+        if self.calibrated is not None:
+            check_int("calibrated_wire_bytes", self.calibrated_wire_bytes, 1)
 
     @classmethod
     def calibrate(
@@ -71,29 +84,49 @@ class CompressWhenFaster:
         ``gradients``: flat ``numel``-element gradients of the real model to time on (default:
         Gaussian data, which underestimates data-dependent selection such as DGC's).
         """
-        from lightning_gc.calibration import codec_cost
+        from lightning_gc.calibration import codec_cost, layout_of_shapes, representative_shapes
+        from lightning_gc.compressors import create
 
         cost = codec_cost(
             compressor, numel, world_size=network.world_size, arguments=arguments, device=device, gradients=gradients
         )
         sent = cost.bytes_sent
+        wire = create(compressor, **(arguments or {})).wire_bytes(layout_of_shapes(representative_shapes(numel)), 4)
         return cls(
             network=network,
             codec_s_per_element=(cost.encode_s + cost.decode_s) / numel,
-            summed_fraction=cost.summed_bytes / sent if sent else 0.0,
+            summed_fraction=min(1.0, cost.summed_bytes / sent) if sent else 0.0,
             hidden_s=hidden_s,
+            calibrated=cost,
+            calibrated_wire_bytes=wire,
         )
 
     def step_cost_s(self, layout: BucketLayout, element_size: int, wire_bytes: int | None) -> float:
         """What the bucket adds to the step: dense when ``wire_bytes`` is None, else compressed."""
         if wire_bytes is None:
             cost, codec_s = CodecCost(DENSE, summed_bytes=layout.numel * element_size, gathered_bytes=0), 0.0
+        elif self.calibrated is not None:
+            cost = self._scaled(wire_bytes / self.calibrated_wire_bytes)
+            codec_s = self.codec_s_per_element * layout.numel
         else:
             summed = round(self.summed_fraction * wire_bytes)
             cost = CodecCost("compressed", summed_bytes=summed, gathered_bytes=wire_bytes - summed)
             codec_s = self.codec_s_per_element * layout.numel
         _, host, exposed = exchange_cost_s(cost, self.network, self.hidden_s)
         return codec_s + host + exposed
+
+    def _scaled(self, factor: float) -> CodecCost:
+        """The calibrated payloads times ``factor`` (point-to-point rounds kept)."""
+        assert self.calibrated is not None
+        c = self.calibrated
+        return CodecCost(
+            "compressed",
+            summed_bytes=round(c.summed_bytes * factor),
+            gathered_bytes=round(c.gathered_bytes * factor),
+            two_phase_bytes=round(c.two_phase_bytes * factor),
+            peer_bytes=round(c.peer_bytes * factor),
+            peer_messages=c.peer_messages,
+        )
 
     def __call__(self, compressor: Compressor, layout: BucketLayout, element_size: int) -> bool:
         """Whether to compress this bucket (the hook's ``pays`` predicate)."""

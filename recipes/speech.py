@@ -219,23 +219,24 @@ class SpeechDataModule(RecipeDataModule):
 
 DEEPSPEECH_CONV_KERNELS: tuple[tuple[int, int], ...] = ((11, 41), (11, 21))
 """DeepSpeech 2's (time, frequency) kernel sizes of the two convolutions (``model.conv_kernels``)."""
+DEEPSPEECH_CONV_STRIDES: tuple[tuple[int, int], ...] = ((2, 2), (1, 2))
+"""DeepSpeech 2's (time, frequency) strides of the two convolutions (``model.conv_strides``)."""
 
 
-def conv_kernel_sizes(kernels: Sequence[Sequence[int]]) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``model.conv_kernels`` checked: two (time, frequency) pairs of odd integers >= 1 (odd, so the
-    half-kernel padding keeps :meth:`DeepSpeech.output_lengths` exact)."""
-    if isinstance(kernels, (str, bytes)) or not isinstance(kernels, Sequence) or len(kernels) != 2:
-        raise ValueError(f"`model.conv_kernels` must be two [time, frequency] kernel sizes, got {kernels!r}")
-    pairs = []
-    for i, kernel in enumerate(kernels):
-        if isinstance(kernel, (str, bytes)) or not isinstance(kernel, Sequence) or len(kernel) != 2:
-            raise ValueError(f"`model.conv_kernels[{i}]` must be a [time, frequency] pair, got {kernel!r}")
-        for j, size in enumerate(kernel):
-            check_int(f"model.conv_kernels[{i}][{j}]", size, 1)
-            if size % 2 == 0:
-                raise ValueError(f"`model.conv_kernels[{i}][{j}]` must be odd, got {size!r}")
-        pairs.append((int(kernel[0]), int(kernel[1])))
-    return pairs[0], pairs[1]
+def conv_pairs(name: str, pairs: Sequence[Sequence[int]], *, odd: bool = False) -> tuple[tuple[int, int], ...]:
+    """``model.<name>`` checked: two (time, frequency) pairs of integers >= 1, each odd if ``odd``."""
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or len(pairs) != 2:
+        raise ValueError(f"`model.{name}` must be two [time, frequency] pairs (one per convolution), got {pairs!r}")
+    checked = []
+    for i, pair in enumerate(pairs):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(f"`model.{name}[{i}]` must be a [time, frequency] pair, got {pair!r}")
+        for j, size in enumerate(pair):
+            check_int(f"model.{name}[{i}][{j}]", size, 1)
+            if odd and size % 2 == 0:
+                raise ValueError(f"`model.{name}[{i}][{j}]` must be odd, got {size!r}")
+        checked.append((int(pair[0]), int(pair[1])))
+    return tuple(checked)
 
 
 class DeepSpeech(RecipeTask):
@@ -243,9 +244,9 @@ class DeepSpeech(RecipeTask):
     (time, frequency) with batch norm and hardtanh, ``rnn_layers`` bidirectional recurrent layers
     (summed directions), a linear layer to the characters, CTC loss.
 
-    The convolutions stride (time, frequency) by (2, 2) then (1, 2), each padded by half its kernel,
-    so ``T' = floor((T - 1) / 2) + 1`` output frames. Reports validation word error rate ``val/wer``
-    (lower is better).
+    Each convolution is padded by half its (odd) kernel, so a stride ``s`` maps ``n`` frames (or
+    bands) to ``floor((n - 1) / s) + 1``; with the default strides, ``T' = floor((T - 1) / 2) + 1``
+    output frames. Reports validation word error rate ``val/wer`` (lower is better).
 
     Args:
         n_mels: mel bands per input frame (``data.n_mels``).
@@ -255,7 +256,10 @@ class DeepSpeech(RecipeTask):
         hidden_size: units per direction of each recurrent layer.
         conv_kernels: the two convolutions' (time, frequency) kernel sizes, each odd; the default
             ``((11, 41), (11, 21))`` is DeepSpeech 2's, sized for 80+ mel bands and hours of audio
-            (a small corpus with ~40 bands trains faster with e.g. ``((5, 5), (5, 5))``).
+            (a tiny corpus with ~40 bands trains faster with e.g. ``((5, 5), (5, 5))``).
+        conv_strides: the two convolutions' (time, frequency) strides; default ``((2, 2), (1, 2))``
+            (DeepSpeech 2's). A larger time stride shortens the sequence the recurrent layers run
+            over (their cost on a CPU), as long as ``T'`` stays above the transcript's length.
         **sgd: the optimizer and schedule (:class:`~recipes.common.RecipeTask`).
     """
 
@@ -270,6 +274,7 @@ class DeepSpeech(RecipeTask):
         rnn_layers: int = 5,
         hidden_size: int = 800,
         conv_kernels: Sequence[Sequence[int]] = DEEPSPEECH_CONV_KERNELS,
+        conv_strides: Sequence[Sequence[int]] = DEEPSPEECH_CONV_STRIDES,
         **sgd: float,
     ) -> None:
         super().__init__(**sgd)
@@ -277,34 +282,43 @@ class DeepSpeech(RecipeTask):
         check_int("model.rnn_layers", rnn_layers, 1)
         check_int("model.conv_channels", conv_channels, 1)
         check_int("model.hidden_size", hidden_size, 1)
-        (k1, k2) = kernels = conv_kernel_sizes(conv_kernels)
-        self.save_hyperparameters(ignore=["conv_kernels"])
-        self.hparams["conv_kernels"] = [list(k) for k in kernels]  # plain lists: YAML-safe in hparams.yaml
+        kernels = conv_pairs("conv_kernels", conv_kernels, odd=True)  # odd: half-kernel padding is exact
+        strides = conv_pairs("conv_strides", conv_strides)
+        self.save_hyperparameters(ignore=["conv_kernels", "conv_strides"])
+        # plain lists (not tuples or OmegaConf lists): readable in hparams.yaml and checkpoints
+        self.hparams["conv_kernels"] = [list(k) for k in kernels]
+        self.hparams["conv_strides"] = [list(s) for s in strides]
+        self.time_strides = tuple(s[0] for s in strides)
         c = conv_channels
-        self.conv = nn.Sequential(
-            nn.Conv2d(1, c, k1, stride=(2, 2), padding=(k1[0] // 2, k1[1] // 2)),
-            nn.BatchNorm2d(c),
-            nn.Hardtanh(0, 20, inplace=True),
-            nn.Conv2d(c, c, k2, stride=(1, 2), padding=(k2[0] // 2, k2[1] // 2)),
-            nn.BatchNorm2d(c),
-            nn.Hardtanh(0, 20, inplace=True),
-        )
-        freq = (n_mels - 1) // 2 + 1
-        freq = (freq - 1) // 2 + 1
+        layers: list[nn.Module] = []
+        for i, (kernel, stride) in enumerate(zip(kernels, strides)):
+            padding = (kernel[0] // 2, kernel[1] // 2)
+            layers += [
+                nn.Conv2d(1 if i == 0 else c, c, kernel, stride=stride, padding=padding),
+                nn.BatchNorm2d(c),
+                nn.Hardtanh(0, 20, inplace=True),
+            ]
+        self.conv = nn.Sequential(*layers)
+        freq = n_mels
+        for _, stride in strides:
+            freq = (freq - 1) // stride + 1
         rnn = nn.GRU if rnn_type == "gru" else nn.LSTM
         self.rnn = rnn(c * freq, hidden_size, rnn_layers, batch_first=True, bidirectional=True)
         self.out = nn.Linear(hidden_size, len(ALPHABET))
         self.val_wer = WordErrorRate()
 
     @staticmethod
-    def output_lengths(lengths: torch.Tensor) -> torch.Tensor:
-        return torch.div(lengths - 1, 2, rounding_mode="floor") + 1
+    def output_lengths(lengths: torch.Tensor, time_strides: Sequence[int] = (2, 1)) -> torch.Tensor:
+        """Output frames of utterances of ``lengths`` input frames under convolutions of these time strides."""
+        for stride in time_strides:
+            lengths = torch.div(lengths - 1, stride, rounding_mode="floor") + 1
+        return lengths
 
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(B, T, n_mels)`` -> log-probabilities ``(B, T', classes)`` and ``T'`` per utterance."""
         x = self.conv(feats.unsqueeze(1))  # (B, C, T', F')
         x = x.permute(0, 2, 1, 3).flatten(2)  # (B, T', C*F')
-        out_lengths = self.output_lengths(lengths)
+        out_lengths = self.output_lengths(lengths, self.time_strides)
         packed = nn.utils.rnn.pack_padded_sequence(x, out_lengths.cpu(), batch_first=True, enforce_sorted=False)
         y, _ = self.rnn(packed)
         y, _ = nn.utils.rnn.pad_packed_sequence(y, batch_first=True, total_length=x.shape[1])

@@ -70,6 +70,30 @@ def test_hook_state_sends_dense_where_the_policy_says_so(world_of_one):
     assert CompressionHookState(DGC, memory, {}).compressor_for(LAYOUT, 4) is DGC  # off by default
 
 
+def test_a_calibrated_policy_costs_each_exchange_as_it_travels():
+    """Two-phase onebit on 128 ranks sends about 2 M/32 per rank where its gather would send
+    127 M/32 (more than dense's 2 M); global top-k's merge rounds each cost a latency."""
+    import dataclasses
+
+    network = Network.from_bits(128, 1e9)
+    onebit = create("onebit")
+    gathered = CompressWhenFaster.calibrate("onebit", network, numel=1 << 14)
+    phased = CompressWhenFaster.calibrate("onebit", network, arguments={"exchange": "two_phase"}, numel=1 << 14)
+    free = {"codec_s_per_element": 0.0}  # decide on the wire alone
+    assert not dataclasses.replace(gathered, **free)(onebit, LAYOUT, 4)
+    assert dataclasses.replace(phased, **free)(create("onebit", exchange="two_phase"), LAYOUT, 4)
+
+    slow = Network(16, bandwidth=1e12, latency=0.010)  # the rounds' latency dominates
+    merged = CompressWhenFaster.calibrate(
+        "dgc", slow, arguments={"compress_ratio": 0.001, "exchange": "global_topk"}, numel=1 << 14
+    )
+    assert merged.calibrated is not None and merged.calibrated.peer_messages == 4  # log2(16)
+    wire = create("dgc", compress_ratio=0.001, exchange="global_topk").wire_bytes(LAYOUT, 4)
+    rounds_s = dataclasses.replace(merged, **free).step_cost_s(LAYOUT, 4, wire)
+    allreduce_s = 2 * 15 * 0.010  # the agreed values' ring all-reduce: 30 latencies
+    assert rounds_s == pytest.approx(allreduce_s + 4 * 0.010, rel=1e-3)
+
+
 def test_calibrated_policy_is_consistent():
     calibrated = CompressWhenFaster.calibrate("fp16", Network.from_bits(2, 1e9), numel=1 << 16)
     assert calibrated.summed_fraction == 1.0 and calibrated.codec_s_per_element > 0
