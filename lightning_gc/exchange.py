@@ -93,8 +93,8 @@ class LocalExchange(Exchange):
     all-gather repeats this one, the all-to-all hands every rank row ``rank`` of this one's, a
     point-to-point round receives this one's message). Completes at once. Counts the bytes each
     kind of collective payload would hand to its collective over all rounds (``summed_bytes``,
-    ``gathered_bytes``, ``scattered_bytes``), the point-to-point bytes this rank sends and its
-    point-to-point rounds (``peer_bytes``, ``peer_messages``), and the bytes each rank would put on
+    ``gathered_bytes``, ``scattered_bytes``), its point-to-point rounds and the payload bytes they
+    move, one per round (``peer_messages``, ``peer_bytes``), and the bytes each rank would put on
     the wire (``traffic``, see :func:`traffic_bytes`)."""
 
     def __init__(self, world_size: int, rank: int = 0) -> None:
@@ -112,9 +112,9 @@ class LocalExchange(Exchange):
         self.summed_bytes += payload_bytes(encoded.summed)
         self.gathered_bytes += payload_bytes(encoded.gathered)
         self.scattered_bytes += payload_bytes(encoded.scattered)
-        if encoded.peer is not None:  # a round in sequence, whether this rank sends, receives or both
+        if encoded.peer is not None:  # a round in sequence, one payload through the link, sent or received
             self.peer_messages += 1
-            self.peer_bytes += payload_bytes(encoded.peer.payload) if encoded.peer.to is not None else 0
+            self.peer_bytes += payload_bytes(encoded.peer.payload)
         self.traffic += traffic_bytes(encoded, self.world_size)
         if encoded.peer is not None and encoded.peer.into is not None:
             encoded.peer.into.copy_(encoded.peer.payload)

@@ -108,24 +108,26 @@ class FabricCompressionStrategy(DDPStrategy):
         """Restore what ``state`` names, and this rank's compression state (now, or at set-up).
 
         Raises:
-            ValueError: a checkpoint without compression state after this run's first compressed
-                step (its residuals and momenta would not belong to the loaded weights); nothing
-                is loaded then.
+            ValueError: a checkpoint without compression state once this run's set-up compression memory
+                holds state (of its own steps or of a checkpoint loaded earlier): those residuals and
+                momenta would not belong to the loaded weights. Nothing is loaded then.
         """
         restores_training = bool(state) and isinstance(state, dict)
-        if restores_training and self._steps_taken() > 0:
-            if CHECKPOINT_KEY not in self.checkpoint_io.load_checkpoint(path):
-                raise ValueError(
-                    f"checkpoint {path} holds no compression state, but this run has already taken "
-                    f"{self._steps_taken()} compressed steps, whose residuals and momenta do not belong to the "
-                    "loaded weights; load it before the first step (memory then starts empty), or a checkpoint "
-                    "that fabric.save wrote under this strategy"
-                )
+        held = self._memory_step()
+        if restores_training and held > 0 and CHECKPOINT_KEY not in self.checkpoint_io.load_checkpoint(path):
+            raise ValueError(
+                f"checkpoint {path} holds no compression state, but this run's compression memory holds the "
+                f"state of step {held} (trained here or loaded from an earlier checkpoint), whose residuals and "
+                "momenta do not belong to the loaded weights; load it before the first step and any other "
+                "checkpoint (memory then starts empty), or load a checkpoint that fabric.save wrote under "
+                "this strategy"
+            )
         remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
         if not restores_training:
             return remainder  # the raw checkpoint, or a module/optimizer of it
         entry = remainder.pop(CHECKPOINT_KEY, None)
         if entry is None:
+            self._pending_entry = None  # an entry loaded before set-up belongs to other weights now
             rank_zero_info(no_entry_notice(path))
         elif self._compression is None:
             self._pending_entry = (entry, path)
@@ -133,7 +135,9 @@ class FabricCompressionStrategy(DDPStrategy):
             self._compression.load_state_dict(entry, source=path)
         return remainder
 
-    def _steps_taken(self) -> int:
+    def _memory_step(self) -> int:
+        """The step the set-up compression memory has state of (0: empty or not set up yet; an
+        entry still pending for set-up is replaced by whatever is loaded next)."""
         hook_state = None if self._compression is None else self._compression.session.hook_state
         return 0 if hook_state is None else hook_state.step
 

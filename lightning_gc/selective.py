@@ -15,8 +15,9 @@ is strictly smaller.
 
 A calibrated policy (:meth:`CompressWhenFaster.calibrate`) keeps the calibration's payloads by
 exchange instead of ``s`` and scales them by ``W / W_cal``, the bucket's wire bytes over the
-calibration layout's: a two-phase payload then costs its all-to-all and all-gather, and global
-top-k its ``log2 N`` point-to-point rounds, as in :func:`~lightning_gc.perfmodel.comm_s`.
+calibration layout's, both at 4 bytes per element (a bucket of fp16 gradients is priced as fp32):
+a two-phase payload then costs its all-to-all and all-gather, and global top-k its
+point-to-point rounds, as in :func:`~lightning_gc.perfmodel.comm_s`.
 
 Every input is either the bucket layout, the compressor's settings, or a number of the policy,
 so ranks holding the same policy decide the same. Calibrating in each process would give each
@@ -106,7 +107,7 @@ class CompressWhenFaster:
         if wire_bytes is None:
             cost, codec_s = CodecCost(DENSE, summed_bytes=layout.numel * element_size, gathered_bytes=0), 0.0
         elif self.calibrated is not None:
-            cost = self._scaled(wire_bytes / self.calibrated_wire_bytes)
+            cost = self.calibrated.scaled(wire_bytes / self.calibrated_wire_bytes, name="compressed")
             codec_s = self.codec_s_per_element * layout.numel
         else:
             summed = round(self.summed_fraction * wire_bytes)
@@ -115,20 +116,8 @@ class CompressWhenFaster:
         _, host, exposed = exchange_cost_s(cost, self.network, self.hidden_s)
         return codec_s + host + exposed
 
-    def _scaled(self, factor: float) -> CodecCost:
-        """The calibrated payloads times ``factor`` (point-to-point rounds kept)."""
-        assert self.calibrated is not None
-        c = self.calibrated
-        return CodecCost(
-            "compressed",
-            summed_bytes=round(c.summed_bytes * factor),
-            gathered_bytes=round(c.gathered_bytes * factor),
-            two_phase_bytes=round(c.two_phase_bytes * factor),
-            peer_bytes=round(c.peer_bytes * factor),
-            peer_messages=c.peer_messages,
-        )
-
     def __call__(self, compressor: Compressor, layout: BucketLayout, element_size: int) -> bool:
         """Whether to compress this bucket (the hook's ``pays`` predicate)."""
-        compressed = self.step_cost_s(layout, element_size, compressor.wire_bytes(layout, element_size))
+        wire = compressor.wire_bytes(layout, 4 if self.calibrated is not None else element_size)
+        compressed = self.step_cost_s(layout, element_size, wire)
         return compressed < self.step_cost_s(layout, element_size, None)

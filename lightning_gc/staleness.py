@@ -1,7 +1,8 @@
 """What a delayed update costs momentum SGD: the largest stable step on a quadratic.
 
-Delayed synchronisation (:mod:`lightning_gc.delay`) applies the momentum-corrected update of step
-``t`` at step ``t + d``. On one direction of curvature ``lambda`` of a quadratic, with ``h = lr *
+Delayed synchronisation (:mod:`lightning_gc.delay`) applies the update of step ``t`` at step
+``t + d``: DGC's momentum-corrected velocity, or, without momentum correction, a stale average
+that the optimizer's own momentum then accumulates (the same recurrence). On one direction of curvature ``lambda`` of a quadratic, with ``h = lr *
 lambda`` and momentum ``m`` (heavy ball, as ``torch.optim.SGD`` and DGC's momentum correction)::
 
     u_t     = m u_{t-1} + h w_t          (the velocity, from the current weights)
@@ -70,11 +71,11 @@ def stable_step_limit(momentum: float, delay: int) -> float:
 def staleness_warning(momentum: float, delay: int, local_update: bool) -> str | None:
     """What to tell a user who delays momentum SGD's update without the local update; ``None``
     when nothing is lost (no delay, no momentum, or ``local_update``)."""
-    if delay == 0 or momentum == 0.0 or local_update:
-        return None
+    if delay == 0 or not 0.0 < momentum < 1.0 or local_update:
+        return None  # (momentum >= 1 does not converge even without a delay)
     synchronous, delayed = stable_step_limit(momentum, 0), stable_step_limit(momentum, delay)
     return (
-        f"delay={delay} applies each step's momentum-corrected update {delay} step(s) late: with momentum "
+        f"delay={delay} applies each step's update {delay} step(s) late: with momentum "
         f"{momentum:g} the largest stable learning rate shrinks {synchronous / delayed:.0f}x (lr x curvature "
         f"< {delayed:.3g} instead of {synchronous:.3g}), which costs accuracy at a learning rate tuned without "
         "delay; local_update=True applies this rank's own update at once (OD-SGD), or lower the learning rate"

@@ -112,7 +112,8 @@ def fit_once(
     model = build("model", cfg.model)
     data = build("data", cfg.data)
     test_after_fit = bool(cfg.get("test_after_fit", False))
-    if test_after_fit and not (is_overridden("test_step", model) and is_overridden("test_dataloader", data)):
+    testable = getattr(model, "test_metric_name", None) is not None and is_overridden("test_step", model)
+    if test_after_fit and not (testable and is_overridden("test_dataloader", data)):
         raise UsageError(
             f"`test_after_fit=true` evaluates on the data's test split, but {type(data).__name__} with "
             f"{type(model).__name__} has none (the PTB language models have one); set test_after_fit=false"

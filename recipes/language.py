@@ -60,8 +60,8 @@ def safe_extract(archive: tarfile.TarFile, destination: Path) -> None:
 
 
 class PTBDataModule(RecipeDataModule):
-    """Penn Treebank from ``<root>/ptb.{train,valid}.txt``; downloaded (Mikolov's
-    simple-examples.tgz) when ``download=true``.
+    """Penn Treebank from ``<root>/ptb.{train,valid,test}.txt`` (the test text only for a test
+    stage); downloaded (Mikolov's simple-examples.tgz) when ``download=true`` and any is missing.
 
     Args:
         root: directory holding the text files (``data.root``).
@@ -88,7 +88,7 @@ class PTBDataModule(RecipeDataModule):
         self.vocab: dict[str, int] | None = None
 
     def prepare_data(self) -> None:
-        if self.synthetic or not self.download or (self.root / PTB_SPLITS["train"]).is_file():
+        if self.synthetic or not self.download or all((self.root / name).is_file() for name in PTB_SPLITS.values()):
             return
         import shutil
         import tempfile

@@ -154,3 +154,5 @@ def test_a_delay_of_momentum_sgd_without_the_local_update_warns_with_the_factor(
         hand_over.check([sgd], local_update=False, delay=0)
         plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
         hand_over.check([plain], local_update=False, delay=1)  # no momentum: 2x, as any stale SGD
+        unit = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=1.0)
+        hand_over.check([unit], local_update=False, delay=1)  # no bound to state (and no error)

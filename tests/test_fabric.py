@@ -84,10 +84,21 @@ def test_a_checkpoint_without_compression_state_loads_only_before_the_first_step
     fabric.backward(torch.nn.functional.cross_entropy(model(x), y))
     optimizer.step()
     trained = {k: v.clone() for k, v in net.state_dict().items()}
-    with pytest.raises(ValueError, match="already taken 1 compressed steps"):
+    with pytest.raises(ValueError, match="compression memory holds the state of step 1"):
         fabric.load(dense, state)
     assert all(torch.equal(p, trained[k]) for k, p in net.state_dict().items())  # nothing was loaded
 
     fabric.save(tmp_path / "compressed.ckpt", state)  # with this run's state: loads mid-run
     fabric.load(tmp_path / "compressed.ckpt", state)
     assert all(torch.equal(p, trained[k]) for k, p in net.state_dict().items())
+
+    # before set-up, a later checkpoint without compression state replaces a pending entry
+    again = Fabric(accelerator="cpu", devices=1, strategy="dgc_ddp")
+    again.launch()
+    other = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    pending = {"model": other, "step": 0}
+    again.load(tmp_path / "compressed.ckpt", pending)
+    again.load(dense, pending)
+    again.setup(other, torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9))
+    assert again.strategy.session.hook_state.step == 0 and pending["step"] == 7
+    assert all(torch.equal(p, saved[k]) for k, p in other.state_dict().items())

@@ -32,8 +32,10 @@ into its residual; a contribution dropped in an intermediate merge at a position
 ``G`` is then lost.) With ``G`` covering every element the step is DDP's all-reduce exactly.
 
 Traffic per rank and bucket, for a payload of ``p`` bytes (``k`` pairs) and ``d`` bytes of agreed
-and dense values: ``ceil(log2 N)`` messages of ``p`` (one more for ranks ``r < N - P``) plus a ring
-all-reduce of ``d``, ``2 (N-1)/N d``, against ``(N-1) p`` for the gathered pairs. With int32
+and dense values: ``log2 P`` messages of ``p`` from the ranks below ``P`` (one more, the
+hand-back, from ranks ``r < N - P``; the ranks from ``P`` on send one) plus a ring all-reduce of
+``d``, ``2 (N-1)/N d``, against ``(N-1) p`` for the gathered pairs. The rounds run in sequence:
+``log2 P`` of them, two more when ``N`` is not a power of two. With int32
 indices and fp32 values (``p = 2d``) the global form sends fewer bytes from ``N = 4`` on (3 vs 3.5
 payloads at ``N = 4``; 3.9 vs 7 at 8; 6 vs 31 at 32). The applied update has ``k`` positions per
 tensor, where the gathered one has up to ``N k``.

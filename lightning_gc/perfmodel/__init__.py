@@ -20,9 +20,10 @@ per-rank bytes stay below ``2m`` at any p, where the all-gather's ``(p-1) m`` gr
 ``(p-1) M/r > 2(p-1)/p * M``, i.e. ``p > 2r`` (:func:`gather_loses_to_dense_at`).
 
 A compressor's payload has a summed part (all-reduced), a gathered part (all-gathered), a
-two-phase part and point-to-point rounds (global top-k's merges, ``q`` messages in sequence of
-``b`` bytes in all, each a swap with one partner on a full-duplex link): ``T_comm = T_ar(summed) +
-T_ag(gathered) + T_2p(two_phase) + T_p2p``, ``T_p2p = n q a + b / B``; dense DDP is ``T_ar(M)``.
+two-phase part and point-to-point rounds (global top-k's merges: ``q`` rounds in sequence, each
+moving one payload into or out of the rank, ``b`` bytes over the ``q`` rounds; a swap sends and
+receives at once on a full-duplex link): ``T_comm = T_ar(summed) + T_ag(gathered) +
+T_2p(two_phase) + T_p2p``, ``T_p2p = n q a + b / B``; dense DDP is ``T_ar(M)``.
 
 Overlap: DDP launches a bucket's collective while backward still computes earlier layers. With
 per-step compute time ``C`` (forward + backward + optimizer of one worker, nothing exchanged) and
@@ -64,6 +65,7 @@ this device) or are given. The model is checked against measured two-node runs b
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -183,8 +185,10 @@ class CodecCost:
         decode_s: decoding time per step, for ``p`` ranks' payloads.
         two_phase_bytes: encoded bytes per rank per step exchanged two-phase (exchange
             ``"two_phase"``: all-to-all, then all-gather of the re-encoded chunk averages).
-        peer_bytes: bytes per rank per step sent point to point (exchange ``"peer"``), over
-        peer_messages: rounds in sequence per bucket (each costs a latency).
+        peer_bytes: bytes per rank per step its point-to-point rounds move (exchange ``"peer"``):
+            one payload per round, sent, received or both (a rank that only receives in a round
+            still waits for the payload).
+        peer_messages: point-to-point rounds in sequence per bucket (each costs a latency).
     """
 
     name: str
@@ -226,6 +230,20 @@ class CodecCost:
         """Bytes one rank sends per step on ``world_size`` ranks: :func:`exchange_bytes` summed over
         the exchanges."""
         return sum(exchange_bytes(kind, nbytes, world_size) for kind, nbytes in self.payloads.items())
+
+    def scaled(self, factor: float, name: str | None = None) -> CodecCost:
+        """This cost for a gradient ``factor`` times as large: bytes and seconds in proportion,
+        the point-to-point rounds kept (their number depends on the world size, not the size)."""
+        return dataclasses.replace(
+            self,
+            name=self.name if name is None else name,
+            summed_bytes=round(self.summed_bytes * factor),
+            gathered_bytes=round(self.gathered_bytes * factor),
+            two_phase_bytes=round(self.two_phase_bytes * factor),
+            peer_bytes=round(self.peer_bytes * factor),
+            encode_s=self.encode_s * factor,
+            decode_s=self.decode_s * factor,
+        )
 
     @classmethod
     def dense(cls, workload: Workload) -> CodecCost:
@@ -293,8 +311,9 @@ def two_phase_s(nbytes_per_rank: float, network: Network, rounds: int = 1) -> fl
 
 
 def peer_s(nbytes: float, network: Network, rounds: int = 1, messages: int = 1) -> float:
-    """``T_p2p = n q a + b / B`` for ``b = nbytes`` sent over ``q = messages`` point-to-point rounds
-    per bucket (each a swap: sending and receiving overlap); 0 when nothing is sent or ``p = 1``."""
+    """``T_p2p = n q a + b / B`` for ``q = messages`` point-to-point rounds per bucket that move
+    ``b = nbytes`` through the rank (one payload per round; a swap's send and receive overlap);
+    0 when nothing moves or ``p = 1``."""
     if nbytes <= 0 or network.world_size == 1:
         return 0.0
     return rounds * messages * network.latency + nbytes / network.bandwidth
@@ -307,7 +326,7 @@ def exchange_bytes(kind: str, payload_bytes: float, world_size: int) -> float:
     """Bytes one rank sends to exchange ``m = payload_bytes`` on ``p = world_size`` ranks:
     ``"allreduce"`` ``2(p-1)/p * m`` (ring), ``"gather"`` ``(p-1) * m``, ``"two_phase"``
     ``(p-1)/p * m + (p-1) * m/p = 2(p-1)/p * m`` (padding-free chunks), ``"peer"`` ``m`` (the
-    point-to-point messages themselves); 0 for ``p = 1``."""
+    point-to-point payloads, one per round); 0 for ``p = 1``."""
     check_choice("exchange", kind, EXCHANGES)
     check_int("world_size", world_size, 1)
     p = world_size

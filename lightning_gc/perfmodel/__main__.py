@@ -25,7 +25,6 @@ two payloads decoded instead of ``p``, one chunk re-encoded): nothing more is ti
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import os
 import sys
@@ -127,14 +126,7 @@ def scaled_cost(name: str, numel: int, sample: CodecCost, sampled_numel: int, ar
     if sampled_numel == numel:
         return sample
     if sample.peer_bytes:
-        return dataclasses.replace(
-            sample,
-            summed_bytes=round(sample.summed_bytes * factor),
-            gathered_bytes=round(sample.gathered_bytes * factor),
-            peer_bytes=round(sample.peer_bytes * factor),
-            encode_s=sample.encode_s * factor,
-            decode_s=sample.decode_s * factor,
-        )
+        return sample.scaled(factor)
     layout = calibration.layout_of_shapes(calibration.representative_shapes(numel))
     wire = create(name, **arguments).wire_bytes(layout, 4)
     sampled_sent = sample.summed_bytes + sample.gathered_bytes
