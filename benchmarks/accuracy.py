@@ -21,12 +21,16 @@ Tasks:
   on the quickstart (scikit-learn's digits), and onebit and qsgd through the two-phase exchange
   (onebit also without its server error feedback); needs no shared data.
 * ``lstm_ptb``: a small 2-layer LSTM language model on the full PTB text, dense DDP and DGC at
-  0.1 % after the paper's 4-epoch warm-up; validation perplexity (the data module has no test split).
+  0.1 % after the paper's 4-epoch warm-up; validation perplexity, and test perplexity of the final
+  model (``ptb.test.txt``).
+* ``yesno``: the speech recipes' small CTC model on OpenSLR's yesno corpus (``<data>/yesno``),
+  dense DDP and DGC (the recipe's 1 % after 50 plain AdamW steps), seeds 0 and 1; validation WER.
 * ``cifar10``: ResNet-20 on CIFAR-10's training JPEGs (``<data>/cifar10``), a seeded subset of
   ``--train-size`` images, 5,000 held out for validation; SGD lr 0.1 (global batch 128), a step
   decay at 60 % and 85 % of the epochs; dense DDP and DGC at 0.1 % (after the paper's 4-epoch
   sparsity warm-up), each with seeds 0 and 1 so the seed-to-seed spread is known, and DGC with
-  ``delay=1`` (seed 0) for delayed synchronisation's staleness cost.
+  ``delay=1`` (seed 0), without and with the local update, for delayed synchronisation's
+  staleness cost.
 
 Needs the shared data folder (``--data``, default ``../shared/data`` beside the checkout).
 """
@@ -191,6 +195,28 @@ def lstm_ptb_task(data: Path, epochs: int) -> Task:
     )
 
 
+def yesno_task(data: Path) -> Task:
+    """The speech experiment at CPU size: the ``speech_yesno`` recipes as they are (40 epochs,
+    200 steps, AdamW), dense DDP and DGC with seeds 0 and 1; WER of the 15 held-out utterances."""
+    shared = (f"data.root={data / 'yesno'}", "trainer.enable_checkpointing=false")
+    return Task(
+        name="yesno",
+        description=(
+            "small DeepSpeech-style CTC model (0.53 M parameters, AdamW), OpenSLR yesno "
+            "(45 training / 15 validation utterances), 40 epochs, 2 CPU processes x batch 4"
+        ),
+        runs=(
+            Run("dense, seed 0", "speech_yesno_dense", ("seed=0",)),
+            Run("DGC 1 %, seed 0", "speech_yesno_dgc", ("seed=0",)),
+            Run("dense, seed 1", "speech_yesno_dense", ("seed=1",)),
+            Run("DGC 1 %, seed 1", "speech_yesno_dgc", ("seed=1",)),
+        ),
+        overrides=shared,
+        metric="WER %",
+        higher_is_better=False,
+    )
+
+
 COMPRESSOR_SETTINGS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("none", ()),
     ("fp16", ()),
@@ -329,7 +355,7 @@ def plot(task: Task, results: dict[str, dict[str, Any]], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", choices=["cifar10", "lstm_ptb", "ptb_adamw", "compressors"])
+    parser.add_argument("task", choices=["cifar10", "lstm_ptb", "ptb_adamw", "compressors", "yesno"])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "accuracy")
     parser.add_argument(
@@ -349,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
         task = compressors_task(args.epochs or 12)
     elif args.task == "lstm_ptb":
         task = lstm_ptb_task(data, args.epochs or 8)
+    elif args.task == "yesno":
+        task = yesno_task(data)
     else:
         task = ptb_adamw_task(data, args.steps, args.freeze)
     results: dict[str, dict[str, Any]] = {}
