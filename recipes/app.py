@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_gc import GradientCompressionStrategy
+from recipes.common import DownloadFailed
 from recipes.results import RESULT_FILE, RunRecorder, summary_line, write_result
 
 
@@ -124,6 +125,7 @@ def fit_once(
             check_data(test=True) if test_after_fit else check_data()
         except (FileNotFoundError, ValueError) as err:
             raise UsageError(str(err)) from err
+    prepare_in_launcher(data)
     recorder = RunRecorder(out_dir, info)
     callbacks: list[L.Callback] = [recorder]
     if cfg.trainer.get("enable_progress_bar", True) is not False:
@@ -169,6 +171,23 @@ def fit_once(
             "trainer.limit_train_batches / trainer.max_steps is 0; lower data.batch_size"
         )
     return result
+
+
+def prepare_in_launcher(data: L.LightningDataModule) -> None:
+    """Download what ``data`` asks for here, in the process that launches the others, so that a
+    download that fails ends the run with its one message before any other rank starts (Lightning
+    would prepare on rank 0 after starting them). Processes a launcher started (torchrun, srun, the
+    ranks Lightning starts) leave it to Lightning.
+
+    Raises:
+        UsageError: the download could not reach its server (the message says what to do offline).
+    """
+    if processes_started_externally():
+        return
+    try:
+        data.prepare_data()
+    except DownloadFailed as err:
+        raise UsageError(str(err)) from err
 
 
 class ProgressBar(RichProgressBar):

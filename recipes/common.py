@@ -202,13 +202,18 @@ class SyntheticDataset(Dataset):
         return self.make(torch.Generator().manual_seed(self.seed * 1_000_003 + index))
 
 
+class DownloadFailed(RuntimeError):
+    """A dataset download that could not reach its server; the message says what to do offline."""
+
+
 @contextmanager
 def fetching(name: str, url: str, root: Path) -> Iterator[None]:
-    """Run a download, turning a network failure into an error that says what to do offline."""
+    """Run a download, turning a network failure into a :class:`DownloadFailed` that says what to
+    do offline."""
     try:
         yield
     except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
-        raise RuntimeError(
+        raise DownloadFailed(
             f"downloading {name} from {url} failed ({error}). Without network access, put the files under "
             f"data.root={str(root)!r} and set data.download=false, or use data.synthetic=true for a smoke test."
         ) from error

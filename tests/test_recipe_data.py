@@ -332,6 +332,17 @@ def test_a_failed_download_says_what_to_do_offline(tmp_path: Path, monkeypatch: 
         PTBDataModule(root=str(tmp_path), download=True).prepare_data()
     assert f"data.root={str(tmp_path)!r} and set data.download=false" in str(error.value)
 
+    # train.py downloads in the launching process, so the failure is one UsageError line (exit 2)
+    # before any other rank starts; ranks a launcher started leave the download to Lightning
+    from recipes.app import UsageError, prepare_in_launcher
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    with pytest.raises(UsageError, match="downloading Penn Treebank from .* failed"):
+        prepare_in_launcher(PTBDataModule(root=str(tmp_path), download=True))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    prepare_in_launcher(PTBDataModule(root=str(tmp_path), download=True))  # not its job: no error here
+
 
 @pytest.mark.parametrize(
     ("cores", "processes", "requested", "expected"),
