@@ -2,8 +2,9 @@
 
 Delayed synchronisation (:mod:`lightning_gc.delay`) applies the update of step ``t`` at step
 ``t + d``: DGC's momentum-corrected velocity, or, without momentum correction, a stale average
-that the optimizer's own momentum then accumulates (the same recurrence). On one direction of curvature ``lambda`` of a quadratic, with ``h = lr *
-lambda`` and momentum ``m`` (heavy ball, as ``torch.optim.SGD`` and DGC's momentum correction)::
+that the optimizer's own momentum then accumulates (the same recurrence). On one direction of
+curvature ``lambda`` of a quadratic, with ``h = lr * lambda`` and momentum ``m`` (heavy ball, as
+``torch.optim.SGD`` and DGC's momentum correction)::
 
     u_t     = m u_{t-1} + h w_t          (the velocity, from the current weights)
     w_{t+1} = w_t - u_{t-d}              (applied d steps late)
