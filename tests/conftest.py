@@ -26,6 +26,20 @@ REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Every test leaves the environment as it found it: an in-process Fabric or Trainer launch sets
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ..., which would make later tests look like
+    ranks a launcher started."""
+    saved = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
 def layout_of(shapes: list[tuple[int, ...]]) -> BucketLayout:
     """Bucket 0 holding tensors of ``shapes`` back to back, named ``p0, p1, ...`` in that order."""
     segments, start = [], 0
