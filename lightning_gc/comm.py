@@ -91,7 +91,7 @@ def transfer(
         operations.append(dist.P2POp(dist.irecv, receive, _global_rank(group, source), group))
     for request in dist.batch_isend_irecv(operations) if operations else []:
         request.wait()
-    if staged and into is not None and receive is not None:
+    if staged and into is not None:  # receive is into's host copy
         into.copy_(receive)
 
 

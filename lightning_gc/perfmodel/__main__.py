@@ -122,9 +122,9 @@ def scaled_cost(name: str, numel: int, sample: CodecCost, sampled_numel: int, ar
     all-reduce and all-gather as in the sample. A sample with point-to-point rounds (global top-k)
     has its bytes scaled in proportion too (its ``k`` pairs and agreed values grow with the
     gradient), its rounds kept."""
-    factor = numel / sampled_numel
     if sampled_numel == numel:
         return sample
+    factor = numel / sampled_numel
     if sample.peer_bytes:
         return sample.scaled(factor)
     layout = calibration.layout_of_shapes(calibration.representative_shapes(numel))
