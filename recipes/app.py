@@ -52,8 +52,10 @@ def qualified(group: str, cfg: DictConfig, message: str) -> str:
 
 def quiet_foreign_noise() -> None:
     """Drop messages of other libraries that tell a user of this app nothing (for the app only, never
-    in the library): Lightning's own deprecation of its tree utilities and its advertising tips."""
+    in the library): Lightning's own deprecation of its tree utilities, its note that tensorboardX is
+    no longer its dependency (it then logs CSV, which the app reads), and its advertising tips."""
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    warnings.filterwarnings("ignore", message=r".*`tensorboardX` has been removed as a dependency")
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _NoTips) for f in rank_zero.filters):
         rank_zero.addFilter(_NoTips())

@@ -4,6 +4,7 @@ loaders, synthetic data, and missing-data errors."""
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import os
 import urllib.error
@@ -178,10 +179,16 @@ def loader_workers(requested: int, local_processes: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = max(0, min(requested, cores // max(1, local_processes) - 1))
     if workers < requested:
-        rank_zero_info(
+        _say_once(
             f"data.num_workers={requested} lowered to {workers}: {cores} cores for {local_processes} training processes"
         )
     return workers
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    """``message`` on rank 0, the first time only (the training and validation loaders both ask)."""
+    rank_zero_info(message)
 
 
 class SyntheticDataset(Dataset):
