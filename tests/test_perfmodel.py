@@ -277,6 +277,47 @@ def test_cli_times_a_sample_scales_it_caches_it_and_says_so(tmp_path):
     assert len(cached) == 1 and "|p=2|" in next(iter(cached))
 
 
+def test_large_worlds_decode_four_payloads_and_scale_only_costly_plain_gathers(monkeypatch):
+    shapes = [(64, 1024)]
+    timed: list[tuple[str, int, float]] = []
+    time_at = calibration._time_at
+
+    def spy(compressor, shapes, world_size, *args):
+        cost = time_at(compressor, shapes, world_size, *args)
+        timed.append((compressor.name, world_size, cost.decode_s))
+        return cost
+
+    monkeypatch.setattr(calibration, "_time_at", spy)
+    monkeypatch.setattr(calibration, "SCALE_ABOVE_S", 0.0)  # every decode counts as too slow to time at N
+    qsgd = calibration.time_codec(create("qsgd"), shapes, world_size=16, repeats=1)
+    assert timed == [("qsgd", 4, pytest.approx(qsgd.decode_s / 4))] and qsgd.decode_timed_ranks == 4
+    exact = time_at(create("qsgd"), shapes, 16, "cpu", 1, 0.0, None)
+    assert (qsgd.gathered_bytes, qsgd.summed_bytes, exact.decode_timed_ranks) == (exact.gathered_bytes, 0, 0)
+
+    timed.clear()  # rounds whose work depends on N otherwise are timed at N, whatever they cost
+    two_phase = calibration.time_codec(create("qsgd", exchange="two_phase"), shapes, world_size=16, repeats=1)
+    merged = calibration.time_codec(
+        create("dgc", compress_ratio=0.01, exchange="global_topk"), shapes, world_size=16, repeats=1
+    )
+    assert [(name, n) for name, n, _ in timed] == [("qsgd", 16), ("dgc", 4), ("dgc", 16)]
+    assert two_phase.decode_timed_ranks == merged.decode_timed_ranks == 0
+    assert two_phase.two_phase_bytes > 0 and merged.peer_messages == 4  # log2(16) merge rounds
+
+    timed.clear()
+    monkeypatch.setattr(calibration, "SCALE_ABOVE_S", float("inf"))  # cheap: every payload decoded
+    assert calibration.time_codec(create("qsgd"), shapes, world_size=16, repeats=1).decode_timed_ranks == 0
+    assert [n for _, n, _ in timed] == [4, 16]
+    assert calibration.time_codec(create("qsgd"), shapes, world_size=3, repeats=1).decode_timed_ranks == 0
+
+
+def test_cli_says_which_decodes_it_scaled(monkeypatch, capsys):
+    monkeypatch.setattr(calibration, "SCALE_ABOVE_S", 0.0)
+    args = ["--params", "65536", "--compute-ms", "100", "--world-size", "16", "--compressor", "onebit", "--no-cache"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "decode timed on 4 ranks' payloads and scaled to 16" in out and out.count("onebit") >= 2
+
+
 def test_scaled_cost_keeps_the_split_and_scales_the_seconds():
     sample = CodecCost("dgc", summed_bytes=100, gathered_bytes=300, encode_s=0.002, decode_s=0.001)
     full = cli.scaled_cost("dgc", 4 * 2**20, sample, 2**20, {"compress_ratio": 0.01})

@@ -189,6 +189,9 @@ class CodecCost:
             one payload per round, sent, received or both (a rank that only receives in a round
             still waits for the payload).
         peer_messages: point-to-point rounds in sequence per bucket (each costs a latency).
+        decode_timed_ranks: when calibration decoded fewer payloads than the world has, how many
+            (``decode_s`` is then scaled in proportion, see :mod:`lightning_gc.calibration`);
+            0 when ``decode_s`` was timed or given as it is.
     """
 
     name: str
@@ -199,6 +202,7 @@ class CodecCost:
     two_phase_bytes: int = 0
     peer_bytes: int = 0
     peer_messages: int = 0
+    decode_timed_ranks: int = 0
 
     def __post_init__(self) -> None:
         check_int("summed_bytes", self.summed_bytes, 0)
@@ -208,6 +212,7 @@ class CodecCost:
         check_int("two_phase_bytes", self.two_phase_bytes, 0)
         check_int("peer_bytes", self.peer_bytes, 0)
         check_int("peer_messages", self.peer_messages, 0)
+        check_int("decode_timed_ranks", self.decode_timed_ranks, 0)
 
     @property
     def payloads(self) -> dict[str, int]:

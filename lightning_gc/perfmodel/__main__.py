@@ -9,10 +9,12 @@ memory-bound passes over the gradient, so their time grows with its size; what t
 computed for the whole gradient). The sample must not fit in the last-level cache, or the scaled
 time is too low: on a 2-core VM with 32 MiB of L3, timing 2**23 elements and scaling to 25.6 M
 came within 0.8-1.0x of timing all 25.6 M (fp16, PowerSGD, top-k, DGC), but 2**20 elements gave
-0.24x for fp16. Timings are cached per machine, torch version and settings in
-``$XDG_CACHE_HOME/lightning_gc/perfmodel.json`` (``--cache``, or ``--no-cache``). The output says
-which costs were timed and which were given. Bad values exit with status 2 and a message naming
-the option, the value and the valid range.
+0.24x for fp16. A world of more than 4 ranks whose gathered payloads are slow to decode (the
+quantisers) has its decode timed on 4 ranks' payloads and scaled to ``--world-size`` (one decode
+per payload: :mod:`lightning_gc.calibration`), which the output names. Timings are cached per
+machine, torch version and settings in ``$XDG_CACHE_HOME/lightning_gc/perfmodel.json``
+(``--cache``, or ``--no-cache``). The output says which costs were timed and which were given.
+Bad values exit with status 2 and a message naming the option, the value and the valid range.
 
 A compressor that takes the two-phase exchange and all-gathers here (the quantisers: onebit, qsgd,
 signsgd, terngrad; :func:`two_phase_row`) also gets a ``<name>+two_phase`` row: the same
@@ -219,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     cache = None if args.no_cache else (args.cache or default_cache())
     timed_numel = min(numel, sampled_numel)
-    costs = []
+    costs, decode_scaled_from = [], {}
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         timing = progress.add_task(f"timing codecs on {timed_numel:,} elements", total=len(names))
         for name in names:
@@ -233,6 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cache=cache,
                 repeats=args.repeats,
             )
+            if sample.decode_timed_ranks:
+                decode_scaled_from[name] = sample.decode_timed_ranks
             sampled = numel if name in measured else timed_numel
             costs.append(scaled_cost(name, numel, sample, sampled, arguments.get(name, {})))
             row = two_phase_row(name, costs[-1], arguments.get(name, {}), network.world_size)
@@ -252,6 +256,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if timed:
         scale = "" if timed_numel == numel else f", scaled to {numel:,}"
         print(f"encode/decode timed on {args.device} on {timed_numel:,} elements{scale}: {', '.join(timed)}")
+    if decode_scaled_from:
+        ranks = sorted(set(decode_scaled_from.values()))
+        print(
+            f"decode timed on {'/'.join(map(str, ranks))} ranks' payloads and scaled to {network.world_size} "
+            f"(one decode per payload; an upper bound by the per-step part): {', '.join(sorted(decode_scaled_from))}"
+        )
     if measured:
         print(f"encode/decode given with --cost: {', '.join(sorted(measured))}")
     print(format_table(predictions))
