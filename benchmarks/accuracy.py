@@ -187,7 +187,13 @@ def lstm_ptb_task(data: Path, epochs: int) -> Task:
             f"2-layer LSTM (200 units, tied embeddings), full PTB, {epochs} epochs, "
             "2 CPU processes x 20 x 35 tokens, SGD lr 2.0 momentum 0.9, clipping 0.25"
         ),
-        runs=(Run("dense", "lstm_ptb_dense"), Run("DGC 0.1 %", "lstm_ptb_dgc")),
+        runs=(
+            Run("dense", "lstm_ptb_dense"),
+            Run("DGC 0.1 %", "lstm_ptb_dgc"),
+            # the paper's language-model warm-up: one epoch, not the image models' four; 664 steps an
+            # epoch (929,589 training tokens / (2 processes x 20 x 35)), so stages of a quarter epoch
+            Run("DGC 0.1 %, 1-epoch warm-up", "lstm_ptb_dgc", ("warmup.interval=step", "warmup.steps_per_stage=166")),
+        ),
         overrides=shared,
         metric="perplexity",
         percent=False,
