@@ -25,7 +25,7 @@ from lightning_gc.guard import StepGuard
 from lightning_gc.hierarchy import NodeHierarchy
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.memory import CompensationMemory
-from lightning_gc.pipeline import Timeline, run_bucket
+from lightning_gc.pipeline import BucketStep, RoundQueue, Timeline, run_bucket
 from lightning_gc.policy import CompressionPolicy
 from lightning_gc.stats import CompressionStats
 from lightning_gc.validation import check_int
@@ -68,6 +68,10 @@ class CompressionHookState:
         sync_warmup_steps: with ``delay``, the first steps are synchronous.
         hierarchy: a two-level exchange (dense within nodes, compressed across them,
             :mod:`lightning_gc.hierarchy`); ``None``: one flat exchange over ``process_group``.
+        defer_rounds: a multi-round compressor's earlier round (the two-phase exchange's
+            all-to-all, PowerSGD's first all-reduce, global top-k's merges) is waited for at the
+            next bucket's hook instead of its own, so it travels while backward computes (flat
+            exchange only; :mod:`lightning_gc.pipeline`). The result is the same bit for bit.
 
     Attributes:
         exact_steps: steps before this one are averaged exactly as DDP's own all-reduce does
@@ -94,6 +98,7 @@ class CompressionHookState:
         local_update: bool = False,
         sync_warmup_steps: int = 0,
         hierarchy: NodeHierarchy | None = None,
+        defer_rounds: bool = True,
     ) -> None:
         self.compressor = compressor
         self.find_unused_parameters = find_unused_parameters
@@ -121,6 +126,8 @@ class CompressionHookState:
                 "`local_update=True` does not combine with a hierarchical exchange: a rank's own part is a node's sum"
             )
         self.hierarchy = hierarchy
+        self.defer_rounds = defer_rounds
+        self.rounds = RoundQueue()  # buckets whose earlier round is still in flight (defer_rounds)
         memory.seed_view = None if hierarchy is None else hierarchy.node_sum_piece
         if self.delay_line is not None:
             self.guard.before_roll_back = self.delay_line.drain  # a skipped step's exchange must land first
@@ -236,6 +243,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     (This module avoids ``from __future__ import annotations``: DDP checks these annotations at runtime.)
     """
     grad = bucket.buffer()
+    state.rounds.advance()  # earlier buckets' rounds first: every rank launches in the same order
     if state.step < state.exact_steps:
         return exact_average(state, bucket)
     layout = state.layout_for(bucket)
@@ -283,16 +291,21 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
             rank=state.rank,
             out=out,
             own=own,
+            defer_rounds=state.defer_rounds,
             **pipeline,
         )
+
+    stats, numel, dense_bytes = state.stats, grad.numel(), grad.numel() * grad.element_size()
+
+    def count(done: BucketStep) -> None:
+        stats.add(
+            bytes_sent=done.bytes_sent, dense_bytes=dense_bytes, elements_sent=done.elements_sent, elements_total=numel
+        )
+
+    state.rounds.add(sent, count)  # counted once its last round is launched (now, or at a later hook)
     if bucket.is_last():
         state.step += 1
-    state.stats.add(
-        bytes_sent=sent.bytes_sent,
-        dense_bytes=grad.numel() * grad.element_size(),
-        elements_sent=sent.elements_sent,
-        elements_total=grad.numel(),
-    )
+        state.rounds.drain()
     if delayed is None:
         return sent.averaged
     assert state.delay_line is not None

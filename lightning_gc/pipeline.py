@@ -11,10 +11,16 @@ local stand-in (:class:`~lightning_gc.exchange.LocalExchange`)::
     exchange.launch(enc)                         the collectives, from the caller, in bucket order
     on completion: compressor.decode(enc)        -> the bucket's averaged gradient
 
-Multi-round compressors (PowerSGD) return their first round with ``next_round`` set: each earlier
-round's exchange completes here before the next is encoded, so the only exchanges in flight across
-buckets are last rounds, launched in bucket order on every rank. Compressors whose residual depends
-on the aggregate set ``commit_after_decode``; memory is then told after decode.
+Multi-round compressors (PowerSGD, the two-phase exchange, global top-k's merges) return their
+first round with ``next_round`` set: an earlier round's exchange must complete before the next is
+encoded. By default that happens here, before :func:`run_bucket` returns. With ``defer_rounds`` the
+bucket's run stops after launching an earlier round and is resumed by its caller
+(:class:`RoundQueue`): the comm hook resumes it at the next bucket's hook, so the round travels
+while backward computes the next bucket's gradients instead of blocking it, and the last bucket's
+hook finishes every run. Every collective is still launched from the hook, in the same order on
+every rank (bucket ``b``'s later round before bucket ``b + 1``'s first), and the result is the
+same bit for bit. Compressors whose residual depends on the aggregate set ``commit_after_decode``;
+memory is then told after decode.
 
 Time per phase is recorded in a :class:`Timeline` (without device syncs in the hook; with them for
 calibration and benchmarks).
@@ -23,7 +29,8 @@ calibration and benchmarks).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,11 +73,15 @@ class Timeline:
         self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
-        """Charge the time since the last reading to ``phase``."""
+        """Charge the time since the last reading to ``phase`` (added to the last entry when that
+        is the same phase: a deferred round's launch and its wait are one exchange)."""
         if self.sync is not None:
             self.sync()
         now = time.perf_counter()
-        self.phases.append((phase, now - self._last))
+        if self.phases and self.phases[-1][0] == phase:
+            self.phases[-1] = (phase, self.phases[-1][1] + now - self._last)
+        else:
+            self.phases.append((phase, now - self._last))
         self._last = now
 
     def seconds(self, *phases: str) -> float:
@@ -90,6 +101,11 @@ class BucketStep:
     bytes_sent: int
     elements_sent: int
     finish: Callable[[], None] | None = None
+    rounds: Generator[None, None, None] | None = None
+    deferred: bool = False  # run_bucket returned before the last round's launch (``averaged`` is its own future)
+    """With ``defer_rounds``: the rest of the bucket's run, one earlier round at a time (each
+    ``next()`` waits for the round in flight and launches the next); ``None`` once the last round is
+    launched. ``bytes_sent`` and ``elements_sent`` grow as rounds are encoded."""
 
 
 def run_bucket(
@@ -114,6 +130,7 @@ def run_bucket(
     failure: Callable[[Exception], Exception] | None = None,
     summed_ranks: int = 1,
     clip: bool = True,
+    defer_rounds: bool = False,
 ) -> BucketStep:
     """Run the pipeline (module docstring) on one bucket whose local gradient is ``grad``.
 
@@ -136,8 +153,64 @@ def run_bucket(
         failure: turns an exchange's exception into the one to raise (e.g. naming the bucket).
         summed_ranks, clip: ``grad`` is the sum of that many ranks' gradients (a node's), which
             were clipped before summing when ``clip`` is false; see :meth:`CompensationMemory.compensate`.
+        defer_rounds: return after launching a multi-round compressor's first round, leaving the
+            rest in :attr:`BucketStep.rounds` (module docstring).
     """
-    timeline = timeline if timeline is not None else Timeline()
+    sent = BucketStep(averaged=Future(), bytes_sent=0, elements_sent=0)  # the future: see _bucket_rounds
+    rounds = _bucket_rounds(
+        sent, compressor, memory, bucket, grad, layout, exchange, step=step, world_size=world_size, rank=rank,
+        params=params, out=out, own=own, absent=absent, loss_scale=loss_scale, guard=guard,
+        timeline=timeline if timeline is not None else Timeline(), on_decoded=on_decoded, failure=failure,
+        summed_ranks=summed_ranks, clip=clip,
+    )  # fmt: skip
+    sent.rounds = rounds
+    resume(sent)  # up to the first round in flight, or to the end
+    if not defer_rounds:
+        while sent.rounds is not None:
+            resume(sent)
+    elif sent.rounds is not None:  # resolved later, from the last round's decode
+        sent.averaged = Future(devices=[grad.device]) if grad.device.type == "cuda" else Future()
+        sent.deferred = True
+    return sent
+
+
+def resume(sent: BucketStep) -> None:
+    """Wait for ``sent``'s round in flight and launch its next (the last one ends the run)."""
+    assert sent.rounds is not None
+    try:
+        next(sent.rounds)
+    except StopIteration:
+        sent.rounds = None
+
+
+def _bucket_rounds(
+    sent: BucketStep,
+    compressor: Compressor,
+    memory: CompensationMemory,
+    bucket: BucketMemory,
+    grad: torch.Tensor,
+    layout: BucketLayout,
+    exchange: Exchange,
+    *,
+    step: int,
+    world_size: int,
+    rank: int,
+    params: list[torch.Tensor] | None,
+    out: torch.Tensor | None,
+    own: torch.Tensor | None,
+    absent: list[Segment] | None,
+    loss_scale: float | None,
+    guard: StepGuard | None,
+    timeline: Timeline,
+    on_decoded: Callable[[Timeline], None] | None,
+    failure: Callable[[Exception], Exception] | None,
+    summed_ranks: int,
+    clip: bool,
+) -> Generator[None, None, None]:
+    """:func:`run_bucket`'s pipeline as a generator that pauses once after launching each earlier
+    round and returns after launching the last, counting what it sends into ``sent``. Its last
+    round's decode is ``sent.averaged`` when the run ended inside :func:`run_bucket` (the future
+    chained on the collective's, as DDP expects), or resolves the future ``run_bucket`` returned."""
     target = grad if out is None else out
     timeline.start()
     if guard is not None:
@@ -158,10 +231,14 @@ def run_bucket(
     context = EncodeContext(layout, step=step, world_size=world_size, rank=rank, unused=unused)
     encoded = compressor.encode(velocity, target, context)
     timeline.mark("encode")
-    bytes_sent, elements_sent = 0, 0
-    while encoded.next_round is not None:  # earlier rounds complete here, so launch order is bucket order
-        bytes_sent, elements_sent = bytes_sent + encoded.bytes_sent, elements_sent + encoded.elements_sent
-        wait(exchange.launch(encoded), failure)
+    while encoded.next_round is not None:  # an earlier round completes before the next is encoded
+        sent.bytes_sent += encoded.bytes_sent
+        sent.elements_sent += encoded.elements_sent
+        launched = exchange.launch(encoded)
+        timeline.mark(EXCHANGE)
+        yield  # the caller resumes when it is ready to wait (at once, or at the next bucket's hook)
+        timeline.start()  # what ran in between was not this bucket's
+        wait(launched, failure)
         timeline.mark(EXCHANGE)
         encoded = encoded.next_round()
         timeline.mark("encode")
@@ -192,11 +269,62 @@ def run_bucket(
             on_decoded(timeline)
         return target
 
-    return BucketStep(
-        averaged=launched.then(decode),
-        bytes_sent=bytes_sent + encoded.bytes_sent,
-        elements_sent=elements_sent + encoded.elements_sent,
-    )
+    sent.bytes_sent += encoded.bytes_sent
+    sent.elements_sent += encoded.elements_sent
+    decoded = launched.then(decode)
+    if sent.deferred:
+        placeholder = sent.averaged
+        decoded.then(lambda done: _settle(placeholder, done))
+    else:
+        sent.averaged = decoded
+
+
+def _settle(target: Future[torch.Tensor], done: Future[torch.Tensor]) -> None:
+    """Resolve ``target`` as ``done`` resolved."""
+    try:
+        target.set_result(done.value())
+    except Exception as error:
+        target.set_exception(error)
+
+
+class RoundQueue:
+    """Buckets whose runs wait for an earlier round in flight (``defer_rounds``), in launch order.
+
+    The comm hook calls :meth:`advance` at the start of every bucket's hook, before launching any
+    collective of its own, and :meth:`drain` at the end of the last bucket's: every rank then
+    launches the same collectives in the same order, and no run outlives its backward pass."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[tuple[BucketStep, Callable[[BucketStep], None]]] = deque()
+        self.deferred = 0  # rounds resumed by a later hook than their own (a count, for tests)
+
+    def add(self, sent: BucketStep, launched: Callable[[BucketStep], None]) -> None:
+        """Queue ``sent`` if it has rounds left; ``launched(sent)`` runs once its last round is
+        launched (at once if it already is), when its byte counts are complete."""
+        if sent.rounds is None:
+            launched(sent)
+        else:
+            self._waiting.append((sent, launched))
+
+    def advance(self) -> None:
+        """Move every waiting run on by one round, oldest first."""
+        for _ in range(len(self._waiting)):
+            sent, launched = self._waiting.popleft()
+            try:
+                resume(sent)
+            except Exception as error:  # the bucket's future fails, as it does when its last round fails
+                sent.rounds = None
+                sent.averaged.set_exception(error)
+            self.deferred += 1
+            self.add(sent, launched)
+
+    def drain(self) -> None:
+        """Run every waiting run to its last round's launch, oldest first."""
+        while self._waiting:
+            self.advance()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
 
 
 @contextmanager

@@ -270,6 +270,30 @@ def test_none_two_phase_equals_ddp_and_every_accepted_compressor_trains_on_four_
         assert ranks[0][name]["server_error_entries"] > 0  # the server error is kept, by parameter name
 
 
+def test_earlier_rounds_waited_for_at_the_next_buckets_hook_change_nothing(tmp_path) -> None:
+    """With several buckets, each multi-round compressor's earlier round (two-phase all-to-all,
+    PowerSGD's first all-reduce, global top-k's merge) is left in flight to the next bucket's hook
+    by default: the run equals the one that waits at once, bit for bit, bytes included."""
+    multi_round = {
+        "onebit": {"exchange": "two_phase"},
+        "powersgd": {"rank": 2},
+        "dgc": {"compress_ratio": 0.01, "exchange": "global_topk"},
+    }
+    runs = [
+        {"label": f"{name} {mode}", "compressor": name, "arguments": arguments, "steps": 6, "defer_rounds": defer}
+        for name, arguments in multi_round.items()
+        for mode, defer in (("deferred", True), ("at once", False))
+    ]
+    ranks = two_phase_runs(tmp_path, runs, world_size=2, bucket_cap_mb=0.25)
+    for rank in ranks:
+        for name in multi_round:
+            deferred, at_once = rank[f"{name} deferred"], rank[f"{name} at once"]
+            assert deferred["deferred_rounds"] > 0 and at_once["deferred_rounds"] == 0, name
+            assert deferred["losses"] == at_once["losses"], name
+            assert all(torch.equal(a, b) for a, b in zip(deferred["params"], at_once["params"])), name
+            assert deferred["bytes_sent"] == at_once["bytes_sent"] > 0, name
+
+
 def test_onebit_two_phase_resumes_exactly_from_its_state(tmp_path) -> None:
     """Parameters, optimizer and the hook's state (worker residuals and server errors) saved at
     step 5 and loaded into a fresh model, DDP and hook: the run continues bit for bit."""

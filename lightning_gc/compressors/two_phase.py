@@ -31,8 +31,9 @@ wire (:func:`~lightning_gc.exchange.traffic_bytes`) phase 2's row goes to ``N-1`
 ``2 (N-1)/N M/c`` in all, flat in ``N``, against ``(N-1) M/c`` for the gathered form. Every chunk's payload is padded to
 the largest, ``P``; scales are per piece (``N`` times a per-tensor codec's, a few bytes each).
 
-The cost: the first phase completes inside the comm hook (as PowerSGD's first round does, so every
-rank launches every collective in bucket order), and the owner re-encodes its chunk. With
+The cost: the first phase must arrive before the owner averages; the comm hook waits for it at
+the next bucket's hook (as for PowerSGD's first round: every rank launches every collective from
+the hooks, in bucket order; :mod:`lightning_gc.pipeline`), and the owner re-encodes its chunk. With
 ``exchange="auto"`` the two-phase form is used from ``N = 3`` on: at ``N = 2`` both send the same
 bytes and the gathered form needs one collective less.
 
