@@ -21,16 +21,19 @@ class SparsityWarmup(Callback):
 
     Stage ``i`` sends ``max(densities[i], target)`` of each compressed tensor, where ``target`` is
     the strategy's ``compress_ratio`` when fitting starts; after the last stage, ``target``.
-    Stage ``i`` covers epoch ``i`` (``interval="epoch"``) or optimizer steps
-    ``[i * steps_per_stage, (i + 1) * steps_per_stage)`` (``interval="step"``). The ratio is a
-    pure function of the epoch or global step, hence identical on every rank and restored
-    exactly on resume.
+    With ``interval="epoch"`` stage ``i`` covers epochs ``[i e, (i + 1) e)`` for ``e =
+    epochs_per_stage`` (default 1; fractions count the epoch's batches, so ``0.25`` makes the
+    four stages one epoch, as the paper's language-model and speech runs warm up, whatever the
+    world size and batch); with ``interval="step"`` optimizer steps ``[i s, (i + 1) s)`` for
+    ``s = steps_per_stage``. The ratio is a pure function of the epoch and batch, or of the global
+    step, hence identical on every rank and restored exactly on resume.
 
     Args:
         densities: the fraction sent in each stage, each in (0, 1]; default
             :data:`PAPER_WARMUP_DENSITIES`.
         interval: ``"epoch"`` or ``"step"``.
         steps_per_stage: stage length in optimizer steps, required with ``interval="step"``.
+        epochs_per_stage: stage length in epochs (> 0) with ``interval="epoch"``; default 1.
     """
 
     def __init__(
@@ -39,6 +42,7 @@ class SparsityWarmup(Callback):
         *,
         interval: str = "epoch",
         steps_per_stage: int | None = None,
+        epochs_per_stage: float | None = None,
     ) -> None:
         chosen = PAPER_WARMUP_DENSITIES if densities is None else tuple(densities)
         self.densities = tuple(
@@ -56,6 +60,16 @@ class SparsityWarmup(Callback):
             )
         else:
             self.steps_per_stage = None
+        if epochs_per_stage is not None and interval != "epoch":
+            raise ValueError(
+                f"`epochs_per_stage` only applies to interval='epoch', got epochs_per_stage={epochs_per_stage!r} "
+                f"with interval={interval!r}"
+            )
+        self.epochs_per_stage = float(
+            1.0
+            if epochs_per_stage is None
+            else check_range("epochs_per_stage", epochs_per_stage, 0.0, None, low_inclusive=False)
+        )
         self.target: float | None = None
 
     def ratio_at(self, stage: int, target: float) -> float:
@@ -87,7 +101,8 @@ class SparsityWarmup(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self.target is not None
         if self.interval == "epoch":
-            stage = trainer.current_epoch
+            progress = trainer.current_epoch + batch_idx / max(1, trainer.num_training_batches)
+            stage = int(progress / self.epochs_per_stage)
         else:
             assert self.steps_per_stage is not None
             stage = trainer.global_step // self.steps_per_stage

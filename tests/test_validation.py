@@ -74,6 +74,13 @@ CASES: list[tuple[type, dict[str, Any], str, str]] = [
     (SparsityWarmup, {"interval": "step"}, "steps_per_stage", "required"),
     (SparsityWarmup, {"interval": "step", "steps_per_stage": 0}, "steps_per_stage", ">= 1"),
     (SparsityWarmup, {"steps_per_stage": 10}, "steps_per_stage", "interval='step'"),
+    (SparsityWarmup, {"epochs_per_stage": 0}, "epochs_per_stage", "(0, inf]"),
+    (
+        SparsityWarmup,
+        {"interval": "step", "steps_per_stage": 5, "epochs_per_stage": 0.5},
+        "epochs_per_stage",
+        "interval='epoch'",
+    ),
 ]
 
 

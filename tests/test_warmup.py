@@ -24,7 +24,7 @@ def test_stage_never_sends_less_than_the_target() -> None:
 
 def _fake_trainer(epoch: int, step: int, ratio: float) -> SimpleNamespace:
     strategy = GradientCompressionStrategy("dgc", compress_ratio=ratio)
-    return SimpleNamespace(current_epoch=epoch, global_step=step, strategy=strategy)
+    return SimpleNamespace(current_epoch=epoch, global_step=step, strategy=strategy, num_training_batches=8)
 
 
 def test_epoch_interval_sets_the_strategy_ratio() -> None:
@@ -35,6 +35,26 @@ def test_epoch_interval_sets_the_strategy_ratio() -> None:
         trainer.current_epoch = epoch
         warmup.on_train_batch_start(trainer, None, None, 0)
         assert trainer.strategy.adjustable.compress_ratio == expected
+
+
+def test_fractional_epochs_per_stage_count_the_epochs_batches() -> None:
+    """Four stages in one epoch of 8 batches (the language-model warm-up): two batches a stage,
+    then the target from the next epoch on; a resumed epoch continues the same schedule."""
+    warmup = SparsityWarmup(epochs_per_stage=0.25)
+    trainer = _fake_trainer(epoch=0, step=0, ratio=0.001)
+    warmup.setup(trainer, None, "fit")
+    seen = []
+    for epoch, batch in [(0, 0), (0, 1), (0, 2), (0, 5), (0, 6), (0, 7), (1, 0), (3, 4)]:
+        trainer.current_epoch = epoch
+        warmup.on_train_batch_start(trainer, None, None, batch)
+        seen.append(trainer.strategy.adjustable.compress_ratio)
+    assert seen == [0.25, 0.25, 0.0625, 0.015625, 0.00390625, 0.00390625, 0.001, 0.001]
+    two_epochs = SparsityWarmup(epochs_per_stage=2)  # longer stages too
+    assert two_epochs.epochs_per_stage == 2.0
+    trainer.current_epoch = 3
+    two_epochs.setup(trainer, None, "fit")
+    two_epochs.on_train_batch_start(trainer, None, None, 7)
+    assert trainer.strategy.adjustable.compress_ratio == 0.0625
 
 
 def test_step_interval_and_target_captured_once() -> None:
