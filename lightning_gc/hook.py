@@ -69,9 +69,9 @@ class CompressionHookState:
         hierarchy: a two-level exchange (dense within nodes, compressed across them,
             :mod:`lightning_gc.hierarchy`); ``None``: one flat exchange over ``process_group``.
         defer_rounds: a multi-round compressor's earlier round (the two-phase exchange's
-            all-to-all, PowerSGD's first all-reduce, global top-k's merges) is waited for at the
-            next bucket's hook instead of its own, so it travels while backward computes (flat
-            exchange only; :mod:`lightning_gc.pipeline`). The result is the same bit for bit.
+            all-to-all, PowerSGD's first all-reduce) is waited for at the next bucket's hook
+            instead of its own, so it travels while backward computes (flat exchange, without
+            ``local_update``; :mod:`lightning_gc.pipeline`). The result is the same bit for bit.
 
     Attributes:
         exact_steps: steps before this one are averaged exactly as DDP's own all-reduce does
@@ -242,8 +242,16 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
 
     (This module avoids ``from __future__ import annotations``: DDP checks these annotations at runtime.)
     """
+    try:
+        state.rounds.finish()  # the earlier buckets' runs first: every rank launches in the same order
+        return _compressed(state, bucket)
+    except BaseException as error:  # nothing left to resume in a later step
+        state.rounds.abandon(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+        raise
+
+
+def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     grad = bucket.buffer()
-    state.rounds.advance()  # earlier buckets' rounds first: every rank launches in the same order
     if state.step < state.exact_steps:
         return exact_average(state, bucket)
     layout = state.layout_for(bucket)
@@ -291,7 +299,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
             rank=state.rank,
             out=out,
             own=own,
-            defer_rounds=state.defer_rounds,
+            defer_rounds=state.defer_rounds and own is None,  # OD-SGD's hand-over reads `own` at once
             **pipeline,
         )
 
@@ -305,7 +313,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     state.rounds.add(sent, count)  # counted once its last round is launched (now, or at a later hook)
     if bucket.is_last():
         state.step += 1
-        state.rounds.drain()
+        state.rounds.finish()
     if delayed is None:
         return sent.averaged
     assert state.delay_line is not None

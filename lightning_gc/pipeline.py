@@ -14,13 +14,14 @@ local stand-in (:class:`~lightning_gc.exchange.LocalExchange`)::
 Multi-round compressors (PowerSGD, the two-phase exchange, global top-k's merges) return their
 first round with ``next_round`` set: an earlier round's exchange must complete before the next is
 encoded. By default that happens here, before :func:`run_bucket` returns. With ``defer_rounds`` the
-bucket's run stops after launching an earlier round and is resumed by its caller
-(:class:`RoundQueue`): the comm hook resumes it at the next bucket's hook, so the round travels
-while backward computes the next bucket's gradients instead of blocking it, and the last bucket's
-hook finishes every run. Every collective is still launched from the hook, in the same order on
-every rank (bucket ``b``'s later round before bucket ``b + 1``'s first), and the result is the
-same bit for bit. Compressors whose residual depends on the aggregate set ``commit_after_decode``;
-memory is then told after decode.
+bucket's run stops after launching an earlier round that leaves collectives in flight and is
+finished by its caller (:class:`RoundQueue`): the comm hook finishes it at the start of the next
+bucket's hook, so the round travels while backward computes the next bucket's gradients instead
+of blocking it, and the last bucket's hook finishes every run. Each rank launches exactly the
+collectives it would waiting at once, in the same order (bucket ``b``'s every round before bucket
+``b + 1``'s first), only later, so the result is the same bit for bit. (Point-to-point rounds
+block in their launch and are not deferred.) Compressors whose residual depends on the aggregate
+set ``commit_after_decode``; memory is then told after decode.
 
 Time per phase is recorded in a :class:`Timeline` (without device syncs in the hook; with them for
 calibration and benchmarks).
@@ -236,8 +237,9 @@ def _bucket_rounds(
         sent.elements_sent += encoded.elements_sent
         launched = exchange.launch(encoded)
         timeline.mark(EXCHANGE)
-        yield  # the caller resumes when it is ready to wait (at once, or at the next bucket's hook)
-        timeline.start()  # what ran in between was not this bucket's
+        if _in_flight(encoded):
+            yield  # the caller resumes when it is ready to wait (at once, or at the next bucket's hook)
+            timeline.start()  # what ran in between was not this bucket's
         wait(launched, failure)
         timeline.mark(EXCHANGE)
         encoded = encoded.next_round()
@@ -279,6 +281,12 @@ def _bucket_rounds(
         sent.averaged = decoded
 
 
+def _in_flight(encoded: Encoded) -> bool:
+    """Whether a launched round leaves collectives in flight: a point-to-point round alone (global
+    top-k's merges) completes inside the launch (:func:`lightning_gc.comm.transfer` blocks)."""
+    return encoded.summed is not None or encoded.gathered is not None or encoded.scattered is not None
+
+
 def _settle(target: Future[torch.Tensor], done: Future[torch.Tensor]) -> None:
     """Resolve ``target`` as ``done`` resolved."""
     try:
@@ -290,13 +298,14 @@ def _settle(target: Future[torch.Tensor], done: Future[torch.Tensor]) -> None:
 class RoundQueue:
     """Buckets whose runs wait for an earlier round in flight (``defer_rounds``), in launch order.
 
-    The comm hook calls :meth:`advance` at the start of every bucket's hook, before launching any
-    collective of its own, and :meth:`drain` at the end of the last bucket's: every rank then
-    launches the same collectives in the same order, and no run outlives its backward pass."""
+    The comm hook calls :meth:`finish` at the start of every bucket's hook, before launching any
+    collective of its own, and at the end of the last bucket's: every rank then launches its
+    collectives in the order it would waiting at once (bucket ``b``'s every round before bucket
+    ``b + 1``'s first), and no run outlives its backward pass."""
 
     def __init__(self) -> None:
         self._waiting: deque[tuple[BucketStep, Callable[[BucketStep], None]]] = deque()
-        self.deferred = 0  # rounds resumed by a later hook than their own (a count, for tests)
+        self.deferred = 0  # runs finished by a later hook than their own (a count, for tests)
 
     def add(self, sent: BucketStep, launched: Callable[[BucketStep], None]) -> None:
         """Queue ``sent`` if it has rounds left; ``launched(sent)`` runs once its last round is
@@ -306,22 +315,34 @@ class RoundQueue:
         else:
             self._waiting.append((sent, launched))
 
-    def advance(self) -> None:
-        """Move every waiting run on by one round, oldest first."""
-        for _ in range(len(self._waiting)):
+    def finish(self) -> None:
+        """Run every waiting run to its last round's launch, oldest first: each rank then launches
+        exactly what it would have launched waiting at once, in the same order, only later.
+
+        An error (a failed earlier round) fails that bucket's future and every later waiting one,
+        and is raised here, in the hook, as it would have been in the bucket's own."""
+        while self._waiting:
             sent, launched = self._waiting.popleft()
+            self.deferred += 1
             try:
-                resume(sent)
-            except Exception as error:  # the bucket's future fails, as it does when its last round fails
+                while sent.rounds is not None:
+                    resume(sent)
+            except Exception as error:
                 sent.rounds = None
                 sent.averaged.set_exception(error)
-            self.deferred += 1
-            self.add(sent, launched)
+                self.abandon(error)
+                raise
+            launched(sent)
 
-    def drain(self) -> None:
-        """Run every waiting run to its last round's launch, oldest first."""
+    def abandon(self, error: Exception) -> None:
+        """Fail every waiting run's future with ``error`` and drop the runs (a hook raised: nothing
+        may be resumed in a later step, and nothing may keep their buffers and groups alive)."""
         while self._waiting:
-            self.advance()
+            sent, _ = self._waiting.popleft()
+            if sent.rounds is not None:
+                sent.rounds.close()
+                sent.rounds = None
+            sent.averaged.set_exception(error)
 
     def __len__(self) -> int:
         return len(self._waiting)

@@ -12,7 +12,7 @@ from lightning_gc.exchange import Exchange, LocalExchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
-from lightning_gc.pipeline import EXCHANGE, Timeline, run_bucket
+from lightning_gc.pipeline import EXCHANGE, RoundQueue, Timeline, run_bucket
 
 SHAPES = [(64, 50), (50,), (30, 40)]
 
@@ -140,3 +140,58 @@ def test_the_guard_stops_a_non_finite_gradient_before_memory_sees_it() -> None:
     with pytest.raises(FloatingPointError, match=r"\['t1'\]"):
         run_bucket(create("none"), memory, bucket, grad, layout, LocalExchange(1), step=0, world_size=1, guard=guard)
     assert torch.count_nonzero(bucket.velocity) == 0
+
+
+class _FailingAllToAll(LocalExchange):
+    """The local stand-in, whose all-to-all rounds fail once launched (a dead peer)."""
+
+    def launch(self, encoded):
+        launched = super().launch(encoded)
+        if encoded.scattered is None:
+            return launched
+        failed: Future = Future()
+        failed.set_exception(ConnectionError("peer gone"))
+        return failed
+
+
+def test_a_deferred_round_that_fails_raises_at_the_next_hook_and_fails_every_waiting_bucket() -> None:
+    """Two buckets leave their two-phase all-to-all in flight; finishing them raises the first's
+    error (as the bucket's own hook did when it waited at once), fails both futures and keeps no
+    run to resume in a later step."""
+    layout, queue, launched = layout_of_shapes(SHAPES), RoundQueue(), []
+    runs = []
+    for index in range(2):
+        memory, grad = _memory(), _gradient(index)
+        sent = run_bucket(
+            create("onebit", exchange="two_phase"), memory, memory.bucket(layout, grad), grad, layout,
+            _FailingAllToAll(2), step=0, world_size=2, defer_rounds=True,
+        )  # fmt: skip
+        assert sent.rounds is not None and sent.deferred
+        queue.add(sent, launched.append)
+        runs.append(sent)
+    assert len(queue) == 2
+    with pytest.raises(ConnectionError, match="peer gone"):
+        queue.finish()
+    assert len(queue) == 0 and launched == [] and all(run.rounds is None for run in runs)
+    for run in runs:
+        with pytest.raises(ConnectionError):
+            run.averaged.wait()
+
+
+def test_a_deferred_run_ends_as_the_run_that_waits_at_once() -> None:
+    layout = layout_of_shapes(SHAPES)
+    results = []
+    for defer in (False, True):
+        memory, grad, queue, counted = _memory(), _gradient(3), RoundQueue(), []
+        sent = run_bucket(
+            create("onebit", exchange="two_phase"), memory, memory.bucket(layout, grad), grad, layout,
+            LocalExchange(2), step=0, world_size=2, defer_rounds=defer,
+        )  # fmt: skip
+        queue.add(sent, counted.append)
+        assert counted == ([] if defer else [sent])
+        queue.finish()
+        assert counted == [sent] and queue.deferred == int(defer)
+        results.append((sent.averaged.wait().clone(), sent.bytes_sent, memory.bucket(layout, grad).velocity.clone()))
+    (at_once, bytes_at_once, velocity_at_once), (deferred, bytes_deferred, velocity_deferred) = results
+    assert torch.equal(at_once, deferred) and torch.equal(velocity_at_once, velocity_deferred)
+    assert bytes_at_once == bytes_deferred > 0

@@ -270,28 +270,53 @@ def test_none_two_phase_equals_ddp_and_every_accepted_compressor_trains_on_four_
         assert ranks[0][name]["server_error_entries"] > 0  # the server error is kept, by parameter name
 
 
-def test_earlier_rounds_waited_for_at_the_next_buckets_hook_change_nothing(tmp_path) -> None:
-    """With several buckets, each multi-round compressor's earlier round (two-phase all-to-all,
-    PowerSGD's first all-reduce, global top-k's merge) is left in flight to the next bucket's hook
-    by default: the run equals the one that waits at once, bit for bit, bytes included."""
-    multi_round = {
-        "onebit": {"exchange": "two_phase"},
-        "powersgd": {"rank": 2},
-        "dgc": {"compress_ratio": 0.01, "exchange": "global_topk"},
-    }
+def _deferred_and_at_once(tmp_path, cases: dict[str, dict], world_size: int) -> list[dict]:
     runs = [
-        {"label": f"{name} {mode}", "compressor": name, "arguments": arguments, "steps": 6, "defer_rounds": defer}
-        for name, arguments in multi_round.items()
+        {"label": f"{label} {mode}", **case, "steps": 6, "defer_rounds": defer}
+        for label, case in cases.items()
         for mode, defer in (("deferred", True), ("at once", False))
     ]
-    ranks = two_phase_runs(tmp_path, runs, world_size=2, bucket_cap_mb=0.25)
+    return two_phase_runs(tmp_path, runs, world_size=world_size, bucket_cap_mb=0.25)
+
+
+def _assert_same(ranks: list[dict], label: str) -> dict:
     for rank in ranks:
-        for name in multi_round:
-            deferred, at_once = rank[f"{name} deferred"], rank[f"{name} at once"]
-            assert deferred["deferred_rounds"] > 0 and at_once["deferred_rounds"] == 0, name
-            assert deferred["losses"] == at_once["losses"], name
-            assert all(torch.equal(a, b) for a, b in zip(deferred["params"], at_once["params"])), name
-            assert deferred["bytes_sent"] == at_once["bytes_sent"] > 0, name
+        deferred, at_once = rank[f"{label} deferred"], rank[f"{label} at once"]
+        assert at_once["deferred_rounds"] == 0, label
+        assert deferred["losses"] == at_once["losses"], label
+        assert all(torch.equal(a, b) for a, b in zip(deferred["params"], at_once["params"])), label
+        assert deferred["bytes_sent"] == at_once["bytes_sent"] > 0, label
+    return {name: ranks[0][f"{name} deferred"]["deferred_rounds"] for name in [label]}
+
+
+def test_earlier_rounds_waited_for_at_the_next_buckets_hook_change_nothing(tmp_path) -> None:
+    """With several buckets, a multi-round compressor's earlier round (the two-phase all-to-all,
+    PowerSGD's first all-reduce) is left in flight to the next bucket's hook by default: the run
+    equals the one that waits at once, bit for bit, bytes included, with a delay too. OD-SGD's
+    local update reads this rank's contribution at once, so it is not deferred (and still equal)."""
+    two_phase = {"compressor": "onebit", "arguments": {"exchange": "two_phase"}}
+    cases = {
+        "onebit": two_phase,
+        "powersgd": {"compressor": "powersgd", "arguments": {"rank": 2}},
+        "onebit delay": {**two_phase, "delay": 1},
+        "onebit local update": {**two_phase, "delay": 1, "local_update": True},
+    }
+    ranks = _deferred_and_at_once(tmp_path, cases, world_size=2)
+    deferred = {label: _assert_same(ranks, label)[label] for label in cases}
+    assert deferred["onebit"] > 0 and deferred["powersgd"] > 0 and deferred["onebit delay"] > 0
+    assert deferred["onebit local update"] == 0
+
+
+def test_deferred_rounds_keep_three_ranks_in_step(tmp_path) -> None:
+    """Three ranks (global top-k's ranks then take different numbers of merge rounds, which block
+    and are never deferred; the two-phase exchange's all-to-all is): no hang, the same result."""
+    cases = {
+        "dgc global top-k": {"compressor": "dgc", "arguments": {"compress_ratio": 0.01, "exchange": "global_topk"}},
+        "onebit": {"compressor": "onebit", "arguments": {"exchange": "two_phase"}},
+    }
+    ranks = _deferred_and_at_once(tmp_path, cases, world_size=3)
+    assert _assert_same(ranks, "dgc global top-k")["dgc global top-k"] == 0
+    assert _assert_same(ranks, "onebit")["onebit"] > 0
 
 
 def test_onebit_two_phase_resumes_exactly_from_its_state(tmp_path) -> None:

@@ -40,8 +40,9 @@ indices and fp32 values (``p = 2d``) the global form sends fewer bytes from ``N 
 payloads at ``N = 4``; 3.9 vs 7 at 8; 6 vs 31 at 32). The applied update has ``k`` positions per
 tensor, where the gathered one has up to ``N k``.
 
-The cost: the rounds complete inside the comm hooks (the bucket's own and the next buckets', as
-PowerSGD's first round does), one after the other, each a blocking point-to-point swap, and a merge uses ``torch.unique`` (a device-to-host sync on GPU).
+The cost: the rounds complete inside the comm hook, one after the other (each a blocking
+point-to-point swap, so unlike PowerSGD's first round they are not left in flight to the next
+bucket's hook), and a merge uses ``torch.unique`` (a device-to-host sync on GPU).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """One rank of raw-DDP runs (no Lightning) through lightning_gc's comm hook, for test_two_phase.py.
 
-For each run of the plan (``{"label", "compressor", "arguments", "steps", "resume_at", "defer_rounds"}``; compressor
+For each run of the plan (``{"label", "compressor", "arguments", "steps", "resume_at", "defer_rounds", "delay",
+"local_update"}``; compressor
 ``null`` is plain DDP without a hook) a fresh model from the same seed trains on this rank's
 deterministic data with ``SGD(lr)``; the rank saves, per label, its losses and final parameters.
 With ``resume_at`` the run stops there, keeps what a checkpoint would (parameters, optimizer,
@@ -45,7 +46,14 @@ def build(run: dict[str, Any], plan: dict[str, Any]) -> tuple[torch.nn.Module, A
         compressor = registry.create(run["compressor"], **run.get("arguments", {}))
         memory = CompressionSettings().memory_for(compressor)
         names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
-        state = CompressionHookState(compressor, memory, names, defer_rounds=run.get("defer_rounds", True))
+        state = CompressionHookState(
+            compressor,
+            memory,
+            names,
+            defer_rounds=run.get("defer_rounds", True),
+            delay=run.get("delay", 0),
+            local_update=run.get("local_update", False),
+        )
         ddp.register_comm_hook(state, compression_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])
     return model, ddp, optimizer, state
