@@ -192,10 +192,11 @@ def lstm_ptb_task(data: Path, epochs: int) -> Task:
             Run("DGC 0.1 %", "lstm_ptb_dgc"),
             # the paper's language-model warm-up: one epoch, not the image models' four; 664 steps an
             # epoch (929,589 training tokens / (2 processes x 20 x 35)), so stages of a quarter epoch
-            Run("DGC 0.1 %, 1-epoch warm-up", "lstm_ptb_dgc", ("warmup.interval=step", "warmup.steps_per_stage=166")),
+            Run("DGC 0.1 %, 1-epoch warm-up", "lstm_ptb_dgc", ("warmup.epochs_per_stage=0.25",)),
             # momentum factor masking restarts an element's momentum at every send: at the warm-up's
-            # densities (25 %, 6.25 %, ...) that is every few steps, a fraction of momentum SGD's step
-            Run("DGC 0.1 %, no momentum masking", "lstm_ptb_dgc", ("strategy.momentum_masking=false",)),
+            # densities (25 %, 6.25 %, ...) that is every few steps, a fraction of momentum SGD's step;
+            # a first epoch sent whole keeps momentum SGD's, then 0.1 % at once
+            Run("DGC 0.1 %, dense first epoch", "lstm_ptb_dgc", ("warmup.densities=[1.0]",)),
         ),
         overrides=shared,
         metric="perplexity",
