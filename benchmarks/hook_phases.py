@@ -14,7 +14,7 @@ reference points are timed in the same run on the same data, so the speedups are
 the screen as ``isfinite(grad).all()`` and the candidate search as ``abs`` + compare +
 ``nonzero`` over the whole tensor (what the hook and selection did before 2026-11-23).
 
-    taskset -c 0 python benchmarks/hook_phases.py [--models resnet18 mlp29m] [--repeats 9] [--record]
+    taskset -c 0 python -m benchmarks.hook_phases [--models resnet18 mlp29m] [--repeats 9] [--record]
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def main() -> None:
     print(table)
     if args.record:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        command = f"taskset -c 0 python benchmarks/hook_phases.py --models {' '.join(args.models)}"
+        command = f"taskset -c 0 python -m benchmarks.hook_phases --models {' '.join(args.models)}"
         header = (
             f"\n### `{command} --repeats {args.repeats}` — {platform.node()}, 1 torch thread, {stamp}\n\n"
             f"DGC at {args.ratio}, momentum 0.9, world size 2, whole gradient as one bucket, real "

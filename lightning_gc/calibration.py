@@ -21,8 +21,10 @@ steps, its decode is scaled by ``N / TIMED_RANKS`` instead: exact for ``d``, an 
 ``c (N / TIMED_RANKS - 1)``, which is small where this applies because ``d`` dominates there
 (qsgd and onebit at ``N = 16``: within 7 % of timing all 16). Cheap decodes, where ``c`` may
 dominate (DGC at 0.1 %: 2.5 ms for 16 payloads, of which scaling would make 7.5), are timed at
-``N``. Rounds whose bytes or work depend on ``N`` otherwise (two-phase chunks, global top-k's
-merge rounds) are always timed at ``N``.
+``N``; the threshold is a time, so on a loaded machine more decodes pass it (the perfmodel CLI
+names every scaled one). All-reduced payloads (decoded once, whatever ``N``) and rounds whose
+bytes or work depend on ``N`` otherwise (two-phase chunks, global top-k's merge rounds) are always
+timed at ``N``.
 Medians over ``repeats`` after one warm-up round. Results can be cached in a JSON file keyed by
 compressor configuration, gradient shapes, world size, device and torch version.
 """
@@ -154,7 +156,9 @@ def time_codec(
     scaled = dataclasses.replace(
         cost, decode_s=cost.decode_s * world_size / timed_ranks, decode_timed_ranks=timed_ranks
     )
-    plain_gather = not (cost.two_phase_bytes or cost.peer_messages)  # else its work depends on N otherwise
+    # only an all-gather's decode grows with N (an all-reduced payload is decoded once), and only a
+    # plain one's: two-phase chunks and merge rounds depend on N otherwise
+    plain_gather = cost.gathered_bytes > 0 and not (cost.two_phase_bytes or cost.peer_messages)
     if plain_gather and scaled.decode_s * (repeats + 1) > SCALE_ABOVE_S:
         return scaled
     return _time_at(compressor, shapes, world_size, device, repeats, momentum, gradients)

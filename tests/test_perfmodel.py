@@ -299,7 +299,9 @@ def test_large_worlds_decode_four_payloads_and_scale_only_costly_plain_gathers(m
     merged = calibration.time_codec(
         create("dgc", compress_ratio=0.01, exchange="global_topk"), shapes, world_size=16, repeats=1
     )
-    assert [(name, n) for name, n, _ in timed] == [("qsgd", 16), ("dgc", 4), ("dgc", 16)]
+    fp16 = calibration.time_codec(create("fp16"), shapes, world_size=16, repeats=1)  # all-reduced: decoded once
+    assert [(name, n) for name, n, _ in timed] == [("qsgd", 16), ("dgc", 4), ("dgc", 16), ("fp16", 4), ("fp16", 16)]
+    assert fp16.decode_timed_ranks == 0
     assert two_phase.decode_timed_ranks == merged.decode_timed_ranks == 0
     assert two_phase.two_phase_bytes > 0 and merged.peer_messages == 4  # log2(16) merge rounds
 
