@@ -195,8 +195,8 @@ def lstm_ptb_task(data: Path, epochs: int) -> Task:
             Run("DGC 0.1 %, 4-epoch warm-up", "lstm_ptb_dgc", ("warmup.epochs_per_stage=1",)),
             # momentum factor masking restarts an element's momentum at every send: at the warm-up's
             # densities (25 %, 6.25 %, ...) that is every few steps, a fraction of momentum SGD's step;
-            # a first epoch sent whole keeps momentum SGD's, then 0.1 % at once
-            Run("DGC 0.1 %, dense first epoch", "lstm_ptb_dgc", ("warmup.densities=[1.0]",)),
+            # a first quarter epoch sent whole keeps momentum SGD's, then 0.1 % at once
+            Run("DGC 0.1 %, a dense quarter epoch first", "lstm_ptb_dgc", ("warmup.densities=[1.0]",)),
         ),
         overrides=shared,
         metric="perplexity",
