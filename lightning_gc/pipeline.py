@@ -103,10 +103,12 @@ class BucketStep:
     elements_sent: int
     finish: Callable[[], None] | None = None
     rounds: Generator[None, None, None] | None = None
-    deferred: bool = False  # run_bucket returned before the last round's launch (``averaged`` is its own future)
-    """With ``defer_rounds``: the rest of the bucket's run, one earlier round at a time (each
-    ``next()`` waits for the round in flight and launches the next); ``None`` once the last round is
-    launched. ``bytes_sent`` and ``elements_sent`` grow as rounds are encoded."""
+    """With ``defer_rounds``: the rest of the bucket's run (each ``next()`` waits for the round in
+    flight and launches the next); ``None`` once the last round is launched. ``bytes_sent`` and
+    ``elements_sent`` grow as rounds are encoded."""
+    deferred: bool = False
+    """Whether :func:`run_bucket` returned before the last round's launch (``averaged`` is then its
+    own future, resolved from the last round's decode)."""
 
 
 def run_bucket(
