@@ -21,6 +21,12 @@ CHECKPOINT_KEY = "lightning_gc"
 CHECKPOINT_FORMAT = 1
 
 
+class IncompatibleCheckpoint(ValueError):
+    """A checkpoint's compression state cannot be resumed by this run (another number of ranks,
+    format, delay settings or hierarchy): the user's choice of checkpoint or settings, which front
+    ends report as such (the app: one line, exit status 2)."""
+
+
 def no_entry_notice(source: Any) -> str:
     """What a front end says when it resumes from a checkpoint without compression state (one
     written by dense DDP, say): the weights and optimizer load, residuals and momenta start empty."""
@@ -53,16 +59,16 @@ def rank_state(entry: dict[str, Any], *, source: Any, rank: int, world_size: int
     """This rank's part of ``entry`` (read from ``source``, named in errors).
 
     Raises:
-        ValueError: an entry of another format, or written by another number of ranks (residuals
+        IncompatibleCheckpoint: an entry of another format, or written by another number of ranks (residuals
             are per rank: they cannot be split or merged exactly).
     """
     if entry.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(
+        raise IncompatibleCheckpoint(
             f"checkpoint {source} holds compression state in format {entry.get('format')!r}; this "
             f"version of lightning_gc reads format {CHECKPOINT_FORMAT}"
         )
     if entry["world_size"] != world_size:
-        raise ValueError(
+        raise IncompatibleCheckpoint(
             f"checkpoint {source} holds compression state of {entry['world_size']} ranks but this run "
             f"has world_size={world_size}; residuals are per rank, so resume with "
             f"{entry['world_size']} processes"

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.simple import NoCompressor
 from lightning_gc.delay import DelayLine
@@ -197,14 +198,14 @@ class CompressionHookState:
         saved = tuple(state.get("delay", (0, False)))
         mine = (0, False) if self.delay_line is None else (self.delay_line.delay, self.delay_line.local_update)
         if saved != mine and (saved[0] or state.get("delayed")):
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"the checkpoint was written with (delay, local_update)={saved}, this run has {mine}: the "
                 "averages it holds belong to other steps; resume with the same delay settings"
             )
         saved_topology = tuple(state.get("hierarchy", ()))
         topology = () if self.hierarchy is None else self.hierarchy.topology.describe()
         if saved_topology != topology:
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 "the checkpoint's compression state was written with (nodes, devices per node)="
                 f"{saved_topology or 'flat'} and this run is {topology or 'flat'}: each rank holds its own piece of "
                 "every tensor's residual; resume with the same hierarchy and devices per node"

@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_gc import GradientCompressionStrategy
+from lightning_gc.checkpoint import IncompatibleCheckpoint
 from recipes.common import DownloadFailed
 from recipes.results import RESULT_FILE, RunRecorder, summary_line, write_result
 
@@ -141,7 +142,10 @@ def fit_once(
         trainer = L.Trainer(**trainer_args, strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir))
     except (MisconfigurationException, ValueError, TypeError) as err:
         raise UsageError(qualified("trainer", cfg.trainer, str(err))) from err
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    except IncompatibleCheckpoint as err:  # resumed with other ranks or settings than the checkpoint's
+        raise UsageError(f"`ckpt_path`: {err}") from err
     metric_name = recorder.metric_name or getattr(model, "metric_name", "val/loss")
     late = None
     if metric_name not in trainer.callback_metrics and not trainer.interrupted and validates(trainer, model):

@@ -312,6 +312,10 @@ def test_train_py_resumes_a_checkpoint_and_refuses_a_missing_one(tmp_path: Path)
     assert "Initializing distributed" not in missing.stdout + missing.stderr
     both = train(quoted, f"hydra.run.dir={tmp_path / 'both'}")
     assert both.returncode != 0 and "add compare_dense=false" in both.stderr
+    alone = train(*common, "trainer.max_epochs=2", "trainer.devices=1", quoted, f"hydra.run.dir={tmp_path / 'alone'}")
+    lines = alone.stderr.strip().splitlines()  # one process resuming two ranks' residuals: one line, exit 2
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr, output(alone)
+    assert lines[-1].startswith("train.py: error: `ckpt_path`: checkpoint") and "resume with 2 processes" in lines[-1]
 
 
 def test_report_draws_one_dense_reference_per_sweep_and_prints_whole_columns_when_piped(
