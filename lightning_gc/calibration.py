@@ -238,6 +238,10 @@ def _cache_key(
     )
 
 
+BUSY = "timed_busy"
+"""Marks a cached timing taken on a loaded machine (see :func:`codec_cost`)."""
+
+
 def codec_cost(
     name: str,
     numel_or_shapes: int | Sequence[tuple[int, ...]],
@@ -250,12 +254,14 @@ def codec_cost(
     repeats: int = 3,
     momentum: float = 0.0,
     gradients: Sequence[torch.Tensor] | None = None,
+    busy: bool = False,
 ) -> CodecCost:
     """The :class:`~lightning_gc.perfmodel.CodecCost` of compressor ``name`` (built from ``arguments``).
 
     ``measured=(encode_s, decode_s)`` replaces the timing (the byte counts still come from one
     real encode); ``cache`` is a JSON file read before and updated after timing; ``gradients``:
-    see :func:`time_codec`.
+    see :func:`time_codec`. ``busy``: the machine is loaded, so a timing taken now is kept only
+    until a run on a quiet machine times it again (a busy run reads any entry).
     """
     compressor = create(name, **(arguments or {}))
     shapes = representative_shapes(numel_or_shapes) if isinstance(numel_or_shapes, int) else list(numel_or_shapes)
@@ -266,8 +272,10 @@ def codec_cost(
         return dataclasses.replace(sizes, encode_s=measured[0], decode_s=measured[1], decode_timed_ranks=0)
     key = _cache_key(compressor, shapes, world_size, device, momentum, gradients)
     stored = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
-    if key in stored:
-        return CodecCost(**stored[key])
+    entry = dict(stored.get(key, {}))
+    taken_busy = entry.pop(BUSY, False)
+    if entry and (busy or not taken_busy):
+        return CodecCost(**entry)
     cost = time_codec(
         compressor,
         shapes,
@@ -278,7 +286,7 @@ def codec_cost(
         gradients=gradients,
     )
     if cache is not None:
-        stored[key] = cost.__dict__
+        stored[key] = {**cost.__dict__, **({BUSY: True} if busy else {})}
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(stored, indent=1, sort_keys=True))
     return cost

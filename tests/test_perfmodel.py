@@ -320,6 +320,23 @@ def test_cli_says_which_decodes_it_scaled(monkeypatch, capsys):
     assert "decode timed on 4 ranks' payloads and scaled to 16" in out and out.count("onebit") >= 2
 
 
+def test_a_busy_machine_is_named_and_its_timings_are_timed_again_on_a_quiet_one(monkeypatch, capsys, tmp_path):
+    cache = tmp_path / "costs.json"
+    args = ["--params", "65536", "--compute-ms", "100", "--world-size", "2", "--compressor", "fp16"]
+    args += ["--cache", str(cache)]
+    timed = []
+    codec = calibration.time_codec
+    monkeypatch.setattr(calibration, "time_codec", lambda *a, **k: timed.append(1) or codec(*a, **k))
+    for load, expected_timings, said in ((9.0, 1, True), (9.0, 1, True), (0.1, 2, False), (0.1, 2, False)):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        assert cli.main(args) == 0
+        err = capsys.readouterr().err
+        assert ("this machine is busy (load average 9.0" in err) == said
+        assert len(timed) == expected_timings  # busy: read what is there; quiet: time a busy entry again, once
+    (entry,) = json.loads(cache.read_text()).values()
+    assert calibration.BUSY not in entry
+
+
 def test_scaled_cost_keeps_the_split_and_scales_the_seconds():
     sample = CodecCost("dgc", summed_bytes=100, gathered_bytes=300, encode_s=0.002, decode_s=0.001)
     full = cli.scaled_cost("dgc", 4 * 2**20, sample, 2**20, {"compress_ratio": 0.01})

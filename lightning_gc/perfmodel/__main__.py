@@ -112,6 +112,13 @@ def _parse_costs(items: Sequence[str]) -> dict[str, tuple[float, float]]:
     return costs
 
 
+def busy_cpu() -> float | None:
+    """The 1-minute load average when it exceeds the CPU count (other work would slow and scatter
+    CPU timings: up to 25x, seen beside a 2-process training run on 2 cores), else ``None``."""
+    load = os.getloadavg()[0]
+    return load if load > (os.cpu_count() or 1) else None
+
+
 def default_cache() -> Path:
     """Where calibrations are kept between runs: ``$XDG_CACHE_HOME`` (or ``~/.cache``)/lightning_gc."""
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -220,6 +227,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     cache = None if args.no_cache else (args.cache or default_cache())
+    busy = busy_cpu() if args.device == "cpu" else None
+    if busy is not None:
+        print(
+            f"perfmodel: this machine is busy (load average {busy:.1f} on {os.cpu_count()} cores): codec timings "
+            "taken now are slow and noisy; they are cached only until a run on a quiet machine times them again",
+            file=sys.stderr,
+        )
     timed_numel = min(numel, sampled_numel)
     costs, decode_scaled_from = [], {}
     with Progress(transient=True, console=Console(stderr=True)) as progress:
@@ -234,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 measured=measured.get(name),
                 cache=cache,
                 repeats=args.repeats,
+                busy=busy is not None,
             )
             if sample.decode_timed_ranks:
                 decode_scaled_from[name] = sample.decode_timed_ranks
