@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.futures import Future
 
 from lightning_gc import comm
@@ -110,8 +111,18 @@ def resolve_hierarchy(hierarchy: str, world_size: int, rank: int, devices_per_no
             "torchrun (which sets LOCAL_WORLD_SIZE)"
         )
     topology = NodeTopology.of(world_size, rank, devices_per_node)
-    if hierarchy == "auto" and (topology.nodes == 1 or topology.per_node == 1):
-        return None
+    if topology.nodes == 1 or topology.per_node == 1:
+        if hierarchy == "auto":
+            return None
+        rank_zero_warn(
+            f"lightning_gc: hierarchy='node' on {topology.nodes} node(s) x {topology.per_node} device(s): "
+            + (
+                "with one node every gradient is averaged exactly within it and nothing is compressed"
+                if topology.nodes == 1
+                else "with one device per node the two levels add nothing to the flat exchange"
+            )
+            + "; hierarchy='auto' picks two levels only for several nodes of several devices"
+        )
     return topology
 
 

@@ -141,7 +141,10 @@ def fit_once(
     try:
         trainer = L.Trainer(**trainer_args, strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir))
     except (MisconfigurationException, ValueError, TypeError) as err:
-        raise UsageError(qualified("trainer", cfg.trainer, str(err))) from err
+        message = qualified("trainer", cfg.trainer, str(err))
+        if "`trainer.devices=" in message:  # Lightning names the value, not what it takes
+            message += " `trainer.devices` takes a number of devices >= 1, a list of device indices, or 'auto'."
+        raise UsageError(message) from err
     try:
         trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     except IncompatibleCheckpoint as err:  # resumed with other ranks or settings than the checkpoint's

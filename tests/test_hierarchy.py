@@ -179,6 +179,8 @@ def test_topology_and_settings_are_checked_where_they_are_written(monkeypatch: p
     assert resolve_hierarchy("node", 8, 5, 4) == NodeTopology(nodes=2, per_node=4, node=1, local=1)
     assert resolve_hierarchy("auto", 8, 5, 8) is None  # one node
     assert resolve_hierarchy("auto", 8, 5, 1) is None  # one device per node
+    with pytest.warns(UserWarning, match="with one node every gradient is averaged exactly"):  # asked for: said
+        assert resolve_hierarchy("node", 2, 0, 2) == NodeTopology(nodes=1, per_node=2, node=0, local=0)
     assert resolve_hierarchy("auto", 8, 5, None) is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert resolve_hierarchy("auto", 8, 5, None) == NodeTopology(nodes=4, per_node=2, node=2, local=1)

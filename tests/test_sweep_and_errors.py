@@ -80,7 +80,7 @@ def test_a_run_that_makes_no_training_step_fails_naming_the_batch_size(tmp_path:
          "`strategy.compress_ratio` must be in (0, 1], got 0"),
         (["strategy.compress_ratio=abc"], "`strategy.compress_ratio` must be a finite number in (0, 1], got 'abc'"),
         (["data.batch_size=-1"], "`data.batch_size` must be an integer >= 1, got -1"),
-        (["trainer.devices=0"], "`trainer.devices=0` value is not a valid input"),
+        (["trainer.devices=0"], "`trainer.devices` takes a number of devices >= 1, a list of device indices"),
         (["test_after_fit=true"], "`test_after_fit=true` evaluates on the data's test split, but DigitsDataModule"),
     ],
     ids=["ratio-0", "ratio-abc", "batch-negative", "devices-0", "no-test-split"],
