@@ -247,7 +247,7 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
         state.rounds.finish()  # the earlier buckets' runs first: every rank launches in the same order
         return _compressed(state, bucket)
     except BaseException as error:  # nothing left to resume in a later step
-        state.rounds.abandon(error if isinstance(error, Exception) else RuntimeError(repr(error)))
+        state.rounds.abandon(error)
         raise
 
 

@@ -159,25 +159,93 @@ def run_bucket(
         defer_rounds: return after launching a multi-round compressor's first round, leaving the
             rest in :attr:`BucketStep.rounds` (module docstring).
     """
-    sent = BucketStep(averaged=Future(), bytes_sent=0, elements_sent=0)  # the future: see _bucket_rounds
-    rounds = _bucket_rounds(
-        sent, compressor, memory, bucket, grad, layout, exchange, step=step, world_size=world_size, rank=rank,
-        params=params, out=out, own=own, absent=absent, loss_scale=loss_scale, guard=guard,
-        timeline=timeline if timeline is not None else Timeline(), on_decoded=on_decoded, failure=failure,
-        summed_ranks=summed_ranks, clip=clip,
-    )  # fmt: skip
-    sent.rounds = rounds
-    resume(sent)  # up to the first round in flight, or to the end
+    timeline = timeline if timeline is not None else Timeline()
+    target = grad if out is None else out
+    sent = BucketStep(averaged=Future(), bytes_sent=0, elements_sent=0)
+
+    def pipeline() -> Generator[None, None, None]:
+        """The pipeline, pausing once after launching each earlier round that leaves collectives
+        in flight and returning after launching the last, counting what it sends into ``sent``.
+        Its last round's decode becomes ``sent.averaged`` when the run ends inside this call (the
+        future chained on the collective's, as DDP expects), or resolves the future returned."""
+        timeline.start()
+        if guard is not None:
+            guard.screen(grad, layout, bucket, step=step, loss_scaled=loss_scale is not None)
+            timeline.mark("screen")
+        velocity = memory.compensate(
+            bucket,
+            grad,
+            params or [],
+            world_size,
+            absent=absent,
+            loss_scale=loss_scale,
+            summed_ranks=summed_ranks,
+            clip=clip,
+        )
+        timeline.mark("compensate")
+        unused = frozenset(segment.name for segment in absent or ())
+        context = EncodeContext(layout, step=step, world_size=world_size, rank=rank, unused=unused)
+        encoded = compressor.encode(velocity, target, context)
+        timeline.mark("encode")
+        while encoded.next_round is not None:  # an earlier round completes before the next is encoded
+            sent.bytes_sent += encoded.bytes_sent
+            sent.elements_sent += encoded.elements_sent
+            launched = exchange.launch(encoded)
+            timeline.mark(EXCHANGE)
+            if _in_flight(encoded):
+                yield  # the caller resumes when it is ready to wait (at once, or at the next bucket's hook)
+                timeline.start()  # what ran in between was not this bucket's
+            wait(launched, failure)
+            timeline.mark(EXCHANGE)
+            encoded = encoded.next_round()
+            timeline.mark("encode")
+        if encoded.commit_after_decode:
+            if own is not None:
+                raise ValueError(
+                    f"compressor {compressor.name!r} learns what it sent only from the average (it commits after "
+                    "decode), so this rank's own contribution is not known before the exchange"
+                )
+        else:
+            memory.commit(bucket, encoded, own)
+            timeline.mark("commit")
+        launched = exchange.launch(encoded)
+        timeline.mark("launch")  # before `.then` below: decode may run on another thread once attached
+
+        def decode(done: Future[Encoded]) -> torch.Tensor:
+            wait(done, failure)
+            received = done.value()
+            timeline.start()
+            compressor.decode(received, target, world_size=world_size)
+            timeline.mark("decode")
+            if received.commit_after_decode:
+                memory.commit(bucket, received)
+                timeline.mark(COMMIT_AFTER_DECODE)
+            if out is None:
+                memory.restore_loss_scale(grad, loss_scale)
+            if on_decoded is not None:
+                on_decoded(timeline)
+            return target
+
+        sent.bytes_sent += encoded.bytes_sent
+        sent.elements_sent += encoded.elements_sent
+        decoded = launched.then(decode)
+        if sent.deferred:
+            placeholder = sent.averaged
+            decoded.then(lambda done: _settle(placeholder, done))
+        else:
+            sent.averaged = decoded
+
+    sent.rounds = pipeline()
+    _step(sent)  # up to the first round in flight, or to the end
     if not defer_rounds:
-        while sent.rounds is not None:
-            resume(sent)
+        complete(sent)
     elif sent.rounds is not None:  # resolved later, from the last round's decode
         sent.averaged = Future(devices=[grad.device]) if grad.device.type == "cuda" else Future()
         sent.deferred = True
     return sent
 
 
-def resume(sent: BucketStep) -> None:
+def _step(sent: BucketStep) -> None:
     """Wait for ``sent``'s round in flight and launch its next (the last one ends the run)."""
     assert sent.rounds is not None
     try:
@@ -186,101 +254,10 @@ def resume(sent: BucketStep) -> None:
         sent.rounds = None
 
 
-def _bucket_rounds(
-    sent: BucketStep,
-    compressor: Compressor,
-    memory: CompensationMemory,
-    bucket: BucketMemory,
-    grad: torch.Tensor,
-    layout: BucketLayout,
-    exchange: Exchange,
-    *,
-    step: int,
-    world_size: int,
-    rank: int,
-    params: list[torch.Tensor] | None,
-    out: torch.Tensor | None,
-    own: torch.Tensor | None,
-    absent: list[Segment] | None,
-    loss_scale: float | None,
-    guard: StepGuard | None,
-    timeline: Timeline,
-    on_decoded: Callable[[Timeline], None] | None,
-    failure: Callable[[Exception], Exception] | None,
-    summed_ranks: int,
-    clip: bool,
-) -> Generator[None, None, None]:
-    """:func:`run_bucket`'s pipeline as a generator that pauses once after launching each earlier
-    round and returns after launching the last, counting what it sends into ``sent``. Its last
-    round's decode is ``sent.averaged`` when the run ended inside :func:`run_bucket` (the future
-    chained on the collective's, as DDP expects), or resolves the future ``run_bucket`` returned."""
-    target = grad if out is None else out
-    timeline.start()
-    if guard is not None:
-        guard.screen(grad, layout, bucket, step=step, loss_scaled=loss_scale is not None)
-        timeline.mark("screen")
-    velocity = memory.compensate(
-        bucket,
-        grad,
-        params or [],
-        world_size,
-        absent=absent,
-        loss_scale=loss_scale,
-        summed_ranks=summed_ranks,
-        clip=clip,
-    )
-    timeline.mark("compensate")
-    unused = frozenset(segment.name for segment in absent or ())
-    context = EncodeContext(layout, step=step, world_size=world_size, rank=rank, unused=unused)
-    encoded = compressor.encode(velocity, target, context)
-    timeline.mark("encode")
-    while encoded.next_round is not None:  # an earlier round completes before the next is encoded
-        sent.bytes_sent += encoded.bytes_sent
-        sent.elements_sent += encoded.elements_sent
-        launched = exchange.launch(encoded)
-        timeline.mark(EXCHANGE)
-        if _in_flight(encoded):
-            yield  # the caller resumes when it is ready to wait (at once, or at the next bucket's hook)
-            timeline.start()  # what ran in between was not this bucket's
-        wait(launched, failure)
-        timeline.mark(EXCHANGE)
-        encoded = encoded.next_round()
-        timeline.mark("encode")
-    if encoded.commit_after_decode:
-        if own is not None:
-            raise ValueError(
-                f"compressor {compressor.name!r} learns what it sent only from the average (it commits after "
-                "decode), so this rank's own contribution is not known before the exchange"
-            )
-    else:
-        memory.commit(bucket, encoded, own)
-        timeline.mark("commit")
-    launched = exchange.launch(encoded)
-    timeline.mark("launch")  # before `.then` below: decode may run on another thread once attached
-
-    def decode(done: Future[Encoded]) -> torch.Tensor:
-        wait(done, failure)
-        received = done.value()
-        timeline.start()
-        compressor.decode(received, target, world_size=world_size)
-        timeline.mark("decode")
-        if received.commit_after_decode:
-            memory.commit(bucket, received)
-            timeline.mark(COMMIT_AFTER_DECODE)
-        if out is None:
-            memory.restore_loss_scale(grad, loss_scale)
-        if on_decoded is not None:
-            on_decoded(timeline)
-        return target
-
-    sent.bytes_sent += encoded.bytes_sent
-    sent.elements_sent += encoded.elements_sent
-    decoded = launched.then(decode)
-    if sent.deferred:
-        placeholder = sent.averaged
-        decoded.then(lambda done: _settle(placeholder, done))
-    else:
-        sent.averaged = decoded
+def complete(sent: BucketStep) -> None:
+    """Run ``sent``'s remaining rounds, each waited for before the next is launched."""
+    while sent.rounds is not None:
+        _step(sent)
 
 
 def _in_flight(encoded: Encoded) -> bool:
@@ -327,8 +304,7 @@ class RoundQueue:
             sent, launched = self._waiting.popleft()
             self.deferred += 1
             try:
-                while sent.rounds is not None:
-                    resume(sent)
+                complete(sent)
             except Exception as error:
                 sent.rounds = None
                 sent.averaged.set_exception(error)
@@ -336,9 +312,12 @@ class RoundQueue:
                 raise
             launched(sent)
 
-    def abandon(self, error: Exception) -> None:
-        """Fail every waiting run's future with ``error`` and drop the runs (a hook raised: nothing
-        may be resumed in a later step, and nothing may keep their buffers and groups alive)."""
+    def abandon(self, error: BaseException) -> None:
+        """Fail every waiting run's future with ``error`` (an interrupt as a ``RuntimeError``) and
+        drop the runs (a hook raised: nothing may be resumed in a later step, and nothing may keep
+        their buffers and groups alive)."""
+        if not isinstance(error, Exception):
+            error = RuntimeError(f"the backward pass was interrupted: {error!r}")
         while self._waiting:
             sent, _ = self._waiting.popleft()
             if sent.rounds is not None:

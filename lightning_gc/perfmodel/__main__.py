@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     timed_numel = min(numel, sampled_numel)
-    costs, decode_scaled_from = [], {}
+    costs, decode_scaled = [], []
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         timing = progress.add_task(f"timing codecs on {timed_numel:,} elements", total=len(names))
         for name in names:
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 busy=busy is not None,
             )
             if sample.decode_timed_ranks:
-                decode_scaled_from[name] = sample.decode_timed_ranks
+                decode_scaled.append(name)
             sampled = numel if name in measured else timed_numel
             costs.append(scaled_cost(name, numel, sample, sampled, arguments.get(name, {})))
             row = two_phase_row(name, costs[-1], arguments.get(name, {}), network.world_size)
@@ -271,11 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if timed:
         scale = "" if timed_numel == numel else f", scaled to {numel:,}"
         print(f"encode/decode timed on {args.device} on {timed_numel:,} elements{scale}: {', '.join(timed)}")
-    if decode_scaled_from:
-        ranks = sorted(set(decode_scaled_from.values()))
+    if decode_scaled:
         print(
-            f"decode timed on {'/'.join(map(str, ranks))} ranks' payloads and scaled to {network.world_size} "
-            f"(one decode per payload; an upper bound by the per-step part): {', '.join(sorted(decode_scaled_from))}"
+            f"decode timed on {calibration.TIMED_RANKS} ranks' payloads and scaled to {network.world_size} "
+            f"(one decode per payload; an upper bound by the per-step part): {', '.join(decode_scaled)}"
         )
     if measured:
         print(f"encode/decode given with --cost: {', '.join(sorted(measured))}")
