@@ -113,10 +113,12 @@ def _parse_costs(items: Sequence[str]) -> dict[str, tuple[float, float]]:
 
 
 def busy_cpu() -> float | None:
-    """The 1-minute load average when it exceeds the CPU count (other work would slow and scatter
-    CPU timings: up to 25x, seen beside a 2-process training run on 2 cores), else ``None``."""
+    """The 1-minute load average when other work competes for the CPUs (timings then come out
+    slow and scattered: up to 25x, seen beside a 2-process training run on 2 cores), else ``None``.
+    Busy means more than one runnable task per core besides this process: the average lags by a
+    minute and counts this process too (2.2 on 2 cores right after a test run had ended)."""
     load = os.getloadavg()[0]
-    return load if load > (os.cpu_count() or 1) else None
+    return load if load > (os.cpu_count() or 1) + 1 else None
 
 
 def default_cache() -> Path:
