@@ -9,7 +9,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from rank_setup import join_gloo
+from rank_setup import gloo_rank
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gc
@@ -68,10 +68,9 @@ def train(run: dict, rank: int) -> dict:
 
 
 def main() -> None:
-    plan, rank = join_gloo()
-    results = [train(run, rank) for run in plan["runs"]]
-    torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    with gloo_rank() as (plan, rank):
+        results = [train(run, rank) for run in plan["runs"]]
+        torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

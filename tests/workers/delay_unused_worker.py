@@ -13,8 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
-from rank_setup import join_gloo
+from rank_setup import gloo_rank
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gc
@@ -54,10 +53,9 @@ def train(run: dict, plan: dict, rank: int) -> torch.Tensor:
 
 
 def main() -> None:
-    plan, rank = join_gloo()
-    sides = [train(run, plan, rank) for run in plan["runs"]]
-    torch.save(sides, os.path.join(plan["out"], f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    with gloo_rank() as (plan, rank):
+        sides = [train(run, plan, rank) for run in plan["runs"]]
+        torch.save(sides, os.path.join(plan["out"], f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

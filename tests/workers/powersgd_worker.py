@@ -24,7 +24,7 @@ from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rank_setup import join_gloo
+from rank_setup import gloo_rank
 from test_hook_reference import data_for, make_model  # noqa: E402
 
 
@@ -74,10 +74,9 @@ def train(plan: dict, mode: str, rank: int) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    plan, rank = join_gloo()
-    results = {mode: train(plan, mode, rank) for mode in plan["modes"]}
-    torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    with gloo_rank() as (plan, rank):
+        results = {mode: train(plan, mode, rank) for mode in plan["modes"]}
+        torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

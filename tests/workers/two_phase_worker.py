@@ -14,8 +14,7 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from rank_setup import join_gloo
+from rank_setup import gloo_rank
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import registry
@@ -91,10 +90,9 @@ def train(run: dict[str, Any], plan: dict[str, Any], rank: int) -> dict[str, Any
 
 
 def main() -> None:
-    plan, rank = join_gloo()
-    results = {run["label"]: train(run, plan, rank) for run in plan["runs"]}
-    torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    with gloo_rank() as (plan, rank):
+        results = {run["label"]: train(run, plan, rank) for run in plan["runs"]}
+        torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":
