@@ -15,6 +15,14 @@ the screen as ``isfinite(grad).all()`` and the candidate search as ``abs`` + com
 ``nonzero`` over the whole tensor (what the hook and selection did before 2026-11-23).
 
     taskset -c 0 python -m benchmarks.hook_phases [--models resnet18 mlp29m] [--repeats 9] [--record]
+
+``--codec "NAME KEY=VALUE ..."`` (repeatable) times any compressor's whole bucket instead, side by
+side on the same gradients, with no momentum (error feedback only), as the pipeline's phases
+(``encode`` includes a two-phase exchange's owner round, which runs when its first round arrives)
+and the bucket's total::
+
+    taskset -c 0 python -m benchmarks.hook_phases --models resnet18 \
+        --codec onebit --codec "onebit exchange=two_phase" --codec "qsgd exchange=two_phase"
 """
 
 from __future__ import annotations
@@ -28,10 +36,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.compressors import parse_row
 from benchmarks.netbench.models import gradient_shapes
 from benchmarks.netbench.predict import real_gradients
 from lightning_gc.calibration import layout_of_shapes
-from lightning_gc.compressors import DGCCompressor
+from lightning_gc.compressors import DGCCompressor, create
 from lightning_gc.exchange import LocalExchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.kernels import selection
@@ -102,6 +111,45 @@ def measure(model: str, repeats: int, ratio: float, world_size: int = 2) -> dict
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def measure_codec(
+    model: str, codec: tuple[str, dict[str, object]], repeats: int, world_size: int = 2
+) -> dict[str, float]:
+    """Median seconds of each pipeline phase and of the whole bucket (``total``) over ``repeats``
+    steps of one compressor (``(name, arguments)``) on ``world_size`` ranks that send alike
+    (:class:`LocalExchange`)."""
+    gradients = real_gradients(model)
+    layout = layout_of_shapes(gradient_shapes(model))
+    compressor = create(codec[0], **codec[1])
+    memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
+    grad = torch.empty(layout.numel)
+    bucket = memory.bucket(layout, grad)
+    times: dict[str, list[float]] = {}
+    for step in range(repeats + 2):  # two warm-up steps fill buffers and plans
+        grad.copy_(gradients[step % len(gradients)])
+        timeline = Timeline()
+        started = time.perf_counter()
+        run_bucket(
+            compressor, memory, bucket, grad, layout, LocalExchange(world_size), step=step, world_size=world_size,
+            timeline=timeline,
+        ).averaged.wait()  # fmt: skip
+        total = time.perf_counter() - started
+        if step >= 2:
+            for phase in dict.fromkeys(name for name, _ in timeline.phases):
+                times.setdefault(phase, []).append(timeline.seconds(phase))
+            times.setdefault("total", []).append(total)
+    return {phase: statistics.median(values) for phase, values in times.items()}
+
+
+def codec_markdown(model: str, results: dict[str, dict[str, float]]) -> str:
+    """One row per codec, one column per phase seen (ms), then the total."""
+    phases = list(dict.fromkeys(p for timings in results.values() for p in timings if p != "total")) + ["total"]
+    lines = [f"| {model} | " + " | ".join(f"{p} (ms)" for p in phases) + " |", "|---" * (len(phases) + 1) + "|"]
+    for label, timings in results.items():
+        cells = [f"{timings[p] * 1e3:.1f}" if p in timings else "–" for p in phases]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown(results: dict[str, dict[str, float]]) -> str:
     models = list(results)
     lines = ["| phase | " + " | ".join(f"{m} (ms)" for m in models) + " |", "|---" * (len(models) + 1) + "|"]
@@ -119,9 +167,24 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["resnet18", "mlp29m"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--ratio", type=float, default=0.001)
+    parser.add_argument(
+        "--codec",
+        action="append",
+        type=parse_row,
+        help='"NAME KEY=VALUE ...": time this compressor instead (repeatable)',
+    )
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.codec:
+        for model in args.models:
+            labels = [" ".join([name, *(f"{k}={v}" for k, v in kwargs.items())]) for name, kwargs in args.codec]
+            print(
+                codec_markdown(
+                    model, {label: measure_codec(model, c, args.repeats) for label, c in zip(labels, args.codec)}
+                )
+            )
+        return
     results = {model: measure(model, args.repeats, args.ratio) for model in args.models}
     table = markdown(results)
     print(table)

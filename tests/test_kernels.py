@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_gc import kernels
-from lightning_gc.kernels import compensation, dispatch, rng, selection
+from lightning_gc.kernels import compensation, dispatch, packing, rng, selection
 
 triton = pytest.importorskip("triton")
 
@@ -234,6 +234,20 @@ def test_sign_packing_kernel_equals_reference(numel: int, dtype: torch.dtype) ->
     packed = _on_backend("triton", kernels.pack_signs, values)
     assert torch.equal(packed, _on_backend("torch", kernels.pack_signs, values))
     assert torch.equal(kernels.unpack_codes(packed, 1, numel).bool(), values < 0)
+
+
+@pytest.mark.parametrize("numel", PACK_SIZES)
+def test_sign_select_reads_each_bit_as_a_choice_between_two_values(numel: int) -> None:
+    """The byte-table decode of sign bits: element i is ``if_negative`` exactly where ``values[i] < 0``
+    (-0.0 and 0.0 count as positive), whatever ``numel`` is modulo 8."""
+    values = _randn(numel, torch.float32, seed=numel + 1)
+    if numel > 2:
+        values[1], values[2] = 0.0, -0.0
+    packed = kernels.pack_signs(values)
+    if_negative, if_positive = torch.tensor([-0.75], device=DEVICE), torch.tensor([1.5], device=DEVICE)
+    decoded = packing.sign_select(packed, numel, if_negative, if_positive)
+    assert decoded.shape == (numel,) and decoded.dtype == torch.float32
+    assert torch.equal(decoded, torch.where(values < 0, if_negative, if_positive))
 
 
 @pytest.mark.parametrize("numel", [0, 1, 9, 1000, 4097])

@@ -62,6 +62,15 @@ def onebit_by_piece(x: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Ten
     return out
 
 
+def own_chunk_exact(encoded: torch.Tensor, values: torch.Tensor, own: list[tuple[int, int]]) -> torch.Tensor:
+    """What a rank contributes: ``encoded`` everywhere but on the chunk it owns, which never leaves
+    it and enters the mean as ``values``."""
+    out = encoded.clone()
+    for a, b in own:
+        out[a:b] = values[a:b]
+    return out
+
+
 def pieces_of(layout: BucketLayout, chunk: int, chunks: int) -> list[tuple[int, int]]:
     """Bucket positions of chunk ``chunk``: the ``chunk``-th of ``chunks`` pieces of
     ``ceil(numel / chunks)`` elements of every tensor."""
@@ -93,7 +102,9 @@ def test_onebit_two_phase_follows_the_rule_with_worker_and_server_error_feedback
         residual = [v - s for v, s in zip(velocities, sent)]
 
         reference_v = [g + e for g, e in zip(grads, worker_error)]
-        reference_sent = [onebit_by_piece(v, all_pieces) for v in reference_v]
+        reference_sent = [
+            own_chunk_exact(onebit_by_piece(v, all_pieces), v, chunks[r]) for r, v in enumerate(reference_v)
+        ]
         worker_error = [v - s for v, s in zip(reference_v, reference_sent)]
         mean_plus_error = sum(reference_sent) / world_size + server_error
         expected = onebit_by_piece(mean_plus_error, all_pieces)
