@@ -1,0 +1,42 @@
+"""The accuracy driver's run selection (``python -m benchmarks.accuracy TASK --runs ...``), without training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import accuracy
+
+
+def test_runs_trains_only_the_named_runs_and_reports_the_finished_ones(tmp_path: Path, monkeypatch, capsys) -> None:
+    data, out = tmp_path / "data", tmp_path / "out"
+    data.mkdir()
+    task = accuracy.lstm_ptb_task(data.resolve(), 8)
+    finished = task.runs[0]  # finished earlier: its result is read, not trained again
+    directory = accuracy.run_directory(out, task, finished)
+    directory.mkdir(parents=True)
+    earlier = {"metric": 116.6, "curve": [[0, 664, 305.0]], "wire_compression": 1.0, "step_time_s": 0.1, "wall_s": 60}
+    (directory / "result.json").write_text(json.dumps(earlier))
+    trained: list[str] = []
+
+    def fake_train(task: accuracy.Task, run: accuracy.Run, directory: Path) -> dict[str, Any]:
+        trained.append(run.label)
+        return {**earlier, "metric": 120.0}
+
+    monkeypatch.setattr(accuracy, "train", fake_train)
+    accuracy.main(["lstm_ptb", "--data", str(data), "--out", str(out), "--runs", "DGC 1 %"])
+    assert trained == ["DGC 1 %"]
+    table = (out / "lstm_ptb" / "table.md").read_text()
+    assert "| dense | 116.6 |" in table and "| DGC 1 % | 120.0 |" in table
+    assert "| DGC 0.1 % | not run |" in table
+
+
+def test_an_unknown_run_label_is_named_with_the_task_runs(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        accuracy.main(["lstm_ptb", "--data", str(tmp_path), "--runs", "DGC 2 %"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--runs ['DGC 2 %'] are not runs of lstm_ptb" in error and "'DGC 1 %'" in error
