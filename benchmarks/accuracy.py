@@ -115,6 +115,11 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
             ),
             Run("dense, seed 1", "resnet20_cifar10_dense", ("seed=1",)),
             Run("DGC 0.1 %, seed 1", "resnet20_cifar10_dgc", ("seed=1",)),
+            Run(  # the local update's cost against DGC's own seed-to-seed spread
+                "DGC 0.1 %, delay 1, local update, seed 1",
+                "resnet20_cifar10_dgc",
+                ("seed=1", "strategy.delay=1", "strategy.local_update=true"),
+            ),
         ),
         overrides=shared,
     )
