@@ -163,6 +163,18 @@ def ptb_adamw_task(data: Path, steps: int, freeze: int) -> Task:
             # ten times the density: each element leaves about every 100 steps instead of 1,000,
             # at 0.64 bits per element and step, onebit's 1 bit in the same range
             Run("DGC 1 %, frozen variance", "transformer_ptb_dgc", (*frozen, "strategy.compress_ratio=0.01")),
+            # momentum factor masking zeroes u where v was sent: an element sent every step then moves
+            # by (1 - b1) g / d, a tenth of Adam's m / d
+            Run(
+                "DGC 0.1 %, frozen variance, no masking",
+                "transformer_ptb_dgc",
+                (*frozen, "strategy.momentum_masking=false"),
+            ),
+            Run(
+                "DGC 1 %, frozen variance, no masking",
+                "transformer_ptb_dgc",
+                (*frozen, "strategy.compress_ratio=0.01", "strategy.momentum_masking=false"),
+            ),
         ),
         overrides=shared,
         metric="perplexity",
@@ -207,6 +219,8 @@ def lstm_ptb_task(data: Path, epochs: int) -> Task:
             Run("DGC 0.1 %, a dense quarter epoch first", "lstm_ptb_dgc", ("warmup.densities=[1.0]",)),
             # ten times the density on the same short schedule: is the gap the 0.1 % phase's length?
             Run("DGC 1 %", "lstm_ptb_dgc", ("strategy.compress_ratio=0.01",)),
+            # momentum factor masking restarts the momentum of every element sent
+            Run("DGC 0.1 %, no masking", "lstm_ptb_dgc", ("strategy.momentum_masking=false",)),
         ),
         overrides=shared,
         metric="perplexity",
