@@ -121,6 +121,7 @@ class _TwoPhasePlan:
     chunk_values: torch.Tensor  # velocity dtype: s_j on the owner's chunk
     chunk_decoded: torch.Tensor  # velocity dtype: decode(q_j) on the owner's chunk
     server: torch.Tensor  # server error e (this rank's chunk only; a view of the by-name store)
+    owner: int = -1  # the chunk this rank re-encoded (chunk_decoded holds its decoded mean); -1: none yet
 
 
 class TwoPhaseExchange(ChunkCodec, Compressor):
@@ -197,13 +198,14 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         # a parameter no rank used: DDP drops what is decoded for it, so its server error stays out
         fed = [piece for piece in fmt.segments if piece.name not in context.unused] if self.feeds_server_error else []
         for piece in fmt.segments:
-            piece.of(plan.chunk_values).copy_(piece.of(plan.total).div_(world_size))
+            torch.div(piece.of(plan.total), world_size, out=piece.of(plan.chunk_values))
         for piece in fed:
             piece.of(plan.chunk_values).add_(piece.of(plan.server))
         seed = encode_seed(context.step, world_size + rank, rank)
         self.encode_chunk(plan.chunk_values, fmt, plan.server_payload[: fmt.nbytes], plan.chunk_decoded, seed)
         for piece in fed:
             torch.sub(piece.of(plan.chunk_values), piece.of(plan.chunk_decoded), out=piece.of(plan.server))
+        plan.owner = rank
         return Encoded(
             gathered=plan.server_payload,
             gathered_out=plan.gathered,
@@ -220,8 +222,15 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             return self.decode_one_phase(encoded, out, world_size=world_size)
         total = out if out.dtype == torch.float32 else plan.total  # sums in float32 (fp16 could overflow)
         total.zero_()
-        for row, fmt in zip(plan.gathered.view(world_size, -1), plan.formats):
-            self.add_decoded_chunk(row[: fmt.nbytes], fmt, total, out.dtype)
+        # the chunk this rank re-encoded is decoded already, bit for bit what its row decodes to in
+        # float32 (the codec's contract); in fp16 those values were rounded, so decode the row again
+        reuse = plan.owner if plan.chunk_decoded.dtype == torch.float32 else -1
+        for chunk, (row, fmt) in enumerate(zip(plan.gathered.view(world_size, -1), plan.formats)):
+            if chunk == reuse:
+                for piece in fmt.segments:
+                    piece.of(total).copy_(piece.of(plan.chunk_decoded))
+            else:
+                self.add_decoded_chunk(row[: fmt.nbytes], fmt, total, out.dtype)
         if total is not out:
             out.copy_(total)
 
