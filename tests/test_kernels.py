@@ -213,6 +213,18 @@ def test_counter_rng_is_uniform_and_seeded() -> None:
     assert (other != u).float().mean() > 0.99
 
 
+def test_counter_rng_equals_the_hash_written_on_python_ints() -> None:
+    """The tensor form (int32 arithmetic wrapping mod 2**32) against the uint32 definition on
+    Python ints, for offsets across the int32 sign boundary and a seed using all 64 bits."""
+    seed = 2**40 + 12345
+    offsets = [0, 1, 2**16 + 3, 2**31 - 1, 2**31, 2**32 - 1]
+    key = rng.seed_key(seed)
+    expected = [(rng.lowbias32(rng.lowbias32(i ^ key) ^ rng.ROUND_SALT) >> 8) * 2.0**-24 for i in offsets]
+    given = torch.tensor(offsets, dtype=torch.int64)
+    assert rng.counter_uniform(seed, given).tolist() == expected
+    assert given.tolist() == offsets  # the caller's offsets are left alone
+
+
 @pytest.mark.parametrize("numel", PACK_SIZES)
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 def test_code_packing_kernels_equal_reference_and_round_trip(numel: int, width: int) -> None:

@@ -16,6 +16,7 @@ consecutive elements; QSGD uses the chunk's ``||x||_2``, TernGrad ``levels = 1``
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -94,12 +95,20 @@ def quantize_factor(scales: torch.Tensor, levels: int) -> torch.Tensor:
     return torch.where(positive, levels / safe, torch.zeros_like(scales))
 
 
+def step_length(chunk_size: int | None) -> int:
+    """Elements per step of the chunked loops below: about :data:`CHUNK`, a multiple of 8 (a step's
+    packed codes start on a byte) and of ``chunk_size`` (its scales start on a block)."""
+    unit = 8 if chunk_size is None else math.lcm(8, chunk_size)
+    return unit * max(1, CHUNK // unit)
+
+
 def per_element(per_block: torch.Tensor, chunk_size: int | None, start: int, count: int) -> torch.Tensor:
-    """Each of elements ``start .. start + count``'s entry of ``per_block``: entry ``i // chunk_size``,
-    or the single entry (broadcast) when ``chunk_size`` is ``None``."""
+    """Each of elements ``start .. start + count``'s entry of ``per_block``: entry ``i // chunk_size``
+    (``start`` a multiple of ``chunk_size``), or the single entry (broadcast) when ``chunk_size`` is ``None``."""
     if chunk_size is None:
         return per_block.reshape(1)
-    return per_block[torch.arange(start, start + count, device=per_block.device) // chunk_size]
+    first = start // chunk_size
+    return per_block[first : first - (-count // chunk_size)].repeat_interleave(chunk_size)[:count]
 
 
 def stochastic_quantize(
@@ -114,36 +123,41 @@ def stochastic_quantize(
     QSGD uses ``scale = ||x||_2`` of the chunk; TernGrad is ``levels = 1`` with ``scale = max |x|``.
     Codes are ``(level << 1) | negative`` at :func:`code_width` bits.
 
-    Works in chunks of :data:`CHUNK` elements: the integer temporaries then stay small, instead of
-    several gradient-sized int64 buffers that each fault their pages in again.
+    Works in steps of about :data:`CHUNK` elements (:func:`step_length`): the temporaries then stay
+    cache-sized instead of gradient-sized buffers that each fault their pages in again; integer work
+    is byte-wide (codes fit 8 bits).
     """
     width = code_width(levels)
     factors = quantize_factor(scales, levels)
     flat = values.reshape(-1)
     out = torch.empty(packed_bytes(flat.numel(), width), dtype=torch.uint8, device=flat.device)
     per_byte = 8 // width
-    for start in range(0, flat.numel(), CHUNK):  # CHUNK is a multiple of 8: chunks start on byte boundaries
-        x = flat[start : start + CHUNK].to(torch.float32)
+    step = step_length(chunk_size)
+    for start in range(0, flat.numel(), step):
+        x = flat[start : start + step].to(torch.float32)
         r = torch.clamp(x.abs() * per_element(factors, chunk_size, start, x.numel()), max=float(levels))
         floor = torch.floor(r)
         uniform = counter_uniform(seed, torch.arange(start, start + x.numel(), device=x.device))
-        level = (floor + (uniform < (r - floor)).to(torch.float32)).to(torch.int32)
-        codes = (level << 1) | (x < 0).to(torch.int32)
-        out[start // per_byte : start // per_byte + packed_bytes(x.numel(), width)] = pack_codes(
-            codes.to(torch.uint8), width
-        )
+        codes = floor.to(torch.uint8).add_(uniform < r.sub_(floor))  # the level
+        codes <<= 1
+        codes |= x < 0
+        out[start // per_byte : start // per_byte + packed_bytes(x.numel(), width)] = pack_codes(codes, width)
     return out
 
 
 def stochastic_dequantize(
     packed: torch.Tensor, scales: torch.Tensor, levels: int, numel: int, chunk_size: int | None = None
 ) -> torch.Tensor:
-    """Values (float32) of :func:`stochastic_quantize`'s codes: ``sign * level / levels * scale``."""
+    """Values (float32) of :func:`stochastic_quantize`'s codes: ``sign * level / levels * scale``
+    (each code's ``sign * level`` looked up in a table of the ``2**width`` codes)."""
+    width = code_width(levels)
     steps = scales.to(torch.float32).reshape(-1) / levels
+    codes = torch.arange(1 << width, device=packed.device)
+    signed_levels = torch.where(codes & 1 == 1, -(codes >> 1), codes >> 1).to(torch.float32)
     out = torch.empty(numel, dtype=torch.float32, device=packed.device)
-    codes = unpack_codes(packed, code_width(levels), numel)
-    for start in range(0, numel, CHUNK):
-        chunk = codes[start : start + CHUNK].to(torch.int32)
-        magnitude = (chunk >> 1).to(torch.float32) * per_element(steps, chunk_size, start, chunk.numel())
-        out[start : start + chunk.numel()] = torch.where((chunk & 1).bool(), -magnitude, magnitude)
+    unpacked = unpack_codes(packed, width, numel)
+    step = step_length(chunk_size)
+    for start in range(0, numel, step):
+        chunk = signed_levels.index_select(0, unpacked[start : start + step].int())
+        torch.mul(chunk, per_element(steps, chunk_size, start, chunk.numel()), out=out[start : start + chunk.numel()])
     return out
