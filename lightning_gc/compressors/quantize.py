@@ -274,10 +274,12 @@ class TernGradCompressor(_StochasticLevels):
         return rows.abs().amax(dim=1)
 
 
-def _block_counts(numel: int, rows: torch.Tensor) -> torch.Tensor:
+def _block_counts(numel: int, rows: torch.Tensor) -> torch.Tensor | float:
     """Elements of a run of ``numel`` in each of :func:`_chunked`'s ``rows`` (the last row's
-    padding excluded), as float32."""
+    padding excluded), as float32; a plain number for one row (no tensor to build per tensor)."""
     count, width = rows.shape
+    if count == 1:
+        return float(numel)
     counts = torch.full((count,), float(width), device=rows.device)
     counts[-1] = numel - width * (count - 1)
     return counts

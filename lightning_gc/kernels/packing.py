@@ -67,9 +67,21 @@ def unpack_codes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
     return ((used >> shifts) & ((1 << width) - 1)).view(-1)[:numel]
 
 
+GATHER_BITS = 0x0102040810204080
+"""Multiplier that moves the low bit of each of an int64's 8 bytes into its top byte, byte ``j``'s
+to bit ``56 + j``: byte j's bit lands at ``8j + 56 - 7k`` for the multiplier's term ``k``, which is
+``56 + j`` only for ``k = j``, and all 64 landing places differ, so no carries (the product wraps
+mod 2**64, which keeps the top byte)."""
+
+
 def pack_signs(values: torch.Tensor) -> torch.Tensor:
-    """One bit per element, 1 where ``values < 0`` (so 0 counts as positive), 8 per byte."""
-    return pack_codes((values.reshape(-1) < 0).view(torch.uint8), 1)
+    """One bit per element, 1 where ``values < 0`` (so 0 counts as positive), 8 per byte: the
+    signs as 0/1 bytes, 8 to an int64, gathered into one byte by a multiply (:data:`GATHER_BITS`)."""
+    flat = values.reshape(-1)
+    bits = torch.zeros(packed_bytes(flat.numel(), 1) * 8, dtype=torch.bool, device=flat.device)
+    torch.lt(flat, 0, out=bits[: flat.numel()])
+    words = bits.view(torch.uint8).view(torch.int64)
+    return ((words * GATHER_BITS) >> 56).to(torch.uint8)
 
 
 def sign_select(packed: torch.Tensor, numel: int, if_negative: torch.Tensor, if_positive: torch.Tensor) -> torch.Tensor:
