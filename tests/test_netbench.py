@@ -6,6 +6,7 @@ NODE_RANK/WORLD_SIZE, num_nodes=2, devices=1, gloo on an interface named by GLOO
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -77,3 +78,18 @@ def test_report_ratios_and_predictions():
     assert rows["noop"].predicted_s is None
     table = report.markdown(list(rows.values()))
     assert "| 1gbit | m | ddp | 880 | 800–1440 | 18 | 0.25 | 0.12 | 0.000 | – | – | 600 | -32 % |" in table
+
+
+def test_predicted_modes_keep_what_the_calibration_measured_for_every_exchange(tmp_path) -> None:
+    """A two-phase mode's cost carries its two-phase bytes into the prediction (they were dropped,
+    and the 100 Mbit/s two-phase steps were predicted 27-60 % short), and costs more wire time
+    than a mode without them."""
+    from benchmarks.netbench.predict import mode_cost, predict_modes
+
+    shapes = [(64, 64), (64,), (128, 64)]
+    numel = sum(math.prod(s) for s in shapes)
+    cost = mode_cost("gc_onebit_2p", shapes, world_size=2, cache=None)
+    assert cost.name == "gc_onebit_2p" and cost.two_phase_bytes > 0 and cost.gathered_bytes == 0
+    without = dataclasses.replace(cost, two_phase_bytes=0)
+    slow_link = predict_modes({"with": cost, "without": without}, numel, compute_s=0.0, bits_per_s=1e6)
+    assert slow_link["with"].step_s > slow_link["without"].step_s + 0.5 * cost.two_phase_bytes * 8 / 1e6

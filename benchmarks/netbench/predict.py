@@ -21,6 +21,7 @@ Timing runs in this process: launch it pinned to one core with one thread, like 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -127,7 +128,7 @@ def mode_cost(
             momentum=momentum,
             gradients=gradients,
         )
-        return CodecCost(mode, cost.summed_bytes, cost.gathered_bytes, cost.encode_s, cost.decode_s)
+        return dataclasses.replace(cost, name=mode)  # every field: two-phase and point-to-point bytes too
     raise ValueError(f"no prediction for mode {mode!r}")
 
 
