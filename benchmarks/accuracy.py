@@ -221,6 +221,11 @@ def lstm_ptb_task(data: Path, epochs: int) -> Task:
             Run("DGC 1 %", "lstm_ptb_dgc", ("strategy.compress_ratio=0.01",)),
             # momentum factor masking restarts the momentum of every element sent
             Run("DGC 0.1 %, no masking", "lstm_ptb_dgc", ("strategy.momentum_masking=false",)),
+            Run(
+                "DGC 1 %, no masking",
+                "lstm_ptb_dgc",
+                ("strategy.compress_ratio=0.01", "strategy.momentum_masking=false"),
+            ),
         ),
         overrides=shared,
         metric="perplexity",
