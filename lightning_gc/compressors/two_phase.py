@@ -18,8 +18,9 @@ how DDP buckets the parameters: the same before and after DDP's bucket rebuild a
 Worker error feedback is the memory's, as in the gathered form: the rank's residual keeps
 ``v_i - decode(p_i*)``. A rank's own chunk never leaves it, so it is neither encoded nor decoded:
 it enters the mean exactly and leaves no worker error (DeepSpeed's compressed all-reduce encodes
-it too). That is less noise and ``1/N`` of the codec work less: a third of the gap to the gathered
-form's hook time at ``N = 2`` on one CPU core. Server error feedback ``e_j`` keeps what re-encoding the mean dropped
+it too): less noise and ``1/N`` less codec work. Nor does the owner decode its re-encoded chunk
+again in phase 2: it kept ``decode(q_j)`` for the server error. Server error feedback ``e_j`` keeps
+what re-encoding the mean dropped
 (``server_feedback``; by default on for the biased codecs, off for the unbiased QSGD and TernGrad,
 see :attr:`TwoPhaseExchange.feeds_server_error`). It lives on the rank that owns the chunk,
 stored by parameter name like the memory's residuals (:class:`~lightning_gc.flatstate.FlatState`:
