@@ -168,7 +168,9 @@ def test_ranks_that_disagree_on_the_topology_fail_alike_instead_of_hanging(tmp_p
         "rank_kwargs": {"0": {"devices_per_node": 1}, "1": {"devices_per_node": 2}},
     }
     codes, logs = start_ranks("attach_worker.py", {"runs": [run]}, tmp_path, world_size=2, timeout=120)
-    assert codes == [1, 1], codes
+    # both fail, within the timeout; the status is 1 unless torch's teardown of a failed DDP process
+    # aborts (SIGABRT at exit: seen in full-suite runs, never in 20 runs of this test alone)
+    assert all(code not in (0, None) for code in codes), codes
     for log in logs:
         assert "the ranks disagree on hierarchy='node': (nodes, devices per node) per rank [(2, 1), (1, 2)]" in log
 
