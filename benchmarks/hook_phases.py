@@ -31,7 +31,7 @@ import argparse
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -40,11 +40,12 @@ from benchmarks.compressors import parse_row
 from benchmarks.netbench.models import gradient_shapes
 from benchmarks.netbench.predict import real_gradients
 from lightning_gc.calibration import layout_of_shapes
-from lightning_gc.compressors import DGCCompressor, create
+from lightning_gc.compressors import Compressor, DGCCompressor, create
 from lightning_gc.exchange import LocalExchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.kernels import selection
-from lightning_gc.memory import CompensationMemory
+from lightning_gc.layout import BucketLayout
+from lightning_gc.memory import BucketMemory, CompensationMemory
 from lightning_gc.momentum import MomentumSpec
 from lightning_gc.pipeline import Timeline, run_bucket
 
@@ -76,38 +77,56 @@ def _search_by_mask(
     return torch.nonzero(torch.ge(magnitude, threshold, out=mask))
 
 
+def _timed_steps(
+    layout: BucketLayout,
+    gradients: list[torch.Tensor],
+    compressor: Compressor,
+    memory: CompensationMemory,
+    repeats: int,
+    world_size: int,
+    guard: StepGuard | None = None,
+) -> Iterator[tuple[torch.Tensor, Timeline, float, BucketMemory]]:
+    """``repeats`` + 2 steps of the whole gradient as one bucket on ``world_size`` ranks that send
+    alike (:class:`LocalExchange`), the gradients used in turn; for each step after the first two
+    (they fill buffers and plans): its gradient, its phases, its seconds in all, the bucket's memory."""
+    grad = torch.empty(layout.numel)
+    bucket = memory.bucket(layout, grad)
+    for step in range(repeats + 2):
+        gradient = gradients[step % len(gradients)]
+        grad.copy_(gradient)
+        timeline = Timeline()
+        started = time.perf_counter()
+        run_bucket(
+            compressor, memory, bucket, grad, layout, LocalExchange(world_size), step=step, world_size=world_size,
+            guard=guard, timeline=timeline,
+        ).averaged.wait()  # fmt: skip
+        seconds = time.perf_counter() - started
+        if step >= 2:
+            yield gradient, timeline, seconds, bucket
+
+
 def measure(model: str, repeats: int, ratio: float, world_size: int = 2) -> dict[str, float]:
     """Median seconds per phase (and per reference point) over ``repeats`` steps."""
-    gradients = real_gradients(model)
     layout = layout_of_shapes(gradient_shapes(model))
     compressor = DGCCompressor(ratio)
     memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
     memory.set_specs({s.name: MomentumSpec(momentum=0.9) for s in layout.segments})
-    grad = torch.empty(layout.numel)
-    bucket = memory.bucket(layout, grad)
     guard = StepGuard("raise", memory, compressor)
     largest = max(layout.segments, key=lambda s: s.numel)
     threshold = torch.tensor(0.0)
     magnitude, mask = torch.empty(largest.numel), torch.empty(largest.numel, dtype=torch.bool)
     scratch = selection.SelectionScratch()
     times: dict[str, list[float]] = {name: [] for name in PHASES + REFERENCES}
-    for step in range(repeats + 2):  # two warm-up steps fill buffers and plans
-        gradient = gradients[step % len(gradients)]
-        grad.copy_(gradient)
-        timeline = Timeline()
-        run_bucket(
-            compressor, memory, bucket, grad, layout, LocalExchange(world_size), step=step, world_size=world_size,
-            guard=guard, timeline=timeline,
-        ).averaged.wait()  # fmt: skip
+    steps = _timed_steps(layout, real_gradients(model), compressor, memory, repeats, world_size, guard)
+    for gradient, timeline, _, bucket in steps:
         sample = {phase: timeline.seconds(phase) for phase in PHASES}
         sample["screen: isfinite().all()"] = _timed(_screen_by_isfinite, gradient)
         values = largest.of(bucket.velocity)  # after the commit: differs from encode's input in k places
         threshold.fill_(torch.quantile(values[:: max(1, values.numel() // 100_000)].abs(), 0.998).item())
         sample["search: row maxima"] = _timed(_search_by_row_maxima, values, threshold, scratch)
         sample["search: abs+ge+nonzero"] = _timed(_search_by_mask, values, threshold, magnitude, mask)
-        if step >= 2:
-            for name, seconds in sample.items():
-                times[name].append(seconds)
+        for name, seconds in sample.items():
+            times[name].append(seconds)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -115,28 +134,15 @@ def measure_codec(
     model: str, codec: tuple[str, dict[str, object]], repeats: int, world_size: int = 2
 ) -> dict[str, float]:
     """Median seconds of each pipeline phase and of the whole bucket (``total``) over ``repeats``
-    steps of one compressor (``(name, arguments)``) on ``world_size`` ranks that send alike
-    (:class:`LocalExchange`)."""
-    gradients = real_gradients(model)
+    steps of one compressor (``(name, arguments)``), with error feedback only (no momentum)."""
     layout = layout_of_shapes(gradient_shapes(model))
-    compressor = create(codec[0], **codec[1])
     memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
-    grad = torch.empty(layout.numel)
-    bucket = memory.bucket(layout, grad)
     times: dict[str, list[float]] = {}
-    for step in range(repeats + 2):  # two warm-up steps fill buffers and plans
-        grad.copy_(gradients[step % len(gradients)])
-        timeline = Timeline()
-        started = time.perf_counter()
-        run_bucket(
-            compressor, memory, bucket, grad, layout, LocalExchange(world_size), step=step, world_size=world_size,
-            timeline=timeline,
-        ).averaged.wait()  # fmt: skip
-        total = time.perf_counter() - started
-        if step >= 2:
-            for phase in dict.fromkeys(name for name, _ in timeline.phases):
-                times.setdefault(phase, []).append(timeline.seconds(phase))
-            times.setdefault("total", []).append(total)
+    steps = _timed_steps(layout, real_gradients(model), create(codec[0], **codec[1]), memory, repeats, world_size)
+    for _, timeline, seconds, _ in steps:
+        for phase in dict.fromkeys(name for name, _ in timeline.phases):
+            times.setdefault(phase, []).append(timeline.seconds(phase))
+        times.setdefault("total", []).append(seconds)
     return {phase: statistics.median(values) for phase, values in times.items()}
 
 

@@ -218,7 +218,7 @@ def _time_at(
 CACHE_VERSION = 4
 """Bumped when :class:`~lightning_gc.perfmodel.CodecCost` gains a field or codecs get faster: older
 entries are timed anew (version 2: point-to-point bytes and rounds; 3: decodes scaled from fewer
-payloads; 4: the quantisers' CPU paths 2.5-3.4x faster and two-phase's own chunk left exact)."""
+payloads; 4: the quantisers' CPU paths 2.6-3.7x faster and two-phase's own chunk left exact)."""
 
 
 def _cache_key(

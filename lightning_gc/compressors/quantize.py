@@ -42,7 +42,7 @@ from lightning_gc import kernels
 from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor, aligned, mean_into
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange, encode_seed
-from lightning_gc.kernels.packing import packed_bytes, sign_select
+from lightning_gc.kernels.packing import packed_bytes, per_element, sign_select
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_int
 
@@ -316,8 +316,8 @@ class _SignQuantizer(_BlockQuantizer):
         if self.chunk_size is None:  # one pair for the whole run: a byte-table look-up
             return sign_select(codes, numel, if_negative, if_positive)
         negative = kernels.unpack_codes(codes, 1, numel).bool()
-        per_element = functools.partial(torch.repeat_interleave, repeats=self.chunk_size)
-        return torch.where(negative, per_element(if_negative)[:numel], per_element(if_positive)[:numel])
+        spread = functools.partial(per_element, chunk_size=self.chunk_size, start=0, count=numel)
+        return torch.where(negative, spread(if_negative), spread(if_positive))
 
 
 @register

@@ -45,8 +45,8 @@ def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     at bits ``[j*width, (j+1)*width)`` of byte b. The tail is zero-padded.
 
     Byte-wide work only: OR-ing the ``8 // width`` strided columns of the codes, shifted, into the
-    output costs ``8 // width`` passes over ``numel / (8 // width)`` bytes (a quarter of the int32
-    shift-and-sum's time for sign bits on a CPU core)."""
+    output costs ``8 // width`` passes over ``numel / (8 // width)`` bytes (sign bits have a faster,
+    fused path: :func:`pack_signs`)."""
     per_byte = 8 // width
     codes = codes.reshape(-1)
     out = torch.zeros(packed_bytes(codes.numel(), width), dtype=torch.uint8, device=codes.device)
