@@ -35,6 +35,7 @@ from lightning_gc.compressors.base import AdjustableRatio, Compressor
 from lightning_gc.session import CompressionSession
 from lightning_gc.settings import CompressionSettings
 from lightning_gc.strategy import resolve_compressor
+from lightning_gc.teardown import shut_down_process_group_at_exit
 
 PRESET_SETTINGS: dict[str, dict[str, Any]] = {"dgc": {"momentum_correction": True}}
 """Settings a compressor's preset turns on by default (as ``DGCStrategy`` does for DGC)."""
@@ -95,6 +96,7 @@ class AttachedCompression:
             self.session.finish(self.ddp, [self.optimizer])
             self._before_forward.remove()
             self._finished = True
+            shut_down_process_group_at_exit()  # gloo's threads must stop before finalization
 
     # ------------------------------------------------------------------ knobs and statistics
     @property

@@ -14,9 +14,6 @@ restoring every rank's state in checkpoints.
 
 from __future__ import annotations
 
-import atexit
-import functools
-import gc
 import inspect
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,7 +21,6 @@ from difflib import get_close_matches
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -43,6 +39,7 @@ from lightning_gc.memory import CompensationMemory
 from lightning_gc.policy import CompressionPolicy
 from lightning_gc.session import CompressionSession
 from lightning_gc.settings import CompressionSettings
+from lightning_gc.teardown import shut_down_process_group_at_exit
 from lightning_gc.validation import check_range
 
 PRESET_CLASSES: dict[str, str] = {"dgc": "DGCStrategy"}
@@ -112,29 +109,6 @@ def _strategy_argument_names() -> set[str]:
         for name in inspect.signature(cls.__init__).parameters
         if name not in ("self", "kwargs", "compressor")
     }
-
-
-def shut_down_process_group() -> None:
-    """Destroy the default process group if one is up (run at exit; a no-op after the user's own),
-    then collect garbage.
-
-    Why at exit and not later: once the interpreter is finalizing, a backend thread that takes the GIL
-    (to drop one of our exchange callbacks, or a future holding a Python value) is ended with
-    ``pthread_exit``, which aborts the process ("terminate called without an active exception").
-    Collecting here frees the unreachable DDP reducers, hook states and futures of finished fits while
-    such threads can still take the GIL, and with them the last references that keep backend threads
-    alive; finalization then finds nothing of ours left to free.
-    """
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()
-
-
-@functools.cache
-def shut_down_process_group_at_exit() -> None:
-    """Run :func:`shut_down_process_group` at interpreter exit (registered once per process, so
-    exit handlers registered later, which run earlier, still find the group)."""
-    atexit.register(shut_down_process_group)
 
 
 class _SkippedStep(Exception):
@@ -360,13 +334,9 @@ class GradientCompressionStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         self.session.finish(self.model, self.optimizers)
         super().on_train_end()
-        # Lightning shuts NCCL groups down at exit but leaves gloo's to interpreter finalization. Our
-        # hook's futures carry Python callbacks; a gloo worker thread that drops one then needs the
-        # GIL, which finalization no longer grants, and the process dies with SIGABRT ("terminate
-        # called without an active exception"). The exit handler shuts the group down and frees the
-        # finished fits' DDP models and futures (unreachable cycles) while the GIL can still be taken.
-        # Only after training ended normally: nothing is in flight then, whereas a rank failing
-        # mid-step could wait in the shutdown for its pending collectives until the timeout.
+        # Lightning shuts NCCL groups down at exit but leaves gloo's to interpreter finalization,
+        # where its worker threads can abort a finished run (see lightning_gc.teardown). Only after
+        # training ended normally: a rank failing mid-step could wait there for its collectives.
         shut_down_process_group_at_exit()
 
     # ------------------------------------------------------------------ checkpoints

@@ -98,3 +98,52 @@ def test_many_compressed_models_in_one_process_tear_down_cleanly(run_ranks) -> N
     ]
     ranks = run_ranks({"runs": runs}, worker="attach_worker.py")  # raises if a rank did not exit cleanly
     assert all(len(rank) == 12 for rank in ranks)
+
+
+_EXIT_PROBE = """
+import atexit, sys, weakref
+import torch
+import torch.distributed as dist
+atexit.register(lambda: print("process group up at exit:", dist.is_initialized()))  # runs last
+from torch.nn.parallel import DistributedDataParallel
+import lightning_gc
+
+def train():  # the DDP model, the handle and the hook state are garbage once this returns
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))
+    model.keep_alive = model  # a cycle, as real models have: only a collection frees it
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = lightning_gc.attach(model, optimizer, "dgc", compress_ratio=0.5)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        handle.step()
+    if sys.argv[1] == "finished":
+        handle.finish()
+    weakref.finalize(model, print, "DDP model freed")
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+train()
+print("trained")
+"""
+
+
+@pytest.mark.parametrize("run", ["finished", "unfinished"])
+def test_finish_shuts_the_gloo_group_down_at_exit_and_frees_the_model_first(tmp_path: Path, run: str) -> None:
+    """After ``finish()`` the exit handler destroys the group and collects the unreachable DDP model
+    (the group's last holder) while the interpreter is alive: its gloo threads are joined then, not
+    by finalization, where one still holding a collective aborts the process. Without ``finish()``
+    (training may have failed mid-step) the group is left up, as the Trainer strategy does."""
+    import sys
+
+    from conftest import free_port
+
+    script = tmp_path / "probe.py"
+    script.write_text(_EXIT_PROBE)
+    done = subprocess.run(
+        [sys.executable, str(script), run, str(free_port())], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert f"process group up at exit: {run == 'unfinished'}" in lines, done.stdout
+    if run == "finished":  # freed by the exit handler's collection, after the script's last line
+        assert lines.index("trained") < lines.index("DDP model freed") < lines.index("process group up at exit: False")

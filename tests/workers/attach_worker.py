@@ -9,7 +9,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from rank_setup import gloo_rank
+from rank_setup import run_gloo_rank
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gc
@@ -67,10 +67,13 @@ def train(run: dict, rank: int) -> dict:
     return result
 
 
+def rank_body(plan: dict, rank: int) -> None:
+    results = [train(run, rank) for run in plan["runs"]]
+    torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
+
+
 def main() -> None:
-    with gloo_rank() as (plan, rank):
-        results = [train(run, rank) for run in plan["runs"]]
-        torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
+    run_gloo_rank(rank_body)
 
 
 if __name__ == "__main__":

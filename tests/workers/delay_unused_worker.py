@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
-from rank_setup import gloo_rank
+from rank_setup import run_gloo_rank
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gc
@@ -52,10 +52,13 @@ def train(run: dict, plan: dict, rank: int) -> torch.Tensor:
     return model.side.detach().clone()
 
 
+def rank_body(plan: dict, rank: int) -> None:
+    sides = [train(run, plan, rank) for run in plan["runs"]]
+    torch.save(sides, os.path.join(plan["out"], f"rank{rank}.pt"))
+
+
 def main() -> None:
-    with gloo_rank() as (plan, rank):
-        sides = [train(run, plan, rank) for run in plan["runs"]]
-        torch.save(sides, os.path.join(plan["out"], f"rank{rank}.pt"))
+    run_gloo_rank(rank_body)
 
 
 if __name__ == "__main__":

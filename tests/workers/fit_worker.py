@@ -42,6 +42,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy, SparsityWarmup
+from lightning_gc.teardown import shut_down_process_group
 from recipes.quickstart import NUM_CLASSES, DigitsClassifier, DigitsDataModule
 
 # as the launcher set them (Lightning rewrites WORLD_SIZE and friends once a fit has run)
@@ -297,6 +298,7 @@ def main() -> None:
     rank = RANK
     results = [run_fit(fit) for fit in plan["fits"]]
     torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
+    shut_down_process_group()  # also after Lightning's own DDPStrategy, which leaves gloo's group up
 
 
 if __name__ == "__main__":

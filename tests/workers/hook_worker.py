@@ -18,29 +18,32 @@ from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rank_setup import gloo_rank
+from rank_setup import run_gloo_rank
 from test_hook_reference import data_for, make_model  # noqa: E402
 
 
+def rank_body(plan: dict, rank: int) -> None:
+    os.environ["LIGHTNING_GC_KERNELS"] = plan["kernels"]  # "torch", or "triton" (interpreted on CPU)
+    model = make_model()
+    ddp = DistributedDataParallel(model, bucket_cap_mb=plan["bucket_cap_mb"])
+    names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
+    memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=plan["clip_norm"])
+    spec = MomentumSpec(plan["momentum"], plan["nesterov"], plan["weight_decay"])
+    memory.set_specs({name: spec for name, _ in model.named_parameters()})
+    compressor = DGCCompressor(plan["ratio"], min_compress_numel=plan["min_compress_numel"], value_dtype="float32")
+    delayed = {key: plan[key] for key in ("delay", "local_update", "sync_warmup_steps") if key in plan}
+    ddp.register_comm_hook(CompressionHookState(compressor, memory, names, **delayed), compression_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])  # momentum-free: it lives in memory
+    for step in range(plan["steps"]):
+        x, y = data_for(rank, step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+    torch.save([p.detach().clone() for p in model.parameters()], os.path.join(plan["out"], f"rank{rank}.pt"))
+
+
 def main() -> None:
-    with gloo_rank() as (plan, rank):
-        os.environ["LIGHTNING_GC_KERNELS"] = plan["kernels"]  # "torch", or "triton" (interpreted on CPU)
-        model = make_model()
-        ddp = DistributedDataParallel(model, bucket_cap_mb=plan["bucket_cap_mb"])
-        names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
-        memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=plan["clip_norm"])
-        spec = MomentumSpec(plan["momentum"], plan["nesterov"], plan["weight_decay"])
-        memory.set_specs({name: spec for name, _ in model.named_parameters()})
-        compressor = DGCCompressor(plan["ratio"], min_compress_numel=plan["min_compress_numel"], value_dtype="float32")
-        delayed = {key: plan[key] for key in ("delay", "local_update", "sync_warmup_steps") if key in plan}
-        ddp.register_comm_hook(CompressionHookState(compressor, memory, names, **delayed), compression_hook)
-        optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])  # momentum-free: it lives in memory
-        for step in range(plan["steps"]):
-            x, y = data_for(rank, step)
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            optimizer.step()
-        torch.save([p.detach().clone() for p in model.parameters()], os.path.join(plan["out"], f"rank{rank}.pt"))
+    run_gloo_rank(rank_body)
 
 
 if __name__ == "__main__":

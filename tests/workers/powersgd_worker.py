@@ -24,7 +24,7 @@ from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.memory import CompensationMemory
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rank_setup import gloo_rank
+from rank_setup import run_gloo_rank
 from test_hook_reference import data_for, make_model  # noqa: E402
 
 
@@ -73,10 +73,13 @@ def train(plan: dict, mode: str, rank: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+def rank_body(plan: dict, rank: int) -> None:
+    results = {mode: train(plan, mode, rank) for mode in plan["modes"]}
+    torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
+
+
 def main() -> None:
-    with gloo_rank() as (plan, rank):
-        results = {mode: train(plan, mode, rank) for mode in plan["modes"]}
-        torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
+    run_gloo_rank(rank_body)
 
 
 if __name__ == "__main__":

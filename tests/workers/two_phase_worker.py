@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 import torch
-from rank_setup import gloo_rank
+from rank_setup import run_gloo_rank
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import registry
@@ -89,10 +89,13 @@ def train(run: dict[str, Any], plan: dict[str, Any], rank: int) -> dict[str, Any
     }
 
 
+def rank_body(plan: dict, rank: int) -> None:
+    results = {run["label"]: train(run, plan, rank) for run in plan["runs"]}
+    torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
+
+
 def main() -> None:
-    with gloo_rank() as (plan, rank):
-        results = {run["label"]: train(run, plan, rank) for run in plan["runs"]}
-        torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
+    run_gloo_rank(rank_body)
 
 
 if __name__ == "__main__":
