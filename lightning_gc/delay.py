@@ -84,11 +84,16 @@ class DelayLine:
         self._state = FlatState(self._kinds)
         self._buckets: dict[int, DelayedBucket] = {}
 
+    def drains_for(self, layout: BucketLayout) -> bool:
+        """Whether :meth:`bucket` drains every bucket before taking ``layout`` (a new layout)."""
+        bucket = self._buckets.get(layout.index)
+        return bucket is None or bucket.layout is not layout
+
     def bucket(self, layout: BucketLayout, like: torch.Tensor) -> DelayedBucket:
         """The slots of ``layout``; a new layout (DDP re-bucketed) first drains every bucket, then
         takes each parameter's slots over by name."""
         bucket = self._buckets.get(layout.index)
-        if bucket is None or bucket.layout is not layout:
+        if self.drains_for(layout):
             self.drain()
             flat = self._state.bind(layout, like, self._kinds)
             bucket = DelayedBucket(

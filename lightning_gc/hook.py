@@ -70,8 +70,9 @@ class CompressionHookState:
         hierarchy: a two-level exchange (dense within nodes, compressed across them,
             :mod:`lightning_gc.hierarchy`); ``None``: one flat exchange over ``process_group``.
         defer_rounds: a multi-round compressor's earlier round (the two-phase exchange's
-            all-to-all, PowerSGD's first all-reduce) is waited for at the next bucket's hook
-            instead of its own, so it travels while backward computes (flat exchange, without
+            all-to-all, PowerSGD's first all-reduce) is waited for at the next bucket's hook, after
+            that bucket's first round is launched, instead of at its own, so it travels while
+            backward computes and the next bucket encodes (flat exchange, without
             ``local_update``; :mod:`lightning_gc.pipeline`). The result is the same bit for bit.
 
     Attributes:
@@ -244,8 +245,12 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     (This module avoids ``from __future__ import annotations``: DDP checks these annotations at runtime.)
     """
     try:
-        state.rounds.finish()  # the earlier buckets' runs first: every rank launches in the same order
-        return _compressed(state, bucket)
+        earlier = len(state.rounds)  # earlier buckets' runs waiting for an earlier round (defer_rounds)
+        averaged = _compressed(state, bucket)
+        # This bucket's first round is out; now the earlier buckets' later rounds, while it travels
+        # (every rank launches in this same order). The last bucket's hook has finished them all.
+        state.rounds.finish(earlier)
+        return averaged
     except BaseException as error:  # nothing left to resume in a later step
         state.rounds.abandon(error)
         raise
@@ -263,6 +268,8 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
     out = own = None
     if state.delayed(step):
         assert state.delay_line is not None
+        if state.delay_line.drains_for(layout):  # it waits for every exchange, the earlier buckets' too
+            state.rounds.finish()
         delayed = state.delay_line.bucket(layout, grad)
         delayed.wait()  # step - 1's exchange of this bucket: compressors reuse their buffers
         write, _ = state.delay_line.slots(step)

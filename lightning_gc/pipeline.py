@@ -15,13 +15,15 @@ Multi-round compressors (PowerSGD, the two-phase exchange, global top-k's merges
 first round with ``next_round`` set: an earlier round's exchange must complete before the next is
 encoded. By default that happens here, before :func:`run_bucket` returns. With ``defer_rounds`` the
 bucket's run stops after launching an earlier round that leaves collectives in flight and is
-finished by its caller (:class:`RoundQueue`): the comm hook finishes it at the start of the next
-bucket's hook, so the round travels while backward computes the next bucket's gradients instead
-of blocking it, and the last bucket's hook finishes every run. Each rank launches exactly the
-collectives it would waiting at once, in the same order (bucket ``b``'s every round before bucket
-``b + 1``'s first), only later, so the result is the same bit for bit. (Point-to-point rounds
-block in their launch and are not deferred.) Compressors whose residual depends on the aggregate
-set ``commit_after_decode``; memory is then told after decode.
+finished by its caller (:class:`RoundQueue`): the comm hook finishes it in the next bucket's
+hook, once that bucket's first round is launched, so the round travels while backward computes
+and the next bucket encodes instead of blocking them, and the last bucket's hook finishes every
+run. Each rank launches exactly the collectives it would waiting at once, in one order shared by
+every rank (bucket ``b + 1``'s first round, then bucket ``b``'s later rounds), only later. Every
+bucket's rounds read and write only that bucket's buffers and state, and random rounding is
+salted by step, rank and tensor, so the order changes nothing: the result is the same bit for
+bit. (Point-to-point rounds block in their launch and are not deferred.) Compressors whose
+residual depends on the aggregate set ``commit_after_decode``; memory is then told after decode.
 
 Time per phase is recorded in a :class:`Timeline` (without device syncs in the hook; with them for
 calibration and benchmarks).
@@ -277,10 +279,10 @@ def _settle(target: Future[torch.Tensor], done: Future[torch.Tensor]) -> None:
 class RoundQueue:
     """Buckets whose runs wait for an earlier round in flight (``defer_rounds``), in launch order.
 
-    The comm hook calls :meth:`finish` at the start of every bucket's hook, before launching any
-    collective of its own, and at the end of the last bucket's: every rank then launches its
-    collectives in the order it would waiting at once (bucket ``b``'s every round before bucket
-    ``b + 1``'s first), and no run outlives its backward pass."""
+    The comm hook calls :meth:`finish` in every bucket's hook once that bucket's first round is
+    launched, for the runs queued before it, and at the end of the last bucket's for all: every
+    rank then launches its collectives in the same order (bucket ``b + 1``'s first round, then
+    bucket ``b``'s later rounds), and no run outlives its backward pass."""
 
     def __init__(self) -> None:
         self._waiting: deque[tuple[BucketStep, Callable[[BucketStep], None]]] = deque()
@@ -294,13 +296,14 @@ class RoundQueue:
         else:
             self._waiting.append((sent, launched))
 
-    def finish(self) -> None:
-        """Run every waiting run to its last round's launch, oldest first: each rank then launches
-        exactly what it would have launched waiting at once, in the same order, only later.
+    def finish(self, count: int | None = None) -> None:
+        """Run the ``count`` oldest waiting runs (all when ``None``) to their last round's launch,
+        oldest first: each rank then launches exactly what it would have launched waiting at once,
+        in an order every rank shares, only later.
 
         An error (a failed earlier round) fails that bucket's future and every later waiting one,
         and is raised here, in the hook, as it would have been in the bucket's own."""
-        while self._waiting:
+        for _ in range(len(self._waiting) if count is None else min(count, len(self._waiting))):
             sent, launched = self._waiting.popleft()
             self.deferred += 1
             try:

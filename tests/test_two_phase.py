@@ -302,8 +302,10 @@ def _assert_same(ranks: list[dict], label: str) -> dict:
 
 def test_earlier_rounds_waited_for_at_the_next_buckets_hook_change_nothing(tmp_path) -> None:
     """With several buckets, a multi-round compressor's earlier round (the two-phase all-to-all,
-    PowerSGD's first all-reduce) is left in flight to the next bucket's hook by default: the run
-    equals the one that waits at once, bit for bit, bytes included, with a delay too. OD-SGD's
+    PowerSGD's first all-reduce) is left in flight to the next bucket's hook by default, finished
+    there after that bucket's first round goes out: the run equals the one that waits at once, bit
+    for bit, bytes included, with a delay too (whose re-bucketing drain must finish the deferred
+    runs first, or it waits for a future only this thread resolves). OD-SGD's
     local update reads this rank's contribution at once, so it is not deferred (and still equal)."""
     two_phase = {"compressor": "onebit", "arguments": {"exchange": "two_phase"}}
     cases = {
@@ -316,6 +318,17 @@ def test_earlier_rounds_waited_for_at_the_next_buckets_hook_change_nothing(tmp_p
     deferred = {label: _assert_same(ranks, label)[label] for label in cases}
     assert deferred["onebit"] > 0 and deferred["powersgd"] > 0 and deferred["onebit delay"] > 0
     assert deferred["onebit local update"] == 0
+    # the order: bucket b + 1's all-to-all goes out before bucket b's all-gather, on every rank
+    buckets = 1 + max(bucket for _, bucket in ranks[0]["onebit at once"]["last_step_launches"])
+    assert buckets >= 2
+    at_once = [(kind, b) for b in range(buckets) for kind in ("all-to-all", "all-gather")]
+    overlapped = [("all-to-all", 0)] + [
+        launch for b in range(1, buckets) for launch in (("all-to-all", b), ("all-gather", b - 1))
+    ]
+    overlapped.append(("all-gather", buckets - 1))
+    for rank in ranks:
+        assert rank["onebit at once"]["last_step_launches"] == at_once
+        assert rank["onebit deferred"]["last_step_launches"] == overlapped
 
 
 def test_deferred_rounds_keep_three_ranks_in_step(tmp_path) -> None:

@@ -36,8 +36,9 @@ wire (:func:`~lightning_gc.exchange.traffic_bytes`) phase 2's row goes to ``N-1`
 the largest, ``P``; scales are per piece (``N`` times a per-tensor codec's, a few bytes each).
 
 The cost: the first phase must arrive before the owner averages; the comm hook waits for it at
-the next bucket's hook (as for PowerSGD's first round: every rank launches every collective from
-the hooks, in bucket order; :mod:`lightning_gc.pipeline`), and the owner re-encodes its chunk. With
+the next bucket's hook, after launching that bucket's first phase (as for PowerSGD's first round:
+every rank launches every collective from the hooks, in one order; :mod:`lightning_gc.pipeline`),
+and the owner re-encodes its chunk. The last bucket's phases cannot hide behind backward. With
 ``exchange="auto"`` the two-phase form is used from ``N = 3`` on: at ``N = 2`` both send the same
 bytes and the gathered form needs one collective less.
 

@@ -58,10 +58,30 @@ def build(run: dict[str, Any], plan: dict[str, Any]) -> tuple[torch.nn.Module, A
     return model, ddp, optimizer, state
 
 
+def record_launches(state: CompressionHookState | None, launches: list[tuple[str, int]]) -> None:
+    """Append each collective the hook launches to ``launches`` as (kind, bucket), the bucket
+    numbered by the first launch of its run's plan since ``launches`` was last emptied."""
+    if state is None:
+        return
+    launch, runs = state.exchange.launch, {}
+
+    def recording(encoded: Any) -> Any:
+        if not launches:
+            runs.clear()
+        kind = "all-to-all" if encoded.scattered is not None else "all-gather"
+        launches.append((kind, runs.setdefault(id(encoded.context), len(runs))))
+        return launch(encoded)
+
+    state.exchange.launch = recording
+
+
 def train(run: dict[str, Any], plan: dict[str, Any], rank: int) -> dict[str, Any]:
     model, ddp, optimizer, state = build(run, plan)
+    launches: list[tuple[str, int]] = []
+    record_launches(state, launches)
     losses = []
     for step in range(run["steps"]):
+        launches.clear()  # the last step's are kept
         if step == run.get("resume_at"):
             saved = {
                 "model": {k: v.clone() for k, v in model.state_dict().items()},
@@ -73,6 +93,7 @@ def train(run: dict[str, Any], plan: dict[str, Any], rank: int) -> dict[str, Any
             optimizer.load_state_dict(saved["optimizer"])
             if state is not None:
                 state.load_state_dict(saved["hook"])
+            record_launches(state, launches)
         inputs, labels = data_for(rank, step)
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(ddp(inputs), labels)
@@ -86,6 +107,7 @@ def train(run: dict[str, Any], plan: dict[str, Any], rank: int) -> dict[str, Any
         "server_error_entries": len(server.get("server", {})),
         "deferred_rounds": state.rounds.deferred if state is not None else 0,
         "bytes_sent": state.stats.bytes_sent if state is not None else 0,
+        "last_step_launches": launches,
     }
 
 
