@@ -136,6 +136,7 @@ def ptb_adamw_task(data: Path, steps: int, freeze: int) -> Task:
         "trainer.devices=2",
         "trainer.accelerator=cpu",
         f"trainer.max_steps={steps}",
+        "trainer.max_epochs=-1",  # the recipe's 2 epochs (about 900 steps) would cut a longer run short
         f"trainer.val_check_interval={max(1, steps // 10)}",
         "trainer.enable_checkpointing=false",
     )
