@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import lightning_gc  # noqa: F401  (registers the strategy names)
+from lightning_gc.teardown import shut_down_process_group_at_exit
 from recipes.app import UsageError, quiet_foreign_noise, run
 
 quiet_foreign_noise()  # module level: Lightning's launcher re-runs this file in the other ranks
@@ -34,6 +35,7 @@ def main(cfg: DictConfig) -> None:
             multirun=hydra_cfg.mode == RunMode.MULTIRUN,
             overrides=list(hydra_cfg.overrides.task),
         )
+        shut_down_process_group_at_exit()  # dense runs too: Lightning leaves gloo's group to finalization
     except UsageError as error:  # the user's mistake: one line, no traceback
         print(f"train.py: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
