@@ -195,3 +195,21 @@ def test_a_deferred_run_ends_as_the_run_that_waits_at_once() -> None:
     (at_once, bytes_at_once, velocity_at_once), (deferred, bytes_deferred, velocity_deferred) = results
     assert torch.equal(at_once, deferred) and torch.equal(velocity_at_once, velocity_deferred)
     assert bytes_at_once == bytes_deferred > 0
+
+
+def test_finishing_the_oldest_runs_leaves_the_newer_one_in_flight() -> None:
+    """``finish(count)`` (the comm hook's call once its own bucket's first round is out) runs only
+    the ``count`` oldest waiting runs to their last launch, oldest first; ``finish()`` the rest."""
+    layout, queue, counted, runs = layout_of_shapes(SHAPES), RoundQueue(), [], []
+    for index in range(3):
+        memory, grad = _memory(), _gradient(index)
+        sent = run_bucket(
+            create("onebit", exchange="two_phase"), memory, memory.bucket(layout, grad), grad, layout,
+            LocalExchange(2), step=0, world_size=2, defer_rounds=True,
+        )  # fmt: skip
+        queue.add(sent, counted.append)
+        runs.append(sent)
+    queue.finish(2)
+    assert counted == runs[:2] and len(queue) == 1 and runs[2].rounds is not None
+    queue.finish(5)  # more than are waiting: all of them
+    assert counted == runs and len(queue) == 0 and queue.deferred == 3
