@@ -303,7 +303,8 @@ class RoundQueue:
 
         An error (a failed earlier round) fails that bucket's future and every later waiting one,
         and is raised here, in the hook, as it would have been in the bucket's own."""
-        for _ in range(len(self._waiting) if count is None else min(count, len(self._waiting))):
+        runs = len(self._waiting) if count is None else min(count, len(self._waiting))
+        for _ in range(runs):
             sent, launched = self._waiting.popleft()
             self.deferred += 1
             try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch.futures import Future
@@ -12,7 +14,7 @@ from lightning_gc.exchange import Exchange, LocalExchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
-from lightning_gc.pipeline import EXCHANGE, RoundQueue, Timeline, run_bucket
+from lightning_gc.pipeline import EXCHANGE, BucketStep, RoundQueue, Timeline, run_bucket
 
 SHAPES = [(64, 50), (50,), (30, 40)]
 
@@ -154,21 +156,30 @@ class _FailingAllToAll(LocalExchange):
         return failed
 
 
+def _deferred_two_phase_runs(
+    count: int, exchange: Exchange, queue: RoundQueue, launched: Callable[[BucketStep], None]
+) -> list[BucketStep]:
+    """``count`` buckets of onebit's two-phase exchange on 2 ranks, each left with its all-to-all in
+    flight (``defer_rounds``) and queued in ``queue``."""
+    layout, runs = layout_of_shapes(SHAPES), []
+    for index in range(count):
+        memory, grad = _memory(), _gradient(index)
+        sent = run_bucket(
+            create("onebit", exchange="two_phase"), memory, memory.bucket(layout, grad), grad, layout,
+            exchange, step=0, world_size=2, defer_rounds=True,
+        )  # fmt: skip
+        queue.add(sent, launched)
+        runs.append(sent)
+    return runs
+
+
 def test_a_deferred_round_that_fails_raises_at_the_next_hook_and_fails_every_waiting_bucket() -> None:
     """Two buckets leave their two-phase all-to-all in flight; finishing them raises the first's
     error (as the bucket's own hook did when it waited at once), fails both futures and keeps no
     run to resume in a later step."""
-    layout, queue, launched = layout_of_shapes(SHAPES), RoundQueue(), []
-    runs = []
-    for index in range(2):
-        memory, grad = _memory(), _gradient(index)
-        sent = run_bucket(
-            create("onebit", exchange="two_phase"), memory, memory.bucket(layout, grad), grad, layout,
-            _FailingAllToAll(2), step=0, world_size=2, defer_rounds=True,
-        )  # fmt: skip
-        assert sent.rounds is not None and sent.deferred
-        queue.add(sent, launched.append)
-        runs.append(sent)
+    queue, launched = RoundQueue(), []
+    runs = _deferred_two_phase_runs(2, _FailingAllToAll(2), queue, launched.append)
+    assert all(sent.rounds is not None and sent.deferred for sent in runs)
     assert len(queue) == 2
     with pytest.raises(ConnectionError, match="peer gone"):
         queue.finish()
@@ -200,15 +211,8 @@ def test_a_deferred_run_ends_as_the_run_that_waits_at_once() -> None:
 def test_finishing_the_oldest_runs_leaves_the_newer_one_in_flight() -> None:
     """``finish(count)`` (the comm hook's call once its own bucket's first round is out) runs only
     the ``count`` oldest waiting runs to their last launch, oldest first; ``finish()`` the rest."""
-    layout, queue, counted, runs = layout_of_shapes(SHAPES), RoundQueue(), [], []
-    for index in range(3):
-        memory, grad = _memory(), _gradient(index)
-        sent = run_bucket(
-            create("onebit", exchange="two_phase"), memory, memory.bucket(layout, grad), grad, layout,
-            LocalExchange(2), step=0, world_size=2, defer_rounds=True,
-        )  # fmt: skip
-        queue.add(sent, counted.append)
-        runs.append(sent)
+    queue, counted = RoundQueue(), []
+    runs = _deferred_two_phase_runs(3, LocalExchange(2), queue, counted.append)
     queue.finish(2)
     assert counted == runs[:2] and len(queue) == 1 and runs[2].rounds is not None
     queue.finish(5)  # more than are waiting: all of them

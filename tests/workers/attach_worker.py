@@ -72,9 +72,5 @@ def rank_body(plan: dict, rank: int) -> None:
     torch.save(results, os.path.join(plan["out"], f"rank{rank}.pt"))
 
 
-def main() -> None:
-    run_gloo_rank(rank_body)
-
-
 if __name__ == "__main__":
-    main()
+    run_gloo_rank(rank_body)
