@@ -271,7 +271,7 @@ def test_stochastic_quantize_kernel_equals_reference_bit_for_bit(numel: int, lev
     rows = torch.nn.functional.pad(values.float(), (0, -numel % 96)).view(-1, 96)
     cases = [
         (None, torch.linalg.vector_norm(values.float())),
-        (None, values.float().abs().max() if numel else torch.zeros(())),
+        (None, values.float().abs().max() if numel else torch.zeros((), device=DEVICE)),
         (96, torch.linalg.vector_norm(rows, dim=1)),
     ]
     for chunk_size, scales in cases:
