@@ -152,6 +152,97 @@ def test_sync_free_selection_survives_candidate_overflow() -> None:
     _assert_commit_is_lossless(values, indices, sent)
 
 
+def _bucket(numels: list[int], ratio: float, gap: int = 3) -> kernels.SegmentedTopK:
+    """Segments of ``numels`` elements with ``gap`` unselected elements before each (a bucket's dense
+    tensors), keeping ``ceil(ratio * n)`` each, salted by their position."""
+    starts, firsts, ks, position, first = [], [], [], gap, 0
+    for numel in numels:
+        k = min(numel, max(1, -(-int(ratio * numel * 1e6) // 1_000_000)))
+        starts.append(position)
+        firsts.append(first)
+        ks.append(k)
+        position += numel + gap
+        first += k
+    return kernels.SegmentedTopK(
+        tuple(starts), tuple(numels), tuple(ks), tuple(firsts), tuple(range(7, 7 + len(numels)))
+    )
+
+
+def _select_bucket(values: torch.Tensor, segments: kernels.SegmentedTopK, how: str, step_salt: int = 3 * 1_000_003):
+    """(indices, values) of a bucket's selection: ``how`` is ``"bucket"`` (Triton, all segments at
+    once), ``"each"`` (Triton, one segment at a time) or ``"torch"``."""
+    indices = torch.empty(segments.total_k, dtype=torch.int64, device=values.device)
+    picked = torch.empty(segments.total_k, dtype=values.dtype, device=values.device)
+    arguments = dict(sample_ratio=0.01, step_salt=step_salt, scratch=None, out_indices=indices, out_values=picked)
+    with kernels.use_backend("torch" if how == "torch" else "triton"):
+        if how == "each":
+            from lightning_gc.kernels import selection_triton
+
+            selection.sampled_one_at_a_time(selection_triton.sampled_topk_, values, segments, **arguments)
+        else:
+            kernels.sampled_topk_segments_(values, segments, **arguments)
+    return indices, picked
+
+
+# sampled and exact segments (a 1,500-element tensor at 0.1 % keeps 2: a sample would not pay)
+BUCKET_NUMELS = [120_001, 1_500, 65_536, 5_000, 30_003]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.3])  # 0.3: capacities near the sizes, one at a time
+def test_bucket_selection_equals_each_tensor_selected_alone(dtype: torch.dtype, ratio: float) -> None:
+    segments = _bucket(BUCKET_NUMELS, ratio)
+    values = (_randn(segments.starts[-1] + segments.numels[-1], torch.float32, seed=11) ** 3).to(dtype)
+    together, alone, exact = (_select_bucket(values, segments, how) for how in ("bucket", "each", "torch"))
+    for start, numel, k, first in zip(segments.starts, segments.numels, segments.ks, segments.firsts):
+        got, each, want = (_pairs(i[first : first + k], v[first : first + k]) for i, v in (together, alone, exact))
+        assert all(start <= i < start + numel for i in got)  # bucket positions, inside the segment
+        assert all(float(values[i]) == v for i, v in got.items())  # genuine (index, value) pairs
+        assert sorted(map(abs, got.values())) == sorted(map(abs, each.values())) == sorted(map(abs, want.values()))
+        cut = min(map(abs, want.values()))  # elements tied at the cut may be chosen either way
+        assert {i for i, v in got.items() if abs(v) > cut} == {i for i, v in want.items() if abs(v) > cut}
+
+
+def test_bucket_selection_samples_where_each_tensor_alone_would() -> None:
+    # |x| = position + 1 everywhere, so each sampled magnitude names the position it came from.
+    from lightning_gc.kernels import selection_triton
+
+    segments = _bucket([100_000, 4_099, 250_000], 0.001)
+    table = selection_triton._segment_table(segments, 0.01, torch.device(DEVICE))
+    values = torch.arange(1, segments.starts[-1] + segments.numels[-1] + 1, dtype=torch.float32, device=DEVICE)
+    keys = torch.empty(table.samples, dtype=torch.int64, device=DEVICE)
+    step_salt = 41 * 1_000_003
+    with kernels.use_backend("triton"):
+        selection_triton.launch(selection_triton._segment_sample_kernel, (-(-table.samples // 1024),), values, keys,
+                                table.sample_segment, table.sample_first, table.start, table.stride, table.salt_key,
+                                (step_salt * rng.FIBONACCI_MUL) & rng.MASK32, table.samples, BLOCK=1024)  # fmt: skip
+    magnitude_bits = (0x7FFFFFFF - (keys & 0xFFFFFFFF)).to(torch.int32)
+    sampled = magnitude_bits.view(torch.float32).long() - 1
+    expected = []
+    for start, numel, k, salt in zip(segments.starts, segments.numels, segments.ks, segments.salts):
+        plan = selection.sample_plan(numel, k, 0.01, salt=step_salt + salt)
+        if plan is not None:
+            expected.append(selection.sample_positions(plan, DEVICE) + start)
+    assert torch.equal(sampled, torch.cat(expected))
+    assert torch.equal(keys >> 33, table.sample_segment.long())  # each sample keyed by its segment
+
+
+def test_bucket_selection_pads_like_each_tensor_alone_when_the_threshold_is_too_high() -> None:
+    # In the first segment every sampled position holds the maximum: fewer than k candidates.
+    segments = _bucket([100_000, 200_000], 0.05)
+    values = _randn(segments.starts[-1] + segments.numels[-1], torch.float32, seed=5)
+    first = segments.starts[0]
+    plan = selection.sample_plan(100_000, segments.ks[0], 0.01, salt=3 * 1_000_003 + segments.salts[0])
+    values[first : first + 100_000] = 1.0
+    values[first + selection.sample_positions(plan, DEVICE)] = 100.0
+    (together_i, together_v), (alone_i, alone_v) = (_select_bucket(values, segments, how) for how in ("bucket", "each"))
+    k = segments.ks[0]
+    assert int((together_v[:k] != 0).sum()) == plan.samples < k
+    assert torch.equal(together_i[:k][together_v[:k] == 0], torch.full_like(together_i[:k][together_v[:k] == 0], first))
+    assert _pairs(together_i, together_v) == _pairs(alone_i, alone_v)
+    _assert_commit_is_lossless(values, together_i, together_v)
+
+
 def _assert_commit_is_lossless(values: torch.Tensor, indices: torch.Tensor, sent: torch.Tensor) -> None:
     velocity = values.clone()
     with kernels.use_backend("triton"):

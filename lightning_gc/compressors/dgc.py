@@ -13,7 +13,7 @@ import torch
 from lightning_gc import kernels
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
-from lightning_gc.kernels import SelectionScratch
+from lightning_gc.kernels import SegmentedTopK, SelectionScratch
 from lightning_gc.validation import check_range
 
 
@@ -44,6 +44,25 @@ class DGCCompressor(SparseCompressor):
             k,
             sample_ratio=self.sample_ratio,
             salt=salt,
+            scratch=self._scratch,
+            out_indices=out_indices,
+            out_values=out_values,
+        )
+
+    def select_segments(
+        self,
+        velocity: torch.Tensor,
+        segments: SegmentedTopK,
+        step_salt: int,
+        out_indices: torch.Tensor,
+        out_values: torch.Tensor,
+    ) -> None:
+        # The same pairs as one select per segment; on a GPU all segments in one launch per kernel.
+        kernels.sampled_topk_segments_(
+            velocity,
+            segments,
+            sample_ratio=self.sample_ratio,
+            step_salt=step_salt,
             scratch=self._scratch,
             out_indices=out_indices,
             out_values=out_values,

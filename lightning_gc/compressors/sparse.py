@@ -44,6 +44,7 @@ from lightning_gc.compressors.base import (
 )
 from lightning_gc.compressors.global_topk import EXCHANGES, GlobalTopKPlan
 from lightning_gc.compressors.wire import INDEX_ENCODINGS, VALUE_DTYPES
+from lightning_gc.kernels.selection import SegmentedTopK, for_each_segment
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_choice, check_int
 
@@ -64,6 +65,7 @@ class _SparsePlan:
 
     layout: BucketLayout
     compressed: tuple[tuple[Segment, int, int], ...]  # (segment, k, first slot in the payload)
+    selection: SegmentedTopK  # the same segments, as the selection kernels take them
     total_k: int
     dense_all: bool
     dense: DensePart | None  # the dense tensors of a partly compressed bucket
@@ -152,6 +154,19 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         (any index, value 0).
         """
 
+    def select_segments(
+        self,
+        velocity: torch.Tensor,
+        segments: SegmentedTopK,
+        step_salt: int,
+        out_indices: torch.Tensor,
+        out_values: torch.Tensor,
+    ) -> None:
+        """Every compressed segment's ``k`` pairs into its output slots, indices as positions in
+        the bucket, segment ``i`` salted ``step_salt + segments.salts[i]``. By default one
+        :meth:`select` per segment; a compressor that can select a whole bucket at once overrides it."""
+        for_each_segment(self.select, velocity, segments, step_salt, out_indices, out_values)
+
     # ------------------------------------------------------------------ planning
     def _split(self, layout: BucketLayout) -> tuple[list[tuple[Segment, int, int]], list[Segment], int]:
         """(compressed segments with k and first payload slot, dense segments, total k); at
@@ -193,6 +208,13 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         return _SparsePlan(
             layout=layout,
             compressed=tuple(compressed),
+            selection=SegmentedTopK(
+                starts=tuple(segment.start for segment, _, _ in compressed),
+                numels=tuple(segment.numel for segment, _, _ in compressed),
+                ks=tuple(k for _, k, _ in compressed),
+                firsts=tuple(first for _, _, first in compressed),
+                salts=tuple(segment.order for segment, _, _ in compressed),
+            ),
             total_k=total_k,
             dense_all=dense_all,
             dense=dense_part,
@@ -208,16 +230,7 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         plan = self.plan(context, velocity)
         if plan.dense_all:
             return encode_whole_bucket(velocity, out)
-        for segment, k, first in plan.compressed:
-            chosen = slice(first, first + k)
-            self.select(
-                segment.of(velocity),
-                k,
-                context.step * _SALT_STEP + segment.order,
-                out_indices=plan.sent_indices[chosen],
-                out_values=plan.sent_values[chosen],
-            )
-            plan.sent_indices[chosen].add_(segment.start)
+        self.select_segments(velocity, plan.selection, context.step * _SALT_STEP, plan.sent_indices, plan.sent_values)
         if plan.global_topk is not None:
             return plan.global_topk.first_round(velocity, plan.sent_indices, plan.sent_values, context)
         sent = self.wire.pack(plan.payload, plan.sent_indices, plan.sent_values, context.layout.numel)

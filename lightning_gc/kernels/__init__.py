@@ -28,6 +28,7 @@ from lightning_gc.kernels.packing import code_width, stochastic_dequantize
 from lightning_gc.kernels.rng import counter_uniform
 from lightning_gc.kernels.selection import (
     MIN_SAMPLE_HITS,
+    SegmentedTopK,
     SelectionScratch,
     sample_size,
     sampled_topk_indices,
@@ -48,6 +49,12 @@ def compensate_(
 def sampled_topk_(values: torch.Tensor, k: int, **kwargs: Any) -> None:
     """Top-k (index, value) pairs via a sampled threshold (see :func:`.selection.sampled_topk_`), dispatched."""
     _implementation(values, selection).sampled_topk_(values, k, **kwargs)
+
+
+def sampled_topk_segments_(values: torch.Tensor, segments: SegmentedTopK, **kwargs: Any) -> None:
+    """:func:`sampled_topk_` for every segment of a bucket, indices as bucket positions (see
+    :func:`.selection.sampled_topk_segments_`), dispatched: on Triton one launch per kernel for all."""
+    _implementation(values, selection).sampled_topk_segments_(values, segments, **kwargs)
 
 
 def commit_sparse_(
@@ -95,6 +102,7 @@ def _implementation(tensor: torch.Tensor, torch_module: ModuleType) -> ModuleTyp
 
 __all__ = [
     "MIN_SAMPLE_HITS",
+    "SegmentedTopK",
     "SelectionScratch",
     "backend_for",
     "code_width",
@@ -105,6 +113,7 @@ __all__ = [
     "pack_signs",
     "sample_size",
     "sampled_topk_",
+    "sampled_topk_segments_",
     "sampled_topk_indices",
     "scatter_average_",
     "stochastic_dequantize",

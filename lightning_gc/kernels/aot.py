@@ -110,7 +110,7 @@ def triton_modules() -> list[Any]:
 def wrapper_launches() -> list[Launch]:
     """Every launch the wrappers make over the dtypes and flags they accept (on made-up data)."""
     from lightning_gc.kernels import compensation_triton, packing_triton, selection_triton, sparse_triton
-    from lightning_gc.kernels.selection import SelectionScratch
+    from lightning_gc.kernels.selection import SegmentedTopK, SelectionScratch
 
     numel, k = 4096, 8
     indices = torch.arange(k, dtype=torch.int64)
@@ -129,6 +129,12 @@ def wrapper_launches() -> list[Launch]:
             partial(selection_triton.sampled_topk_, large, 1024, sample_ratio=0.01, salt=1,
                     scratch=SelectionScratch(), out_indices=torch.empty(1024, dtype=torch.int64),
                     out_values=torch.empty(1024, dtype=dtype))
+        )  # fmt: skip
+        bucket = SegmentedTopK(starts=(0, 1 << 19), numels=(1 << 19, 2048), ks=(512, 2), firsts=(0, 512), salts=(0, 1))
+        calls.append(  # a sampled segment and an exact one (too small to sample), selected together
+            partial(selection_triton.sampled_topk_segments_, large, bucket, sample_ratio=0.01, step_salt=1,
+                    scratch=None, out_indices=torch.empty(514, dtype=torch.int64),
+                    out_values=torch.empty(514, dtype=dtype))
         )  # fmt: skip
         for masking in (False, True):
             calls.append(

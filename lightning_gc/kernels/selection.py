@@ -40,6 +40,7 @@ pairs (padded with no-ops) but never a wrong one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -182,6 +183,96 @@ class _CandidateSearch:
         tail_kept = torch.nonzero(tail >= threshold).view(-1)
         positions = torch.cat([hit_rows[row] * ROW + column, tail_kept + self.body])
         return positions, torch.cat([hit[row, column], tail[tail_kept]])
+
+
+@dataclass(frozen=True)
+class SegmentedTopK:
+    """The top-k selections of one bucket: segment ``i`` is the slice ``[starts[i], starts[i] +
+    numels[i])`` of the flat bucket, keeps its ``ks[i]`` largest magnitudes, and writes them to
+    output slots ``[firsts[i], firsts[i] + ks[i])`` as *bucket* positions. Its sample is keyed by
+    ``step_salt + salts[i]`` (the step's salt plus the parameter's own offset).
+
+    Built once per bucket plan and hashable, so an implementation may cache what it derives from it.
+    """
+
+    starts: tuple[int, ...]
+    numels: tuple[int, ...]
+    ks: tuple[int, ...]
+    firsts: tuple[int, ...]
+    salts: tuple[int, ...]
+
+    @property
+    def total_k(self) -> int:
+        return sum(self.ks)
+
+
+SelectOne = Callable[[torch.Tensor, int, int, torch.Tensor, torch.Tensor], None]
+"""``select_one(values, k, salt, out_indices, out_values)``: one tensor's ``k`` pairs, indices in ``values``."""
+
+
+def for_each_segment(
+    select_one: SelectOne,
+    values: torch.Tensor,
+    segments: SegmentedTopK,
+    step_salt: int,
+    out_indices: torch.Tensor,
+    out_values: torch.Tensor,
+) -> None:
+    """Select every segment of ``segments`` one at a time through ``select_one``, salted
+    ``step_salt + salts[i]``, its indices moved to bucket positions."""
+    for start, numel, k, first, salt in zip(
+        segments.starts, segments.numels, segments.ks, segments.firsts, segments.salts, strict=True
+    ):
+        chosen = slice(first, first + k)
+        select_one(values[start : start + numel], k, step_salt + salt, out_indices[chosen], out_values[chosen])
+        out_indices[chosen].add_(start)
+
+
+def sampled_one_at_a_time(
+    sampled_topk: Callable[..., None],
+    values: torch.Tensor,
+    segments: SegmentedTopK,
+    *,
+    sample_ratio: float,
+    step_salt: int,
+    scratch: SelectionScratch | None,
+    out_indices: torch.Tensor,
+    out_values: torch.Tensor,
+) -> None:
+    """:func:`sampled_topk_segments_` through an implementation's ``sampled_topk_``, one segment at a time."""
+
+    def select_one(part: torch.Tensor, k: int, salt: int, indices: torch.Tensor, picked: torch.Tensor) -> None:
+        sampled_topk(
+            part, k, sample_ratio=sample_ratio, salt=salt, scratch=scratch, out_indices=indices, out_values=picked
+        )
+
+    for_each_segment(select_one, values, segments, step_salt, out_indices, out_values)
+
+
+def sampled_topk_segments_(
+    values: torch.Tensor,
+    segments: SegmentedTopK,
+    *,
+    sample_ratio: float,
+    step_salt: int,
+    scratch: SelectionScratch | None,
+    out_indices: torch.Tensor,
+    out_values: torch.Tensor,
+) -> None:
+    """:func:`sampled_topk_` for every segment of a bucket: ``out_indices`` / ``out_values`` (each
+    ``segments.total_k`` long) receive each segment's pairs at its slots, indices as bucket
+    positions. Same contract as :func:`sampled_topk_` per segment (a pair is a selected element
+    or a no-op of value 0); here, one tensor at a time."""
+    sampled_one_at_a_time(
+        sampled_topk_,
+        values,
+        segments,
+        sample_ratio=sample_ratio,
+        step_salt=step_salt,
+        scratch=scratch,
+        out_indices=out_indices,
+        out_values=out_values,
+    )
 
 
 def sampled_topk_(
