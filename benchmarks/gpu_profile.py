@@ -15,7 +15,7 @@ time per call measured outside the profiler (median of repeats, synchronised):
               per-bucket phases from its own timeline
 
     python benchmarks/gpu_profile.py [--sizes 1e6 25.6e6] [--rows 18] [--fit-epochs 3]
-        [--only selection fit host phases] [--model digits|resnet50] [--steps 100]
+        [--only selection fit host phases] [--model digits|resnet50] [--steps 100] [--cprofile 0]
 """
 
 from __future__ import annotations
@@ -138,10 +138,11 @@ def profile_host(epochs: int, rows: int) -> None:
     stats.sort_stats("cumtime").print_stats(r"lightning_gc", rows * 2)
 
 
-def profile_phases(model_name: str, steps: int) -> None:
+def profile_phases(model_name: str, steps: int, profile_steps: int = 0) -> None:
     """Per-step host time of a plain DDP loop, dense against DGC, and DGC again with its selection
     made one tensor at a time (as before the bucket-wide kernels): the three side by side, each
-    after a warm-up round of the same length."""
+    after a warm-up round of the same length. With ``profile_steps``, then that many DGC steps
+    under cProfile (Python functions by own time; a host sync shows as the call that waits)."""
     import collections
     import functools
     import os
@@ -222,6 +223,21 @@ def profile_phases(model_name: str, steps: int) -> None:
             attached.finish()
         del model, optimizer, attached
     DGCCompressor.select_segments = bucket_wide
+    if profile_steps:
+        model, optimizer, attached = build("dgc")
+        profiler = cProfile.Profile()
+        for profiled in (False, True):  # a warm-up round, then the profiled one
+            if profiled:
+                profiler.enable()
+            for _ in range(profile_steps):
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                attached.step()
+            torch.cuda.synchronize()
+        profiler.disable()
+        print(f"##### cProfile of {profile_steps} DGC steps ({model_name}), by own time")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        attached.finish()
     dist.destroy_process_group()
 
 
@@ -232,6 +248,7 @@ def main() -> None:
     parser.add_argument("--fit-epochs", type=int, default=3)
     parser.add_argument("--model", choices=["digits", "resnet50"], default="digits", help="phases: the model")
     parser.add_argument("--steps", type=int, default=100, help="phases: timed steps per variant")
+    parser.add_argument("--cprofile", type=int, default=0, help="phases: then this many DGC steps under cProfile")
     parser.add_argument("--only", nargs="+", choices=["selection", "fit", "host", "phases"],
                         default=["selection", "fit", "host", "phases"])  # fmt: skip
     args = parser.parse_args()
@@ -243,7 +260,7 @@ def main() -> None:
     if "host" in args.only:
         profile_host(args.fit_epochs, args.rows)
     if "phases" in args.only:
-        profile_phases(args.model, args.steps)
+        profile_phases(args.model, args.steps, args.cprofile)
 
 
 if __name__ == "__main__":

@@ -50,9 +50,12 @@ def clip_factor(g: torch.Tensor, threshold: float) -> torch.Tensor:
 class CompensationPiece:
     """A slice ``[start, stop)`` of a bucket compensated by one kernel call.
 
-    Consecutive segments share a piece when they share the momentum recurrence and need neither
-    a parameter (weight decay) nor their own clipping factor; otherwise a segment is its own
-    piece and ``segment`` gives its position in the layout.
+    Consecutive segments share a piece when they share the momentum recurrence and weight decay
+    and need no clipping factor of their own. With weight decay the kernel reads the parameters:
+    from the segment's own parameter when the piece is one segment (``segment``, its position in
+    the layout), else from a bucket-shaped copy of the parameters of ``decayed`` (their positions),
+    which the memory refreshes before each call. Only the Triton backend merges decayed segments:
+    there a launch costs far more than the copy, on the CPU the copy is the cost.
     """
 
     start: int
@@ -62,6 +65,7 @@ class CompensationPiece:
     weight_decay: float = 0.0
     dampening: float = 0.0
     segment: int | None = None
+    decayed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -73,6 +77,8 @@ class BucketMemory:
     momentum: torch.Tensor | None
     spec_version: int = -1
     pieces: list[CompensationPiece] = field(default_factory=list)
+    merges_decay: bool = False  # whether pieces merge segments with weight decay (see CompensationPiece)
+    params_copy: torch.Tensor | None = None  # bucket-shaped parameters of merged decayed pieces
     aside: list[tuple[Segment, list[torch.Tensor]]] = field(default_factory=list)  # see set_aside
 
     def state(self) -> list[torch.Tensor]:
@@ -144,8 +150,9 @@ class CompensationMemory:
         if memory is None or memory.layout is not layout:
             memory = self._bind(layout, like)
             self._buckets[layout.index] = memory
-        if memory.spec_version != self._spec_version:
-            self._plan_pieces(memory)
+        merges_decay = kernels.backend_for(like) == "triton"
+        if memory.spec_version != self._spec_version or memory.merges_decay != merges_decay:
+            self._plan_pieces(memory, merges_decay)
         return memory
 
     def _bind(self, layout: BucketLayout, like: torch.Tensor) -> BucketMemory:
@@ -153,19 +160,21 @@ class CompensationMemory:
         flat = self._state.bind(layout, like, _STATE_NAMES if needs_momentum else _STATE_NAMES[:1])
         return BucketMemory(layout=layout, velocity=flat["velocity"], momentum=flat.get("momentum"))
 
-    def _plan_pieces(self, memory: BucketMemory) -> None:
+    def _plan_pieces(self, memory: BucketMemory, merges_decay: bool) -> None:
         memory.pieces = []
         for position, segment in enumerate(memory.layout.segments):
             spec = self.spec(segment.name)
-            alone = self.clip_norm is not None or spec.weight_decay != 0.0
+            alone = self.clip_norm is not None or (spec.weight_decay != 0.0 and not merges_decay)
             last = memory.pieces[-1] if memory.pieces else None
+            recurrence = (spec.momentum, spec.nesterov, spec.dampening, spec.weight_decay)
             if (
                 not alone
                 and last is not None
                 and last.segment is None
-                and (last.momentum, last.nesterov, last.dampening) == (spec.momentum, spec.nesterov, spec.dampening)
+                and (last.momentum, last.nesterov, last.dampening, last.weight_decay) == recurrence
             ):
                 last.stop = segment.stop
+                last.decayed += [position] if spec.weight_decay != 0.0 else []
                 continue
             memory.pieces.append(
                 CompensationPiece(
@@ -176,8 +185,11 @@ class CompensationMemory:
                     weight_decay=spec.weight_decay,
                     dampening=spec.dampening,
                     segment=position if alone else None,
+                    decayed=[position] if spec.weight_decay != 0.0 and not alone else [],
                 )
             )
+        memory.merges_decay = merges_decay
+        memory.params_copy = None
         if memory.momentum is None and any(piece.momentum != 0.0 for piece in memory.pieces):
             memory.momentum = self._state.add(memory.layout, "momentum", memory.velocity)
         memory.spec_version = self._spec_version
@@ -259,9 +271,10 @@ class CompensationMemory:
             if keep != 1.0:
                 scale = torch.tensor(keep, device=g.device) if scale is None else scale.mul_(keep)
             param = None
-            if piece.weight_decay != 0.0:
-                assert piece.segment is not None
+            if piece.segment is not None and piece.weight_decay != 0.0:
                 param = params[piece.segment].detach().reshape(-1)
+            elif piece.decayed:
+                param = self._copy_params(memory, piece, params)
             kernels.compensate_(
                 g,
                 memory.velocity[piece.start : piece.stop],
@@ -273,6 +286,20 @@ class CompensationMemory:
                 param=param,
             )
         return memory.velocity
+
+    @staticmethod
+    def _copy_params(memory: BucketMemory, piece: CompensationPiece, params: list[torch.Tensor]) -> torch.Tensor:
+        """The parameters of ``piece``'s decayed segments, copied (one multi-tensor copy) into the
+        bucket-shaped buffer at their segments' places; the piece's slice of that buffer."""
+        if memory.params_copy is None:
+            memory.params_copy = torch.zeros_like(memory.velocity)
+        segments = memory.layout.segments
+        with torch.no_grad():
+            torch._foreach_copy_(
+                [segments[i].of(memory.params_copy) for i in piece.decayed],
+                [params[i].detach().reshape(-1) for i in piece.decayed],
+            )
+        return memory.params_copy[piece.start : piece.stop]
 
     def commit(self, memory: BucketMemory, encoded: Encoded, own: torch.Tensor | None = None) -> None:
         """Record what left this rank for one bucket, as ``encoded`` describes it, then end the

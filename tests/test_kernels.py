@@ -58,20 +58,35 @@ def test_memory_compensate_is_the_same_on_either_backend(nesterov: bool) -> None
     from lightning_gc.memory import CompensationMemory
     from lightning_gc.momentum import MomentumSpec
 
-    params = [torch.nn.Parameter(torch.randn(33, 31, device=DEVICE)), torch.nn.Parameter(torch.randn(7, device=DEVICE))]
+    shapes = [(33, 31), (7,), (5, 40), (64,)]
+    params = [torch.nn.Parameter(torch.randn(*shape, device=DEVICE)) for shape in shapes]
     names = {id(p): (f"p{i}", i) for i, p in enumerate(params)}
-    layout = BucketLayout.build(0, params, names, 33 * 31 + 7)
-    results = []
-    for backend in ("torch", "triton"):
-        memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=1.0)
-        memory.set_specs({"p0": MomentumSpec(0.9, nesterov, 1e-3), "p1": MomentumSpec(0.9, nesterov)})
-        gen = torch.Generator().manual_seed(0)
-        with kernels.use_backend(backend):
-            for _ in range(3):
-                grad = torch.randn(layout.numel, generator=gen).to(DEVICE)
-                velocity = memory.compensate(memory.bucket(layout, grad), grad, params, world_size=2)
-        results.append(velocity.clone())
-    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-6)
+    layout = BucketLayout.build(0, params, names, sum(p.numel() for p in params))
+    specs = {"p0": MomentumSpec(0.9, nesterov, 1e-3), "p1": MomentumSpec(0.9, nesterov)}
+    specs |= {"p2": MomentumSpec(0.9, nesterov, 1e-3), "p3": MomentumSpec(0.9, nesterov, 1e-3)}
+    initial = [p.detach().clone() for p in params]
+    for clip_norm in (1.0, None):  # without clipping, Triton merges p2 and p3 (same decay) into one launch
+        results, pieces = [], []
+        for backend in ("torch", "triton"):
+            with torch.no_grad():
+                for param, value in zip(params, initial):
+                    param.copy_(value)
+            memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=clip_norm)
+            memory.set_specs(specs)
+            gen = torch.Generator().manual_seed(0)
+            with kernels.use_backend(backend):
+                for step in range(3):
+                    grad = torch.randn(layout.numel, generator=gen).to(DEVICE)
+                    bucket = memory.bucket(layout, grad)
+                    velocity = memory.compensate(bucket, grad, params, world_size=2)
+                    with torch.no_grad():
+                        params[step % 4].add_(0.5)  # the parameters move: the merged launch must read them afresh
+            results.append(velocity.clone())
+            pieces.append([(piece.start, piece.stop) for piece in bucket.pieces])
+        torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-6)
+        if clip_norm is None:
+            merged = (layout.segments[2].start, layout.segments[3].stop)
+            assert merged in pieces[1] and merged not in pieces[0]
 
 
 def test_auto_dispatch_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
