@@ -187,17 +187,28 @@ def _segment_sample_kernel(
 
 
 @triton.jit
+def _segment_block_hits(
+    values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, block, BLOCK: tl.constexpr
+):
+    """Block ``block``'s segment, positions, values and which of them reach the segment's threshold."""
+    segment = tl.load(block_segment_ptr + block)
+    offsets = tl.load(block_first_ptr + block) + tl.arange(0, BLOCK)
+    inside = offsets < tl.load(stop_ptr + segment)
+    threshold = _segment_threshold(sorted_samples_ptr, tl.load(pick_ptr + segment))
+    x = tl.load(values_ptr + offsets, mask=inside, other=0.0)
+    return segment, offsets, x, (tl.abs(x.to(tl.float32)) >= threshold) & inside
+
+
+@triton.jit
 def _segment_count_kernel(
     values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, counts_ptr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
-    segment = tl.load(block_segment_ptr + block)
-    offsets = tl.load(block_first_ptr + block) + tl.arange(0, BLOCK)
-    inside = offsets < tl.load(stop_ptr + segment)
-    threshold = _segment_threshold(sorted_samples_ptr, tl.load(pick_ptr + segment))
-    magnitude = tl.abs(tl.load(values_ptr + offsets, mask=inside, other=0.0).to(tl.float32))
-    tl.store(counts_ptr + block, tl.sum(((magnitude >= threshold) & inside).to(tl.int32), axis=0))
+    segment, offsets, x, hit = _segment_block_hits(
+        values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, block, BLOCK
+    )
+    tl.store(counts_ptr + block, tl.sum(hit.to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -209,12 +220,9 @@ def _segment_compact_kernel(
     # Block b of segment s writes its hits, in position order, from slot slots_first[s] + (hits of
     # s's blocks before b) on; ``through`` is the inclusive prefix sum of the counts.
     block = tl.program_id(0)
-    segment = tl.load(block_segment_ptr + block)
-    offsets = tl.load(block_first_ptr + block) + tl.arange(0, BLOCK)
-    inside = offsets < tl.load(stop_ptr + segment)
-    threshold = _segment_threshold(sorted_samples_ptr, tl.load(pick_ptr + segment))
-    x = tl.load(values_ptr + offsets, mask=inside, other=0.0)
-    hit = (tl.abs(x.to(tl.float32)) >= threshold) & inside
+    segment, offsets, x, hit = _segment_block_hits(
+        values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, block, BLOCK
+    )
     first = tl.load(first_block_ptr + segment)
     before_block = tl.load(through_ptr + block) - tl.load(counts_ptr + block)
     before_segment = tl.load(through_ptr + first) - tl.load(counts_ptr + first)
