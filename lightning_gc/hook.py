@@ -15,25 +15,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.futures import Future, collect_all
+from torch.futures import Future
 
 from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.simple import NoCompressor
-from lightning_gc.compressors.two_phase import TwoPhaseExchange
 from lightning_gc.delay import DelayLine
 from lightning_gc.exchange import CollectiveExchange, Exchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.hierarchy import NodeHierarchy
-from lightning_gc.layout import BucketLayout, LayoutPart, Segment, split_layout
+from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.pipeline import BucketStep, RoundQueue, Timeline, run_bucket
 from lightning_gc.policy import CompressionPolicy
 from lightning_gc.stats import CompressionStats
 from lightning_gc.validation import check_int
-
-LAST_BUCKET_PARTS = 2
-"""Parts the last bucket of a two-phase exchange runs in (``split_last_bucket``)."""
 
 
 def reaches_wire_ratio(compressor: Compressor, layout: BucketLayout, element_size: int, min_ratio: float) -> bool:
@@ -78,12 +74,6 @@ class CompressionHookState:
             that bucket's first round is launched, instead of at its own, so it travels while
             backward computes and the next bucket encodes (flat exchange, without
             ``local_update``; :mod:`lightning_gc.pipeline`). The result is the same bit for bit.
-        split_last_bucket: with ``defer_rounds`` and a two-phase exchange on host (CPU) tensors,
-            run the last bucket as :data:`LAST_BUCKET_PARTS` parts of whole tensors, each part's
-            all-to-all launched before the first part is re-encoded: nothing hides the last
-            bucket's rounds behind backward, but its parts can hide behind each other's codec
-            work. The result is the same bit for bit (two-phase chunks are per tensor). On CUDA
-            the bucket stays whole: its parts' futures would need a stream-aware join.
 
     Attributes:
         exact_steps: steps before this one are averaged exactly as DDP's own all-reduce does
@@ -111,7 +101,6 @@ class CompressionHookState:
         sync_warmup_steps: int = 0,
         hierarchy: NodeHierarchy | None = None,
         defer_rounds: bool = True,
-        split_last_bucket: bool = True,
     ) -> None:
         self.compressor = compressor
         self.find_unused_parameters = find_unused_parameters
@@ -140,8 +129,6 @@ class CompressionHookState:
             )
         self.hierarchy = hierarchy
         self.defer_rounds = defer_rounds
-        self.split_last_bucket = split_last_bucket
-        self._last_parts: dict[int, tuple[BucketLayout, tuple[LayoutPart, ...]]] = {}
         self.rounds = RoundQueue()  # buckets whose earlier round is still in flight (defer_rounds)
         memory.seed_view = None if hierarchy is None else hierarchy.node_sum_piece
         if self.delay_line is not None:
@@ -173,27 +160,6 @@ class CompressionHookState:
             self.layouts[bucket.index()] = layout
             self.layouts_built += 1
         return layout
-
-    def last_bucket_parts(
-        self, layout: BucketLayout, compressor: Compressor, grad: torch.Tensor
-    ) -> tuple[LayoutPart, ...] | None:
-        """The parts the last bucket runs in, or ``None`` to run it whole (see ``split_last_bucket``)."""
-        splits = (
-            self.split_last_bucket
-            and self.defer_rounds
-            and self.hierarchy is None
-            and grad.device.type == "cpu"
-            and len(layout.segments) >= LAST_BUCKET_PARTS
-            and isinstance(compressor, TwoPhaseExchange)
-            and compressor.two_phase_at(self.world_size)
-        )
-        if not splits:
-            return None
-        cached = self._last_parts.get(id(layout))
-        if cached is None or cached[0] is not layout:  # the layout is kept, so its id is not reused
-            cached = (layout, split_layout(layout, LAST_BUCKET_PARTS, index=-1 - LAST_BUCKET_PARTS * layout.index))
-            self._last_parts[id(layout)] = cached
-        return cached[1]
 
     def compressor_for(self, layout: BucketLayout, element_size: int) -> Compressor:
         """The configured compressor, or exact all-reduce where it would not pay its way."""
@@ -250,13 +216,6 @@ class CompressionHookState:
         self.compressor.load_state_dict(state.get("compressor", {}))
         if self.delay_line is not None:
             self.delay_line.load_state_dict(state.get("delayed", {}))
-
-
-def _joined(done: Future[list[Future[torch.Tensor]]], whole: torch.Tensor) -> torch.Tensor:
-    """The whole bucket once every part's average is written into it (a failed part fails it)."""
-    for part in done.value():
-        part.value()
-    return whole
 
 
 def exchange_failed(rank: int, world_size: int, layout: BucketLayout, step: int, error: Exception) -> RuntimeError:
@@ -319,61 +278,47 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
     compressor = state.compressor_for(layout, grad.element_size())
     # The callbacks run on the backend's threads and must not hold `state`: it holds the process
     # group, and a thread that drops a group's last reference joins itself in its destructor.
+    on_decoded = lambda timeline, stats=state.stats: stats.add(seconds=timeline.seconds())  # noqa: E731
     failure = lambda error, rank=state.rank, world_size=state.world_size: exchange_failed(  # noqa: E731
         rank, world_size, layout, step, error
     )
+    pipeline: dict[str, Any] = {
+        "step": step,
+        "params": params,
+        "absent": absent,
+        "loss_scale": state.grad_scale,
+        "guard": state.guard,
+        "timeline": Timeline(),
+        "on_decoded": on_decoded,
+        "failure": failure,
+    }
+    if state.hierarchy is not None:
+        sent = state.hierarchy.run(compressor, state.memory, grad, layout, out=out, **pipeline)
+    else:
+        bucket_memory = state.memory.bucket(layout, grad)
+        sent = run_bucket(
+            compressor,
+            state.memory,
+            bucket_memory,
+            grad,
+            layout,
+            state.exchange,
+            world_size=state.world_size,
+            rank=state.rank,
+            out=out,
+            own=own,
+            defer_rounds=state.defer_rounds and own is None,  # OD-SGD's hand-over reads `own` at once
+            **pipeline,
+        )
 
-    def run(part: BucketLayout, low: int, high: int, first: int, stop: int) -> BucketStep:
-        """The pipeline over segments ``[first, stop)`` of the bucket, elements ``[low, high)``."""
-        unused = {segment.name for segment in absent}
-        pipeline: dict[str, Any] = {
-            "step": step,
-            "params": params[first:stop],
-            "absent": [segment for segment in part.segments if segment.name in unused],
-            "loss_scale": state.grad_scale,
-            "guard": state.guard,
-            "timeline": Timeline(),
-            "on_decoded": lambda timeline, stats=state.stats: stats.add(seconds=timeline.seconds()),
-            "failure": failure,
-        }
-        part_grad = grad[low:high]
-        if state.hierarchy is not None:
-            sent = state.hierarchy.run(compressor, state.memory, part_grad, part, out=out, **pipeline)
-        else:
-            sent = run_bucket(
-                compressor,
-                state.memory,
-                state.memory.bucket(part, part_grad),
-                part_grad,
-                part,
-                state.exchange,
-                world_size=state.world_size,
-                rank=state.rank,
-                out=None if out is None else out[low:high],
-                own=None if own is None else own[low:high],
-                defer_rounds=state.defer_rounds and own is None,  # OD-SGD's hand-over reads `own` at once
-                **pipeline,
-            )
-        stats, numel = state.stats, high - low
+    stats, numel, dense_bytes = state.stats, grad.numel(), grad.numel() * grad.element_size()
 
-        def count(done: BucketStep) -> None:
-            stats.add(
-                bytes_sent=done.bytes_sent,
-                dense_bytes=numel * grad.element_size(),
-                elements_sent=done.elements_sent,
-                elements_total=numel,
-            )
+    def count(done: BucketStep) -> None:
+        stats.add(
+            bytes_sent=done.bytes_sent, dense_bytes=dense_bytes, elements_sent=done.elements_sent, elements_total=numel
+        )
 
-        state.rounds.add(sent, count)  # counted once its last round is launched (now, or at a later hook)
-        return sent
-
-    parts = state.last_bucket_parts(layout, compressor, grad) if bucket.is_last() and delayed is None else None
-    if parts is None:
-        sent = run(layout, 0, layout.numel, 0, len(layout.segments))
-    else:  # the last bucket in parts, whose rounds interleave (CompressionHookState.split_last_bucket)
-        runs = [run(part.layout, part.low, part.high, part.first, part.stop) for part in parts]
-        joined = collect_all([r.averaged for r in runs]).then(lambda done, whole=grad: _joined(done, whole))
-        sent = BucketStep(averaged=joined, bytes_sent=0, elements_sent=0)
+    state.rounds.add(sent, count)  # counted once its last round is launched (now, or at a later hook)
     if bucket.is_last():
         state.step += 1
         state.rounds.finish()

@@ -83,37 +83,6 @@ class BucketLayout:
         return len(params) == len(self.param_ids) and all(id(p) == i for p, i in zip(params, self.param_ids))
 
 
-@dataclass(frozen=True)
-class LayoutPart:
-    """Whole segments ``[first, stop)`` of a bucket's layout, elements ``[low, high)`` of its buffer,
-    as a layout of their own (``layout``: starts from 0, its own ``index``)."""
-
-    layout: BucketLayout
-    first: int
-    stop: int
-    low: int
-    high: int
-
-
-def split_layout(layout: BucketLayout, parts: int, index: int) -> tuple[LayoutPart, ...]:
-    """``layout`` cut between whole segments into at most ``parts`` runs of about equal elements
-    (each at least one segment), numbered ``index``, ``index - 1``, ... (negative indices keep them
-    apart from DDP's buckets in every per-bucket cache)."""
-    segments = layout.segments
-    cuts, target = [0], layout.numel / max(parts, 1)
-    for number in range(1, min(parts, len(segments))):  # each cut at the segment start nearest its share
-        candidates = range(cuts[-1] + 1, len(segments) - (min(parts, len(segments)) - 1 - number))
-        cuts.append(min(candidates, key=lambda position: abs(segments[position].start - number * target)))
-    cuts.append(len(segments))
-    result = []
-    for number, (first, stop) in enumerate(zip(cuts, cuts[1:])):
-        low, high = segments[first].start, segments[stop - 1].stop
-        rebased = tuple(Segment(s.name, s.order, s.start - low, s.shape, s.whole_shape) for s in segments[first:stop])
-        part = BucketLayout(index=index - number, segments=rebased, param_ids=layout.param_ids[first:stop])
-        result.append(LayoutPart(layout=part, first=first, stop=stop, low=low, high=high))
-    return tuple(result)
-
-
 def piece_bounds(numel: int, chunk: int, chunks: int) -> tuple[int, int]:
     """``[low, high)`` of piece ``chunk`` of ``chunks`` of a tensor of ``numel`` elements: pieces of
     ``ceil(numel / chunks)`` elements, the last ones shorter or empty."""

@@ -1,7 +1,7 @@
 """One rank of raw-DDP runs (no Lightning) through lightning_gc's comm hook, for test_two_phase.py.
 
-For each run of the plan (``{"label", "compressor", "arguments", "steps", "resume_at", "defer_rounds",
-"split_last_bucket", "delay", "local_update"}``; compressor
+For each run of the plan (``{"label", "compressor", "arguments", "steps", "resume_at", "defer_rounds", "delay",
+"local_update"}``; compressor
 ``null`` is plain DDP without a hook) a fresh model from the same seed trains on this rank's
 deterministic data with ``SGD(lr)``; the rank saves, per label, its losses and final parameters.
 With ``resume_at`` the run stops there, keeps what a checkpoint would (parameters, optimizer,
@@ -50,7 +50,6 @@ def build(run: dict[str, Any], plan: dict[str, Any]) -> tuple[torch.nn.Module, A
             memory,
             names,
             defer_rounds=run.get("defer_rounds", True),
-            split_last_bucket=run.get("split_last_bucket", True),
             delay=run.get("delay", 0),
             local_update=run.get("local_update", False),
         )
