@@ -13,6 +13,8 @@ Ops (fp32 gradient, DGC ratio 0.1 %):
   exact_topk     compensate + exact torch.topk + masking (what DGC replaces)     (not a limit row)
   pack_signs     1 bit per element                                               (4.125 B/element)
   quantize_4bit  QSGD, 7 levels, 4-bit codes, incl. the norm pass                (8.5 B/element)
+  select_each    the gradient as 54 tensors (ResNet-50 compresses 54), each selected alone
+  select_bucket  the same 54 tensors selected together (kernels.sampled_topk_segments_)
 """
 
 from __future__ import annotations
@@ -22,10 +24,19 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from lightning_gc import kernels
+from lightning_gc.kernels import selection
+
+
+def _triton_selection() -> ModuleType:  # imported only where Triton runs (a CUDA device)
+    from lightning_gc.kernels import selection_triton
+
+    return selection_triton
+
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 RATIO = 0.001
@@ -77,6 +88,25 @@ def make_ops(numel: int, device: torch.device) -> dict[str, Callable[[], object]
         chosen = torch.topk(v.abs(), k, sorted=False).indices
         kernels.commit_sparse_(v, u, chosen, v[chosen])
 
+    tensors = 54
+    size = numel // tensors
+    numels = [size] * (tensors - 1) + [numel - size * (tensors - 1)]
+    starts = [i * size for i in range(tensors)]
+    ks = [max(1, int(n * RATIO)) for n in numels]
+    firsts = [sum(ks[:i]) for i in range(tensors)]
+    bucket = kernels.SegmentedTopK(tuple(starts), tuple(numels), tuple(ks), tuple(firsts), tuple(range(tensors)))
+    bucket_indices = torch.empty(bucket.total_k, dtype=torch.int64, device=device)
+    bucket_values = torch.empty(bucket.total_k, device=device)
+    selecting = dict(sample_ratio=0.01, step_salt=1, scratch=scratch, out_indices=bucket_indices,
+                     out_values=bucket_values)  # fmt: skip
+
+    def select_each() -> None:
+        one = selection.sampled_topk_ if kernels.backend_for(v) == "torch" else _triton_selection().sampled_topk_
+        selection.sampled_one_at_a_time(one, v, bucket, **selecting)
+
+    def select_bucket() -> None:
+        kernels.sampled_topk_segments_(v, bucket, **selecting)
+
     def quantize_4bit() -> None:  # QSGD's default: 7 levels, one norm per 512 elements
         norms = torch.linalg.vector_norm(torch.nn.functional.pad(g, (0, -g.numel() % 512)).view(-1, 512), dim=1)
         kernels.stochastic_quantize(g, norms, 7, 3, 512)
@@ -87,6 +117,8 @@ def make_ops(numel: int, device: torch.device) -> dict[str, Callable[[], object]
         "exact_topk": exact_topk,
         "pack_signs": lambda: kernels.pack_signs(g),
         "quantize_4bit": quantize_4bit,
+        "select_each": select_each,
+        "select_bucket": select_bucket,
     }
 
 
@@ -124,9 +156,11 @@ def main() -> None:
             cells = "  ".join(f"{b} {m * 1e3:9.2f} ms" for b, m in medians.items())
             vs_limit = "  ".join(f"{b}/limit {m / limit:5.2f}" for b, m in medians.items()) if limit else ""
             print(f"{numel:>11,}  {op:13s} {cells}  {vs_limit}")
-        dgc, exact = rows[-4][2], rows[-3][2]
+        timed = {op: medians for n, op, medians, _ in rows if n == numel}
         for b in backends:
-            print(f"{numel:>11,}  exact_topk / dgc_step ({b}) = {exact[b] / dgc[b]:.1f}x")
+            print(f"{numel:>11,}  exact_topk / dgc_step ({b}) = {timed['exact_topk'][b] / timed['dgc_step'][b]:.1f}x")
+            print(f"{numel:>11,}  select_each / select_bucket ({b}) = "
+                  f"{timed['select_each'][b] / timed['select_bucket'][b]:.1f}x")  # fmt: skip
         del ops
 
     if args.record:
