@@ -83,6 +83,7 @@ class Task:
 
 def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
     milestones = f"[{round(0.6 * epochs)},{round(0.85 * epochs)}]"
+    warmup_steps = 4 * ((train_size - 5000) // 2 // 64)  # the 4 warm-up epochs: 2 ranks, batch 64, drop_last
     shared = (
         f"data.root={data / 'cifar10'}",
         "data.download=false",
@@ -123,6 +124,12 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
                 "DGC 0.1 %, delay 1, local update, seed 1",
                 "resnet20_cifar10_dgc",
                 ("seed=1", "strategy.delay=1", "strategy.local_update=true"),
+            ),
+            Run(  # delayed only at 0.1 %: the 4 sparsity warm-up epochs synchronous
+                "DGC 0.1 %, delay 1, local update, synchronous warm-up, seed 0",
+                "resnet20_cifar10_dgc",
+                ("seed=0", "strategy.delay=1", "strategy.local_update=true")
+                + (f"strategy.sync_warmup_steps={warmup_steps}",),
             ),
         ),
         overrides=shared,
