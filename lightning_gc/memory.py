@@ -55,7 +55,8 @@ class CompensationPiece:
     from the segment's own parameter when the piece is one segment (``segment``, its position in
     the layout), else from a bucket-shaped copy of the parameters of ``decayed`` (their positions),
     which the memory refreshes before each call. Only the Triton backend merges decayed segments:
-    there a launch costs far more than the copy, on the CPU the copy is the cost.
+    there a launch costs far more than the copy, on the CPU the copy is the cost. The copy is
+    bucket-sized, one more model's worth of parameters in device memory.
     """
 
     start: int

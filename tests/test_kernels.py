@@ -218,6 +218,15 @@ def test_bucket_selection_equals_each_tensor_selected_alone(dtype: torch.dtype, 
         assert {i for i, v in got.items() if abs(v) > cut} == {i for i, v in want.items() if abs(v) > cut}
 
 
+@pytest.mark.parametrize("numels", [[], [50_000], [0, 50_000]], ids=["no tensors", "one", "an empty one"])
+def test_bucket_selection_of_no_single_or_empty_tensors_equals_each_alone(numels: list[int]) -> None:
+    segments = _bucket(numels, 0.001)
+    values = _randn(4 + sum(numels) + 3 * len(numels), torch.float32, seed=2)
+    (together_i, together_v), (alone_i, alone_v) = (_select_bucket(values, segments, how) for how in ("bucket", "each"))
+    assert together_i.numel() == segments.total_k
+    assert _pairs(together_i, together_v) == _pairs(alone_i, alone_v)
+
+
 def test_bucket_selection_samples_where_each_tensor_alone_would() -> None:
     # |x| = position + 1 everywhere, so each sampled magnitude names the position it came from.
     from lightning_gc.kernels import selection_triton

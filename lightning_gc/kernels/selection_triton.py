@@ -42,7 +42,7 @@ CANDIDATE_HEADROOM = 4
 SEGMENTED_CAPACITY_SHARE = 0.25
 """A bucket's segments are selected together while their candidate capacities add up to at most
 this share of the bucket; above it (dense warm-up stages) one at a time, so the candidates' keys,
-positions and sort (28 bytes a slot) stay a bounded fraction of the gradient's memory."""
+positions and sort (32 bytes a slot) stay a bounded fraction of the gradient's memory."""
 
 _MAGNITUDE_BITS = tl.constexpr(0x7FFFFFFF)
 _LOW32 = tl.constexpr(0xFFFFFFFF)
@@ -167,7 +167,7 @@ def _segment_threshold(sorted_samples_ptr, pick):
     return tl.where(pick >= 0, bits.to(tl.float32, bitcast=True), -1.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["step_key"])  # a new key every step: one compiled variant for all
 def _segment_sample_kernel(
     values_ptr, keys_ptr, sample_segment_ptr, sample_first_ptr, start_ptr, stride_ptr, salt_key_ptr, step_key,
     samples, BLOCK: tl.constexpr,
@@ -267,7 +267,7 @@ def _segment_emit_kernel(
     tl.store(out_values_ptr + o, value, mask=inside)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _SegmentTable:
     """What the kernels read about a :class:`SegmentedTopK` at one sample ratio, on one device:
     per segment (``[S]``), per sample, per block of :data:`BLOCK` elements and per output slot."""
@@ -360,9 +360,15 @@ def sampled_topk_segments_(
 ) -> None:
     """Sync-free :func:`lightning_gc.kernels.selection.sampled_topk_segments_`: every segment's
     pairs from one launch of each kernel (module docstring), each segment exactly as
-    :func:`sampled_topk_` selects it alone (same sample, threshold, capacity and candidates)."""
-    table = _segment_table(segments, sample_ratio, values.device)
-    if table is None or not segments.ks:
+    :func:`sampled_topk_` selects it alone (same sample, threshold, capacity and candidates) when
+    its values are finite. A NaN, which reaches selection only in a step that
+    ``nonfinite="skip"`` rolls back, is never a candidate here. Alone, a NaN threshold sends nothing
+    and an exact top-k may pick the NaN."""
+    if not segments.ks or 0 in segments.numels:  # nothing, or an empty tensor, to select from together
+        table = None
+    else:
+        table = _segment_table(segments, sample_ratio, values.device)
+    if table is None:
         sampled_one_at_a_time(
             sampled_topk_,
             values,
