@@ -83,7 +83,7 @@ class Task:
 
 def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
     milestones = f"[{round(0.6 * epochs)},{round(0.85 * epochs)}]"
-    warmup_steps = 4 * ((train_size - 5000) // 2 // 64)  # the 4 warm-up epochs: 2 ranks, batch 64, drop_last
+    warmup_steps = 4 * (train_size // 2 // 64)  # the 4 warm-up epochs: 2 ranks x batch 64, drop_last
     shared = (
         f"data.root={data / 'cifar10'}",
         "data.download=false",
