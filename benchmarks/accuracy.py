@@ -81,6 +81,10 @@ class Task:
     by_step: bool = False
 
 
+DELAYED_FROM_START = ("strategy.sync_warmup_steps=0",)
+"""The delayed runs recorded before ``sync_warmup_steps`` defaulted to the sparsity warm-up's length."""
+
+
 def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
     milestones = f"[{round(0.6 * epochs)},{round(0.85 * epochs)}]"
     warmup_steps = 4 * (train_size // 2 // 64)  # the 4 warm-up epochs: 2 ranks x batch 64, drop_last
@@ -108,12 +112,16 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
             Run("dense, seed 0", "resnet20_cifar10_dense", ("seed=0",)),
             Run("DGC 0.1 %, seed 0", "resnet20_cifar10_dgc", ("seed=0",)),
             # delayed synchronisation's staleness cost: the exchange of step t is applied at t + 1
-            Run("DGC 0.1 %, delay 1, seed 0", "resnet20_cifar10_dgc", ("seed=0", "strategy.delay=1")),
+            Run(
+                "DGC 0.1 %, delay 1, seed 0",
+                "resnet20_cifar10_dgc",
+                ("seed=0", "strategy.delay=1", *DELAYED_FROM_START),
+            ),
             # OD-SGD's local update: this rank's own update applied at once, only the ranks' disagreement stale
             Run(
                 "DGC 0.1 %, delay 1, local update, seed 0",
                 "resnet20_cifar10_dgc",
-                ("seed=0", "strategy.delay=1", "strategy.local_update=true"),
+                ("seed=0", "strategy.delay=1", "strategy.local_update=true", *DELAYED_FROM_START),
             ),
             Run("dense, seed 1", "resnet20_cifar10_dense", ("seed=1",)),
             Run("DGC 0.1 %, seed 1", "resnet20_cifar10_dgc", ("seed=1",)),
@@ -123,7 +131,7 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
             Run(  # the local update's cost against DGC's own seed-to-seed spread
                 "DGC 0.1 %, delay 1, local update, seed 1",
                 "resnet20_cifar10_dgc",
-                ("seed=1", "strategy.delay=1", "strategy.local_update=true"),
+                ("seed=1", "strategy.delay=1", "strategy.local_update=true", *DELAYED_FROM_START),
             ),
             Run(  # delayed only at 0.1 %: the 4 sparsity warm-up epochs synchronous
                 "DGC 0.1 %, delay 1, local update, synchronous warm-up, seed 0",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,6 +98,20 @@ class SparsityWarmup(Callback):
         compressor = self.adjustable(trainer)  # checked before training starts
         if self.target is None:  # the configured ratio, before this callback ever changed it
             self.target = float(compressor.compress_ratio)
+
+    def steps(self, trainer: Trainer) -> int:
+        """The optimizer steps the warm-up's stages last: ``stages * steps_per_stage``, or with
+        ``interval="epoch"`` ``ceil(stages * epochs_per_stage * batches per epoch / accumulation)``."""
+        if self.steps_per_stage is not None:
+            return len(self.densities) * self.steps_per_stage
+        batches = len(self.densities) * self.epochs_per_stage * trainer.num_training_batches
+        return math.ceil(batches / max(1, getattr(trainer, "accumulate_grad_batches", 1)))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A delayed exchange (`delay`) with `sync_warmup_steps` left to None stays synchronous as long as the warm-up.
+        strategy = trainer.strategy
+        if isinstance(strategy, GradientCompressionStrategy):
+            strategy.synchronous_until(self.steps(trainer))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self.target is not None

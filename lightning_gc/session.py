@@ -92,7 +92,7 @@ class CompressionSession:
             find_unused_parameters=find_unused_parameters,
             delay=settings.delay,
             local_update=settings.local_update,
-            sync_warmup_steps=settings.sync_warmup_steps,
+            sync_warmup_steps=settings.sync_warmup_steps or 0,  # None: a SparsityWarmup may lengthen it
             hierarchy=None if topology is None else NodeHierarchy(topology),
         )
         verify_same_setup(self.description(ddp), ddp.process_group)
@@ -199,7 +199,7 @@ class CompressionSession:
         if line is None:
             return
         params = dict(ddp.module.named_parameters())
-        for owed in line.pending(self.hook_state.step, since=self.settings.sync_warmup_steps):
+        for owed in line.pending(self.hook_state.step, since=self.hook_state.sync_warmup_steps):
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             for name, value in owed.items():

@@ -44,7 +44,7 @@ class CompressionSettings:
     verify_every_n_steps: int | None = None
     delay: int = 0
     local_update: bool = False
-    sync_warmup_steps: int = 0
+    sync_warmup_steps: int | None = None
     adam_warmup_steps: int = 1000
     hierarchy: str = "flat"
 
@@ -66,7 +66,8 @@ class CompressionSettings:
         if self.verify_every_n_steps is not None:
             check_int("verify_every_n_steps", self.verify_every_n_steps, 1)
         check_int("delay", self.delay, 0)
-        check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
+        if self.sync_warmup_steps is not None:
+            check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
         check_int("adam_warmup_steps", self.adam_warmup_steps, 0)
         check_choice("hierarchy", self.hierarchy, HIERARCHIES)
         if self.hierarchy != "flat" and self.local_update:

@@ -160,7 +160,9 @@ class GradientCompressionStrategy(DDPStrategy):
             the average when that arrives (OD-SGD); ranks then differ by their own recent terms
             during training. Needs ``torch.optim.SGD`` (a linear update) and a compressor that
             knows what it sent before the exchange (not PowerSGD).
-        sync_warmup_steps: with ``delay``, the first optimizer steps are synchronous.
+        sync_warmup_steps: with ``delay``, the first optimizer steps are synchronous. ``None``
+            (default): as many as a :class:`~lightning_gc.SparsityWarmup` callback's stages last, so
+            the delay starts at the target density, where the update is small; 0 without one.
         adam_warmup_steps: with ``torch.optim.Adam``/``AdamW`` and ``momentum_correction``, the
             optimizer steps of plain Adam (gradients averaged exactly as DDP does) before the second
             moment freezes and the first moment is compressed (:mod:`lightning_gc.handover`;
@@ -195,7 +197,7 @@ class GradientCompressionStrategy(DDPStrategy):
         verify_every_n_steps: int | None = None,
         delay: int = 0,
         local_update: bool = False,
-        sync_warmup_steps: int = 0,
+        sync_warmup_steps: int | None = None,
         adam_warmup_steps: int = 1000,
         hierarchy: str = "flat",
         **kwargs: Any,
@@ -289,6 +291,12 @@ class GradientCompressionStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         unused = bool(self._ddp_kwargs.get("find_unused_parameters", False))
         self.session.attach(self.model, find_unused_parameters=unused, devices_per_node=self.num_processes)
+
+    def synchronous_until(self, steps: int) -> None:
+        """Make the first ``steps`` optimizer steps synchronous when ``sync_warmup_steps`` was left
+        to its default (``None``); a sparsity warm-up calls it as training starts, before any step."""
+        if self.settings.sync_warmup_steps is None and self.hook_state is not None:
+            self.hook_state.sync_warmup_steps = steps
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)

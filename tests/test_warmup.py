@@ -107,3 +107,25 @@ def test_a_compressor_without_a_ratio_is_refused_by_name() -> None:
     assert GradientCompressionStrategy("randomk").adjustable is not None  # random-k has one, in (0, 1)
     with pytest.raises(ValueError, match="got GradientCompressionStrategy with compressor 'qsgd'"):
         SparsityWarmup().setup(SimpleNamespace(strategy=GradientCompressionStrategy("qsgd")), None, "fit")
+
+
+def test_warmup_length_in_optimizer_steps() -> None:
+    trainer = _fake_trainer(epoch=0, step=0, ratio=0.001)  # 8 batches an epoch
+    assert SparsityWarmup().steps(trainer) == 32  # 4 stages of one epoch
+    assert SparsityWarmup(epochs_per_stage=0.25).steps(trainer) == 8  # the language models' one epoch
+    trainer.accumulate_grad_batches = 3
+    assert SparsityWarmup(epochs_per_stage=0.25).steps(trainer) == 3  # ceil(8 / 3) optimizer steps
+    assert SparsityWarmup([0.3, 0.1], interval="step", steps_per_stage=10).steps(trainer) == 20
+
+
+@pytest.mark.parametrize(("sync_warmup_steps", "expected"), [(None, 32), (0, 0), (5, 5)])
+def test_a_delayed_exchange_stays_synchronous_through_the_warmup_by_default(
+    sync_warmup_steps: int | None, expected: int
+) -> None:
+    """``sync_warmup_steps=None`` (the default) becomes the warm-up's length when training starts,
+    before any step; an explicit value, 0 included, is kept."""
+    strategy = GradientCompressionStrategy("dgc", compress_ratio=0.001, delay=1, sync_warmup_steps=sync_warmup_steps)
+    strategy.session.hook_state = SimpleNamespace(sync_warmup_steps=sync_warmup_steps or 0)  # as setup builds it
+    trainer = SimpleNamespace(current_epoch=0, global_step=0, strategy=strategy, num_training_batches=8)
+    SparsityWarmup().on_train_start(trainer, None)
+    assert strategy.hook_state.sync_warmup_steps == expected
