@@ -105,7 +105,7 @@ class SparsityWarmup(Callback):
         if self.steps_per_stage is not None:
             return len(self.densities) * self.steps_per_stage
         batches = len(self.densities) * self.epochs_per_stage * trainer.num_training_batches
-        return math.ceil(batches / max(1, getattr(trainer, "accumulate_grad_batches", 1)))
+        return math.ceil(batches / trainer.accumulate_grad_batches)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A delayed exchange (`delay`) with `sync_warmup_steps` left to None stays synchronous as long as the warm-up.

@@ -53,8 +53,8 @@ class CompensationPiece:
     Consecutive segments share a piece when they share the momentum recurrence and weight decay
     and need no clipping factor of their own. With weight decay the kernel reads the parameters:
     from the segment's own parameter when the piece is one segment (``segment``, its position in
-    the layout), else from a bucket-shaped copy of the parameters of ``decayed`` (their positions),
-    which the memory refreshes before each call. Only the Triton backend merges decayed segments:
+    the layout), else from a bucket-shaped copy of the parameters of its ``positions``, which the
+    memory refreshes before each call. Only the Triton backend merges decayed segments:
     there a launch costs far more than the copy, on the CPU the copy is the cost. The copy is
     bucket-sized, one more model's worth of parameters in device memory.
     """
@@ -66,7 +66,7 @@ class CompensationPiece:
     weight_decay: float = 0.0
     dampening: float = 0.0
     segment: int | None = None
-    decayed: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # the layout positions of a shared piece's segments
 
 
 @dataclass
@@ -175,7 +175,7 @@ class CompensationMemory:
                 and (last.momentum, last.nesterov, last.dampening, last.weight_decay) == recurrence
             ):
                 last.stop = segment.stop
-                last.decayed += [position] if spec.weight_decay != 0.0 else []
+                last.positions.append(position)
                 continue
             memory.pieces.append(
                 CompensationPiece(
@@ -186,7 +186,7 @@ class CompensationMemory:
                     weight_decay=spec.weight_decay,
                     dampening=spec.dampening,
                     segment=position if alone else None,
-                    decayed=[position] if spec.weight_decay != 0.0 and not alone else [],
+                    positions=[] if alone else [position],
                 )
             )
         memory.merges_decay = merges_decay
@@ -272,9 +272,9 @@ class CompensationMemory:
             if keep != 1.0:
                 scale = torch.tensor(keep, device=g.device) if scale is None else scale.mul_(keep)
             param = None
-            if piece.segment is not None and piece.weight_decay != 0.0:
+            if piece.weight_decay != 0.0 and piece.segment is not None:
                 param = params[piece.segment].detach().reshape(-1)
-            elif piece.decayed:
+            elif piece.weight_decay != 0.0:
                 param = self._copy_params(memory, piece, params)
             kernels.compensate_(
                 g,
@@ -290,15 +290,15 @@ class CompensationMemory:
 
     @staticmethod
     def _copy_params(memory: BucketMemory, piece: CompensationPiece, params: list[torch.Tensor]) -> torch.Tensor:
-        """The parameters of ``piece``'s decayed segments, copied (one multi-tensor copy) into the
+        """The parameters of ``piece``'s segments, copied (one multi-tensor copy) into the
         bucket-shaped buffer at their segments' places; the piece's slice of that buffer."""
         if memory.params_copy is None:
             memory.params_copy = torch.zeros_like(memory.velocity)
         segments = memory.layout.segments
         with torch.no_grad():
             torch._foreach_copy_(
-                [segments[i].of(memory.params_copy) for i in piece.decayed],
-                [params[i].detach().reshape(-1) for i in piece.decayed],
+                [segments[i].of(memory.params_copy) for i in piece.positions],
+                [params[i].detach().reshape(-1) for i in piece.positions],
             )
         return memory.params_copy[piece.start : piece.stop]
 

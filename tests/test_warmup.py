@@ -24,7 +24,9 @@ def test_stage_never_sends_less_than_the_target() -> None:
 
 def _fake_trainer(epoch: int, step: int, ratio: float) -> SimpleNamespace:
     strategy = GradientCompressionStrategy("dgc", compress_ratio=ratio)
-    return SimpleNamespace(current_epoch=epoch, global_step=step, strategy=strategy, num_training_batches=8)
+    return SimpleNamespace(
+        current_epoch=epoch, global_step=step, strategy=strategy, num_training_batches=8, accumulate_grad_batches=1
+    )
 
 
 def test_epoch_interval_sets_the_strategy_ratio() -> None:
@@ -126,6 +128,8 @@ def test_a_delayed_exchange_stays_synchronous_through_the_warmup_by_default(
     before any step; an explicit value, 0 included, is kept."""
     strategy = GradientCompressionStrategy("dgc", compress_ratio=0.001, delay=1, sync_warmup_steps=sync_warmup_steps)
     strategy.session.hook_state = SimpleNamespace(sync_warmup_steps=sync_warmup_steps or 0)  # as setup builds it
-    trainer = SimpleNamespace(current_epoch=0, global_step=0, strategy=strategy, num_training_batches=8)
+    trainer = SimpleNamespace(
+        current_epoch=0, global_step=0, strategy=strategy, num_training_batches=8, accumulate_grad_batches=1
+    )
     SparsityWarmup().on_train_start(trainer, None)
     assert strategy.hook_state.sync_warmup_steps == expected

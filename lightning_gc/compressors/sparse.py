@@ -64,8 +64,7 @@ class _SparsePlan:
     """Sizes and reusable buffers for one bucket layout at one compression ratio."""
 
     layout: BucketLayout
-    compressed: tuple[tuple[Segment, int, int], ...]  # (segment, k, first slot in the payload)
-    selection: SegmentedTopK  # the same segments, as the selection kernels take them
+    selection: SegmentedTopK  # the compressed segments: where each is, its k and first payload slot
     total_k: int
     dense_all: bool
     dense: DensePart | None  # the dense tensors of a partly compressed bucket
@@ -207,7 +206,6 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         dense_part = DensePart.of(dense, like, dtype=self.dense_wire_dtype) if separate else None
         return _SparsePlan(
             layout=layout,
-            compressed=tuple(compressed),
             selection=SegmentedTopK(
                 starts=tuple(segment.start for segment, _, _ in compressed),
                 numels=tuple(segment.numel for segment, _, _ in compressed),

@@ -382,12 +382,13 @@ def sampled_topk_segments_(
         return
     device = values.device
     step_key = (step_salt * FIBONACCI_MUL_INT) & MASK32_INT
-    sample_keys = torch.empty(max(table.samples, 1), dtype=torch.int64, device=device)
+    # With no samples (every segment exact, threshold -1) the one slot is loaded and ignored.
+    sorted_samples = torch.empty(max(table.samples, 1), dtype=torch.int64, device=device)
     if table.samples:
-        launch(_segment_sample_kernel, (triton.cdiv(table.samples, BLOCK),), values, sample_keys,
+        launch(_segment_sample_kernel, (triton.cdiv(table.samples, BLOCK),), values, sorted_samples,
                table.sample_segment, table.sample_first, table.start, table.stride, table.salt_key, step_key,
                table.samples, BLOCK=BLOCK)  # fmt: skip
-    sorted_samples = torch.sort(sample_keys).values
+        sorted_samples = torch.sort(sorted_samples).values
     blocks = table.block_segment.numel()
     counts = torch.empty(blocks, dtype=torch.int64, device=device)
     launch(_segment_count_kernel, (blocks,), values, table.block_segment, table.block_first, table.stop, table.pick,
