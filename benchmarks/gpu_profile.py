@@ -26,6 +26,7 @@ import pstats
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,10 @@ from torch.profiler import ProfilerActivity, profile
 from lightning_gc import kernels
 
 RATIO = 0.001
+VARIANTS = ("dense", "dgc", "dgc, each tensor", "dgc, nonfinite=skip", "dgc, unscreened")
+"""The phases' loop variants: dense DDP, DGC, DGC selecting one tensor at a time, DGC whose non-finite
+screen defers its check to one all-rank test after backward instead of one host sync per bucket, and
+DGC with no screen at all (a bound on what the screen's per-bucket host sync costs)."""
 
 
 def _wall(fn: Callable[[], object], repeats: int) -> float:
@@ -138,11 +143,20 @@ def profile_host(epochs: int, rows: int) -> None:
     stats.sort_stats("cumtime").print_stats(r"lightning_gc", rows * 2)
 
 
-def profile_phases(model_name: str, steps: int, profile_steps: int = 0) -> None:
+def profile_phases(
+    model_name: str,
+    steps: int,
+    profile_steps: int = 0,
+    find_syncs: bool = False,
+    variants: tuple[str, ...] = VARIANTS,
+    device_steps: int = 0,
+) -> None:
     """Per-step host time of a plain DDP loop, dense against DGC, and DGC again with its selection
     made one tensor at a time (as before the bucket-wide kernels): the three side by side, each
     after a warm-up round of the same length. With ``profile_steps``, then that many DGC steps
-    under cProfile (Python functions by own time; a host sync shows as the call that waits)."""
+    under cProfile (Python functions by own time; a host sync shows as the call that waits). With
+    ``find_syncs``, then the host syncs of one DGC step and the host cost of an NCCL all-reduce's
+    parts. With ``device_steps``, each variant's GPU time per step under ``torch.profiler``."""
     import collections
     import functools
     import os
@@ -154,6 +168,7 @@ def profile_phases(model_name: str, steps: int, profile_steps: int = 0) -> None:
     from lightning_gc import pipeline, session
     from lightning_gc.compressors.dgc import DGCCompressor
     from lightning_gc.compressors.sparse import SparseCompressor
+    from lightning_gc.guard import StepGuard
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
@@ -192,13 +207,18 @@ def profile_phases(model_name: str, steps: int, profile_steps: int = 0) -> None:
         x = torch.randn(32, 64, device="cuda")
         y = torch.randint(0, 10, (32,), device="cuda")
     bucket_wide = DGCCompressor.select_segments
+    screen = StepGuard.screen
 
     def build(kind: str) -> tuple[Any, Any, Any]:
         torch.manual_seed(0)
         DGCCompressor.select_segments = SparseCompressor.select_segments if kind == "dgc, each tensor" else bucket_wide
+        StepGuard.screen = (lambda *args, **kwargs: None) if kind == "dgc, unscreened" else screen  # type: ignore[method-assign]
         model = DistributedDataParallel(make_net().cuda())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-        attached = None if kind == "dense" else lightning_gc.attach(model, optimizer, "dgc", compress_ratio=RATIO)
+        options = {"nonfinite": "skip"} if kind == "dgc, nonfinite=skip" else {}
+        attached = (
+            None if kind == "dense" else lightning_gc.attach(model, optimizer, "dgc", compress_ratio=RATIO, **options)
+        )
         return model, optimizer, attached
 
     def clocked(name: str, fn: Callable[[], object]) -> None:
@@ -208,21 +228,27 @@ def profile_phases(model_name: str, steps: int, profile_steps: int = 0) -> None:
         torch.cuda.synchronize()
         totals[name] += time.perf_counter() - started
 
-    for kind in ("dense", "dgc", "dgc, each tensor"):
+    for kind in variants:
         model, optimizer, attached = build(kind)
+        per_step: dict[str, list[float]] = collections.defaultdict(list)
         for _warm_then_timed in range(2):  # the first round warms up (compilation, allocation)
-            totals.clear()
+            per_step.clear()
             for _ in range(steps):
+                totals.clear()
                 optimizer.zero_grad()
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 clocked("backward", loss.backward)
                 clocked("step", optimizer.step if attached is None else attached.step)
-        report = "  ".join(f"{name} {spent / steps * 1e3:.3f}" for name, spent in sorted(totals.items()))
-        print(f"##### phases {model_name}, {kind} (ms per step, {steps} steps): {report}")
+                for name, spent in totals.items():
+                    per_step[name].append(spent)
+        report = "  ".join(f"{name} {statistics.median(v) * 1e3:.3f}" for name, v in sorted(per_step.items()))
+        print(f"##### phases {model_name}, {kind} (ms per step, median of {steps} steps): {report}")
+        if device_steps:
+            _device_time(kind, model, optimizer, attached, x, y, device_steps)
         if attached is not None:
             attached.finish()
         del model, optimizer, attached
-    DGCCompressor.select_segments = bucket_wide
+    DGCCompressor.select_segments, StepGuard.screen = bucket_wide, screen  # type: ignore[method-assign]
     if profile_steps:
         model, optimizer, attached = build("dgc")
         profiler = cProfile.Profile()
@@ -238,7 +264,100 @@ def profile_phases(model_name: str, steps: int, profile_steps: int = 0) -> None:
         print(f"##### cProfile of {profile_steps} DGC steps ({model_name}), by own time")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         attached.finish()
+    if find_syncs:
+        model, optimizer, attached = build("dgc")
+        _report_syncs(model, optimizer, attached, x, y)
+        attached.finish()
+        _time_collective_calls()
     dist.destroy_process_group()
+
+
+def _device_time(kind: str, model: Any, optimizer: Any, attached: Any, x: Any, y: Any, steps: int) -> None:
+    """GPU time per step of ``steps`` steps under ``torch.profiler``: the kernels' total self device
+    time (whether the step is bound by the GPU's work or by the host), and the largest ops."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            (optimizer.step if attached is None else attached.step)()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    busy = sum(event.self_device_time_total for event in averages) / steps / 1e3
+    print(f"##### device time, {kind}: {busy:.3f} ms of GPU work per step ({steps} steps)")
+    print(averages.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+
+
+def _report_syncs(model: Any, optimizer: Any, attached: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One DGC step (after three warm ones) under ``torch.cuda.set_sync_debug_mode("warn")``: every
+    call that makes the host wait for the GPU, by the innermost ``lightning_gc`` line on its stack."""
+    import collections
+    import traceback
+    import warnings
+
+    import lightning_gc
+
+    package = str(Path(lightning_gc.__file__).parent) + "/"
+
+    def step() -> None:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        attached.step()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    found: collections.Counter[str] = collections.Counter()
+    shown = warnings.showwarning
+
+    def record(message: Any, *args: Any, **kwargs: Any) -> None:
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(package)]
+        where = f"{ours[-1].filename[len(package) :]}:{ours[-1].lineno} {ours[-1].name}" if ours else "outside"
+        found[f"{where} | {str(message).splitlines()[0][:80]}"] += 1
+
+    warnings.showwarning = record
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    warnings.showwarning = shown
+    print(f"##### host syncs in one DGC step: {sum(found.values())}")
+    for where, count in found.most_common():
+        print(f"  {count:4d}  {where}")
+
+
+def _time_collective_calls(numel: int = 1 << 20, repeats: int = 200) -> None:
+    """Host time of each part of ``comm.allreduce_sum`` on NCCL: the launch, ``get_future`` and the
+    ``.then`` chaining, each the median of ``repeats`` calls."""
+    import torch.distributed as dist
+
+    from lightning_gc import comm
+
+    tensor = torch.ones(numel, device="cuda")
+    parts: dict[str, list[float]] = {"all_reduce": [], "get_future": [], "then": [], "allreduce_sum": []}
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        work = dist.all_reduce(tensor, async_op=True)
+        t1 = time.perf_counter()
+        future = work.get_future()
+        t2 = time.perf_counter()
+        future.then(lambda f: f.value())
+        t3 = time.perf_counter()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        comm.allreduce_sum(tensor, None)
+        t5 = time.perf_counter()
+        for name, spent in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t5 - t4), strict=True):
+            parts[name].append(spent)
+    print(
+        "##### NCCL collective host time, median of",
+        repeats,
+        "(ms): " + "  ".join(f"{name} {statistics.median(v) * 1e3:.3f}" for name, v in parts.items()),
+    )
 
 
 def main() -> None:
@@ -249,6 +368,9 @@ def main() -> None:
     parser.add_argument("--model", choices=["digits", "resnet50"], default="digits", help="phases: the model")
     parser.add_argument("--steps", type=int, default=100, help="phases: timed steps per variant")
     parser.add_argument("--cprofile", type=int, default=0, help="phases: then this many DGC steps under cProfile")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS[:3], help="phases: the loops")
+    parser.add_argument("--device-steps", type=int, default=0, help="phases: GPU time per step over this many")
+    parser.add_argument("--syncs", action="store_true", help="phases: then the host syncs of one DGC step")
     parser.add_argument("--only", nargs="+", choices=["selection", "fit", "host", "phases"],
                         default=["selection", "fit", "host", "phases"])  # fmt: skip
     args = parser.parse_args()
@@ -260,7 +382,7 @@ def main() -> None:
     if "host" in args.only:
         profile_host(args.fit_epochs, args.rows)
     if "phases" in args.only:
-        profile_phases(args.model, args.steps, args.cprofile)
+        profile_phases(args.model, args.steps, args.cprofile, args.syncs, tuple(args.variants), args.device_steps)
 
 
 if __name__ == "__main__":
