@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gc.kernels.launch import BLOCK, launch
+from lightning_gc.kernels.launch import BLOCK, launch, program_block
 
 
 @triton.jit
@@ -30,8 +30,13 @@ def _compensate_kernel(
     BLOCK: tl.constexpr,
 ):
     # One pass: read g (and p), u, v; write u, v. Arithmetic in fp32 whatever the storage dtype.
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < numel
+    base, offsets, inside = program_block(numel, BLOCK)
+    grad_ptr, velocity_ptr, momentum_ptr, param_ptr = (
+        grad_ptr + base,
+        velocity_ptr + base,
+        momentum_ptr + base,
+        param_ptr + base,
+    )
     d = tl.load(grad_ptr + offsets, mask=inside).to(tl.float32)
     if HAS_SCALE:
         d = d * tl.load(scale_ptr).to(tl.float32)

@@ -13,11 +13,37 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import triton
+import triton.language as tl
 
 from lightning_gc.kernels.dispatch import interpreting
 
 BLOCK = 1024
 """Elements per program of the elementwise and scatter kernels."""
+
+
+@triton.jit
+def program_block(numel, BLOCK: tl.constexpr):
+    """This program's block of a flat run of ``numel`` items: ``(base, offsets, inside)``, where
+    ``base = program_id * BLOCK`` is int64, ``offsets = arange(BLOCK)`` int32 relative to it, and
+    ``inside`` masks ``base + offsets < numel``.
+
+    ``program_id`` is int32, and ``program_id * BLOCK`` in int32 wraps negative past 2**31 items (one
+    8.6 GB fp32 tensor, or a DDP bucket holding one), which a mask ``offsets < numel`` lets through.
+    Kernels add ``base`` to their pointers once instead, so the per-element index math stays 32-bit.
+    (Kernels over samples, segments or output slots, all far fewer, index in int32 directly.)
+    """
+    base = tl.program_id(0).to(tl.int64) * BLOCK
+    offsets = tl.arange(0, BLOCK)
+    return base, offsets, offsets < items_left(numel, base, BLOCK)
+
+
+@triton.jit
+def items_left(count, first, CAP: tl.constexpr):
+    """``count - first`` capped at ``CAP``, as int32: the bound of a mask on int32 offsets relative
+    to ``first`` (an int64 position)."""
+    return tl.minimum(count - first, CAP).to(tl.int32)
+
 
 _INTERPRETER_LOCK = threading.Lock()
 _interceptor: Callable[..., None] | None = None

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gc.kernels.launch import launch
+from lightning_gc.kernels.launch import items_left, launch, program_block
 from lightning_gc.kernels.packing import code_width, packed_bytes, quantize_factor
 from lightning_gc.kernels.rng import seed_key
 from lightning_gc.kernels.rng_triton import counter_uniform
@@ -30,31 +30,35 @@ def _pack_tile(codes, WIDTH: tl.constexpr, PER_BYTE: tl.constexpr):
 def _pack_codes_kernel(
     codes_ptr, out_ptr, numel, n_bytes, WIDTH: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr
 ):
-    byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    base, byte, inside = program_block(n_bytes, BLOCK)
+    first = base * PER_BYTE  # this program's first element; offsets below are relative to it
     element = byte[:, None] * PER_BYTE + tl.arange(0, PER_BYTE)[None, :]
-    codes = tl.load(codes_ptr + element, mask=element < numel, other=0).to(tl.int32)
-    tl.store(out_ptr + byte, _pack_tile(codes, WIDTH, PER_BYTE), mask=byte < n_bytes)
+    in_range = element < items_left(numel, first, BLOCK * PER_BYTE)
+    codes = tl.load(codes_ptr + first + element, mask=in_range, other=0).to(tl.int32)
+    tl.store(out_ptr + base + byte, _pack_tile(codes, WIDTH, PER_BYTE), mask=inside)
 
 
 @triton.jit
 def _unpack_codes_kernel(
     packed_ptr, out_ptr, numel, n_bytes, WIDTH: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr
 ):
-    byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
+    base, byte, inside = program_block(n_bytes, BLOCK)
+    packed = tl.load(packed_ptr + base + byte, mask=inside, other=0).to(tl.int32)
     shifts = (tl.arange(0, PER_BYTE) * WIDTH)[None, :]
     codes = (packed[:, None] >> shifts) & ((1 << WIDTH) - 1)
+    first = base * PER_BYTE
     element = byte[:, None] * PER_BYTE + tl.arange(0, PER_BYTE)[None, :]
-    tl.store(out_ptr + element, codes.to(tl.uint8), mask=element < numel)
+    tl.store(out_ptr + first + element, codes.to(tl.uint8), mask=element < items_left(numel, first, BLOCK * PER_BYTE))
 
 
 @triton.jit
 def _pack_signs_kernel(values_ptr, out_ptr, numel, n_bytes, BLOCK: tl.constexpr):
-    byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    base, byte, inside = program_block(n_bytes, BLOCK)
+    first = base * 8
     element = byte[:, None] * 8 + tl.arange(0, 8)[None, :]
     # Compared in float32: the sign is exact, and Triton's interpreter mis-compares bfloat16.
-    x = tl.load(values_ptr + element, mask=element < numel, other=0.0).to(tl.float32)
-    tl.store(out_ptr + byte, _pack_tile((x < 0).to(tl.int32), 1, 8), mask=byte < n_bytes)
+    x = tl.load(values_ptr + first + element, mask=element < items_left(numel, first, BLOCK * 8), other=0.0)
+    tl.store(out_ptr + base + byte, _pack_tile((x.to(tl.float32) < 0).to(tl.int32), 1, 8), mask=inside)
 
 
 # Triton specialises integer arguments equal to 1 into compile-time constants, which have no
@@ -65,16 +69,18 @@ def _stochastic_quantize_kernel(
     WIDTH: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # Element i is scaled by factor[i // chunk] (chunk = numel: one factor for the whole tensor).
-    byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    base, byte, bytes_inside = program_block(n_bytes, BLOCK)
+    first = base * PER_BYTE
     element = byte[:, None] * PER_BYTE + tl.arange(0, PER_BYTE)[None, :]
-    inside = element < numel
-    x = tl.load(values_ptr + element, mask=inside, other=0.0).to(tl.float32)
-    factor = tl.load(factor_ptr + element // chunk, mask=inside, other=0.0)
+    inside = element < items_left(numel, first, BLOCK * PER_BYTE)
+    x = tl.load(values_ptr + first + element, mask=inside, other=0.0).to(tl.float32)
+    position = first + element  # int64: the factor's index and the random counter need the whole position
+    factor = tl.load(factor_ptr + position // chunk, mask=inside, other=0.0)
     r = tl.minimum(tl.abs(x) * factor, levels.to(tl.float32))
     floor = tl.floor(r)
-    level = (floor + (counter_uniform(key, element) < (r - floor)).to(tl.float32)).to(tl.int32)
+    level = (floor + (counter_uniform(key, position) < (r - floor)).to(tl.float32)).to(tl.int32)
     codes = tl.where(inside, (level << 1) | (x < 0).to(tl.int32), 0)
-    tl.store(out_ptr + byte, _pack_tile(codes, WIDTH, PER_BYTE), mask=byte < n_bytes)
+    tl.store(out_ptr + base + byte, _pack_tile(codes, WIDTH, PER_BYTE), mask=bytes_inside)
 
 
 def _byte_grid(n_bytes: int) -> tuple[int]:

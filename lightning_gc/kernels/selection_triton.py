@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gc.kernels.launch import BLOCK, launch
+from lightning_gc.kernels.launch import BLOCK, launch, program_block
 from lightning_gc.kernels.rng import FIBONACCI_MUL as FIBONACCI_MUL_INT
 from lightning_gc.kernels.rng import MASK32 as MASK32_INT
 from lightning_gc.kernels.rng_triton import FIBONACCI_MUL, MASK32
@@ -69,9 +69,8 @@ def _sample_abs_kernel(values_ptr, out_ptr, key, stride, samples, BLOCK: tl.cons
 
 @triton.jit
 def _count_kernel(values_ptr, numel, threshold_ptr, counts_ptr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < numel
-    magnitude = tl.abs(tl.load(values_ptr + offsets, mask=inside, other=0.0).to(tl.float32))
+    base, offsets, inside = program_block(numel, BLOCK)
+    magnitude = tl.abs(tl.load(values_ptr + base + offsets, mask=inside, other=0.0).to(tl.float32))
     hit = (magnitude >= tl.load(threshold_ptr)) & inside
     tl.store(counts_ptr + tl.program_id(0), tl.sum(hit.to(tl.int32), axis=0))
 
@@ -81,13 +80,12 @@ def _compact_kernel(
     values_ptr, numel, threshold_ptr, block_start_ptr, cand_index_ptr, cand_magnitude_ptr, capacity, BLOCK: tl.constexpr
 ):
     # Block b writes its hits, in position order, from slot block_start[b] on (exclusive prefix sum).
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < numel
-    magnitude = tl.abs(tl.load(values_ptr + offsets, mask=inside, other=0.0).to(tl.float32))
+    base, offsets, inside = program_block(numel, BLOCK)
+    magnitude = tl.abs(tl.load(values_ptr + base + offsets, mask=inside, other=0.0).to(tl.float32))
     hit = (magnitude >= tl.load(threshold_ptr)) & inside
     slot = tl.load(block_start_ptr + tl.program_id(0)) + tl.cumsum(hit.to(tl.int32), axis=0) - 1
     keep = hit & (slot < capacity)
-    tl.store(cand_index_ptr + slot, offsets.to(tl.int64), mask=keep)
+    tl.store(cand_index_ptr + slot, base + offsets, mask=keep)
     tl.store(cand_magnitude_ptr + slot, magnitude, mask=keep)
 
 
@@ -123,9 +121,9 @@ def sampled_topk_(
     threshold = torch.topk(sample, plan.rank, sorted=False).values.min().reshape(1)
 
     blocks = triton.cdiv(numel, BLOCK)
-    counts = torch.empty(blocks, dtype=torch.int32, device=device)
+    counts = torch.empty(blocks, dtype=torch.int32, device=device)  # per block: at most BLOCK
     launch(_count_kernel, (blocks,), values, numel, threshold, counts, BLOCK=BLOCK)
-    block_start = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    block_start = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # int64: every element may pass
     capacity = candidate_capacity(numel, k, plan)
     cand_index = torch.zeros(capacity, dtype=torch.int64, device=device)
     cand_magnitude = torch.full((capacity,), -1.0, dtype=torch.float32, device=device)

@@ -10,17 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gc.kernels.launch import BLOCK, launch
+from lightning_gc.kernels.launch import BLOCK, launch, program_block
 
 
 @triton.jit
 def _commit_sparse_kernel(
     velocity_ptr, momentum_ptr, index_ptr, sent_ptr, pairs, MASK: tl.constexpr, BLOCK: tl.constexpr
 ):
-    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = j < pairs
-    i = tl.load(index_ptr + j, mask=inside, other=0).to(tl.int64)
-    sent = tl.load(sent_ptr + j, mask=inside, other=0.0).to(tl.float32)
+    base, j, inside = program_block(pairs, BLOCK)
+    i = tl.load(index_ptr + base + j, mask=inside, other=0).to(tl.int64)
+    sent = tl.load(sent_ptr + base + j, mask=inside, other=0.0).to(tl.float32)
     # atomic: indices may repeat; relaxed: a pure accumulation, ordered by the kernel's end alone
     tl.atomic_add(velocity_ptr + i, -sent, mask=inside, sem="relaxed")
     if MASK:
@@ -51,10 +50,9 @@ def commit_sparse_(
 
 @triton.jit
 def _scatter_average_kernel(out_ptr, index_ptr, values_ptr, pairs, scale, BLOCK: tl.constexpr):
-    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = j < pairs
-    i = tl.load(index_ptr + j, mask=inside, other=0).to(tl.int64)
-    v = tl.load(values_ptr + j, mask=inside, other=0.0).to(tl.float32)
+    base, j, inside = program_block(pairs, BLOCK)
+    i = tl.load(index_ptr + base + j, mask=inside, other=0).to(tl.int64)
+    v = tl.load(values_ptr + base + j, mask=inside, other=0.0).to(tl.float32)
     tl.atomic_add(out_ptr + i, v * scale, mask=inside, sem="relaxed")  # a pure accumulation: no ordering
 
 
