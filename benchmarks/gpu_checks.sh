@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, in one short run: the compiled Triton kernel tests, the kernel benchmark with its
+# The GPU checks, in one short run: the compiled Triton kernel tests (and those on tensors past 2**31), the kernel benchmark with its
 # Triton column, and a 1-GPU Trainer run of the quick start with dgc_ddp (DGC, then dense DDP).
 #
 #     bash benchmarks/gpu_checks.sh LOG_DIR
@@ -27,7 +27,7 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, log to
 
 { nvidia-smi -L; "$PY" -c "import torch, lightning, triton; print('torch', torch.__version__, '| lightning', lightning.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"; } 2>&1 | tee "$LOG/env.log"
 
-step kernel_tests 200 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py
+step kernel_tests 200 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_huge.py
 step kernel_bench 120 env TRITON_INTERPRET=0 "$PY" benchmarks/kernels.py --repeats 5
 step quickstart 200 "$PY" train.py trainer.accelerator=gpu trainer.devices=1 hydra.run.dir=/tmp/gpu-quickstart
 cp /tmp/gpu-quickstart/result.json "$LOG/quickstart-result.json" 2>/dev/null
