@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks, in one short run: the compiled Triton kernel tests (and those on tensors past 2**31), the kernel benchmark with its
-# Triton column, and a 1-GPU Trainer run of the quick start with dgc_ddp (DGC, then dense DDP).
+# The GPU checks, in one short run: the compiled Triton kernel tests (with those on tensors past
+# 2**31 elements), the kernel benchmark with its Triton column, and a 1-GPU Trainer run of the
+# quick start with dgc_ddp (DGC, then dense DDP).
 #
 #     bash benchmarks/gpu_checks.sh LOG_DIR
 #
