@@ -80,6 +80,7 @@ class BucketMemory:
     pieces: list[CompensationPiece] = field(default_factory=list)
     merges_decay: bool = False  # whether pieces merge segments with weight decay (see CompensationPiece)
     params_copy: torch.Tensor | None = None  # bucket-shaped parameters of merged decayed pieces
+    copy_targets: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # params_copy's views, by piece start
     aside: list[tuple[Segment, list[torch.Tensor]]] = field(default_factory=list)  # see set_aside
 
     def state(self) -> list[torch.Tensor]:
@@ -293,13 +294,14 @@ class CompensationMemory:
         """The parameters of ``piece``'s segments, copied (one multi-tensor copy) into the
         bucket-shaped buffer at their segments' places; the piece's slice of that buffer."""
         if memory.params_copy is None:
-            memory.params_copy = torch.zeros_like(memory.velocity)
-        segments = memory.layout.segments
+            memory.params_copy, memory.copy_targets = torch.zeros_like(memory.velocity), {}
+        targets = memory.copy_targets.get(piece.start)
+        if targets is None:  # shaped like the parameters, so the copy reads them as they are: no per-step views
+            segments = memory.layout.segments
+            targets = [segments[i].of(memory.params_copy).view(params[i].shape) for i in piece.positions]
+            memory.copy_targets[piece.start] = targets
         with torch.no_grad():
-            torch._foreach_copy_(
-                [segments[i].of(memory.params_copy) for i in piece.positions],
-                [params[i].detach().reshape(-1) for i in piece.positions],
-            )
+            torch._foreach_copy_(targets, [params[i] for i in piece.positions])
         return memory.params_copy[piece.start : piece.stop]
 
     def commit(self, memory: BucketMemory, encoded: Encoded, own: torch.Tensor | None = None) -> None:
