@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_gc import kernels
@@ -281,10 +282,12 @@ def _device_time(kind: str, model: Any, optimizer: Any, attached: Any, x: Any, y
             torch.nn.functional.cross_entropy(model(x), y).backward()
             (optimizer.step if attached is None else attached.step)()
         torch.cuda.synchronize()
-    averages = prof.key_averages()
-    busy = sum(event.self_device_time_total for event in averages) / steps / 1e3
+    # the kernels' own time, as the table's "Self CUDA time total" counts it: user annotations such as
+    # DistributedDataParallel.forward span kernels already counted
+    kernels_only = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    busy = sum(event.self_device_time_total for event in kernels_only) / steps / 1e3
     print(f"##### device time, {kind}: {busy:.3f} ms of GPU work per step ({steps} steps)")
-    print(averages.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
 
 
 def _report_syncs(model: Any, optimizer: Any, attached: Any, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -307,15 +310,13 @@ def _report_syncs(model: Any, optimizer: Any, attached: Any, x: torch.Tensor, y:
         step()
     torch.cuda.synchronize()
     found: collections.Counter[str] = collections.Counter()
-    shown = warnings.showwarning
 
     def record(message: Any, *args: Any, **kwargs: Any) -> None:
         ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(package)]
         where = f"{ours[-1].filename[len(package) :]}:{ours[-1].lineno} {ours[-1].name}" if ours else "outside"
         found[f"{where} | {str(message).splitlines()[0][:80]}"] += 1
 
-    warnings.showwarning = record
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores showwarning and the filters on exit
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
@@ -323,7 +324,6 @@ def _report_syncs(model: Any, optimizer: Any, attached: Any, x: torch.Tensor, y:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    warnings.showwarning = shown
     print(f"##### host syncs in one DGC step: {sum(found.values())}")
     for where, count in found.most_common():
         print(f"  {count:4d}  {where}")

@@ -13,8 +13,8 @@ SGD (momentum 0.9, weight decay 1e-4), two warm-up steps, then one counted step.
 hook's thread dispatches while it runs the hook (a ``TorchDispatchMode``), each op by the innermost
 ``lightning_gc`` line on the stack, and the Triton launches from that thread (the torch ops that
 Triton's interpreter runs inside a launch are not counted). Work that gloo runs on its own threads
-(the collectives' callbacks, sometimes a decode) is not counted, so totals from runs on different
-process groups are comparable only for the hook's thread.
+(the collectives' callbacks, sometimes a decode) is not counted: whether a decode runs there or on
+the hook's thread depends on timing, and would make the counts vary.
 """
 
 from __future__ import annotations
