@@ -93,3 +93,16 @@ def test_predicted_modes_keep_what_the_calibration_measured_for_every_exchange(t
     without = dataclasses.replace(cost, two_phase_bytes=0)
     slow_link = predict_modes({"with": cost, "without": without}, numel, compute_s=0.0, bits_per_s=1e6)
     assert slow_link["with"].step_s > slow_link["without"].step_s + 0.5 * cost.two_phase_bytes * 8 / 1e6
+
+
+def test_each_emulated_node_gets_its_own_block_of_cores(monkeypatch, capsys) -> None:
+    from benchmarks.netbench.__main__ import node_cores, parse_args
+
+    assert [node_cores(node, 1) for node in (0, 1)] == ["0", "1"]
+    assert [node_cores(node, 4) for node in (0, 1)] == ["0-3", "4-7"]
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert parse_args(["--cores-per-node", "4"]).cores_per_node == 4
+    for bad in ("5", "0"):
+        with pytest.raises(SystemExit):
+            parse_args(["--cores-per-node", bad])
+        assert f"between 1 and 4 (2 nodes on 8 CPUs); got {bad}" in capsys.readouterr().err

@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="processes per emulated node, sharing its core (no predictions then: the model is of 1 per node)",
     )
+    parser.add_argument(
+        "--cores-per-node",
+        type=int,
+        default=1,
+        help="cores each emulated node is pinned to (compute keeps one torch thread; the rest serve gloo's transport)",
+    )
     parser.add_argument("--overlap", type=float, default=0.5, help="perf model: fraction of compute hiding comm")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / time.strftime("netbench-%Y%m%d-%H%M%S"))
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
@@ -69,23 +75,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"need --repeats >= 1, --steps >= 2, --warmup >= 2; got {args.repeats}, {args.steps}, {args.warmup}"
         )
+    cores = os.cpu_count() or 1
+    if args.cores_per_node < 1 or 2 * args.cores_per_node > cores:
+        parser.error(
+            f"--cores-per-node must be between 1 and {cores // 2} (2 nodes on {cores} CPUs); got {args.cores_per_node}"
+        )
     args.modes = modes
     return args
 
 
-def calibrate(model: str, modes: list[str], out: Path, nodes: int = 2) -> dict[str, CodecCost]:
+def node_cores(node: int, cores_per_node: int) -> str:
+    """The ``taskset`` CPU list of emulated node ``node``: its own block of ``cores_per_node`` cores.
+
+    >>> node_cores(0, 1), node_cores(1, 1), node_cores(1, 4)
+    ('0', '1', '4-7')
+    """
+    first = node * cores_per_node
+    return str(first) if cores_per_node == 1 else f"{first}-{first + cores_per_node - 1}"
+
+
+def calibrate(model: str, modes: list[str], out: Path, cores_per_node: int = 1, nodes: int = 2) -> dict[str, CodecCost]:
     """Encode/decode costs of ``modes`` on ``model``, timed under the load training puts on the box.
 
-    One timing process per emulated node runs at the same time, each pinned to its node's core
+    One timing process per emulated node runs at the same time, each pinned to its node's cores
     with one thread, as the training processes are: codecs are memory-bound, and two processes
     sharing the memory bus run them up to twice as slowly as one on an idle box. A step waits
     for the slower rank, so each cost is the larger of the processes' medians.
     """
-    paths = [out / f"costs-{model}-core{core}.json" for core in range(nodes)]
+    paths = [out / f"costs-{model}-node{node}.json" for node in range(nodes)]
     processes = []
-    for core, path in enumerate(paths):
-        command = ["taskset", "-c", str(core), sys.executable, "-m", "benchmarks.netbench.predict", "--model", model]
-        command += ["--modes", *modes, "--out", str(path)]
+    for node, path in enumerate(paths):
+        command = [
+            "taskset",
+            "-c",
+            node_cores(node, cores_per_node),
+            sys.executable,
+            "-m",
+            "benchmarks.netbench.predict",
+        ]
+        command += ["--model", model, "--modes", *modes, "--out", str(path)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         processes.append(subprocess.Popen(command, cwd=REPO, env=env))
     if any(process.wait() != 0 for process in processes):
@@ -103,7 +131,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     with (args.out / "records.jsonl").open("a") as stream:
         for rate in args.rates:
-            with TwoNodeLink(None if rate == UNSHAPED else rate) as link:
+            cores = (node_cores(0, args.cores_per_node), node_cores(1, args.cores_per_node))
+            with TwoNodeLink(None if rate == UNSHAPED else rate, cores=cores) as link:
                 print(f"link {rate}: socket test {link.measured_bps / 1e9:.3f} Gbit/s", flush=True)
                 for repeat in range(args.repeats):
                     for model in args.models:
@@ -117,7 +146,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                             )  # fmt: skip
                             record.update(
                                 rate=rate, repeat=repeat, link_bps=link.measured_bps, nodes_total=2,
-                                devices_per_node=args.devices_per_node,
+                                devices_per_node=args.devices_per_node, cores_per_node=args.cores_per_node,
                             )  # fmt: skip
                             records.append(record)
                             stream.write(json.dumps(record) + "\n")
@@ -137,7 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     elif os.geteuid() != 0:
         sys.exit("netbench needs root (network namespaces, tc); run it as root")
     modelled = args.devices_per_node == 1  # the predictions are of one process per node
-    costs = {model: calibrate(model, args.modes, args.out) for model in args.models} if modelled else {}
+    costs = (
+        {model: calibrate(model, args.modes, args.out, args.cores_per_node) for model in args.models}
+        if modelled
+        else {}
+    )
     if args.records is None:
         records = measure(args)
     link_bps = {r["rate"]: r["link_bps"] for r in records}
@@ -146,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     host_bps = link_bps.get(UNSHAPED)
     predicted = {}
     devices_per_node = max(r.get("devices_per_node", 1) for r in records)
+    cores_per_node = max(r.get("cores_per_node", 1) for r in records)
     for rate in args.rates if devices_per_node == 1 else ():
         for model in args.models:
             floor = [r["median_s"] for r in records if (r["rate"], r["model"], r["mode"]) == (rate, model, "noop")]
@@ -164,8 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     header = (
         f"\n### `{command}` — {platform.node()}, {os.cpu_count()} CPUs, {stamp}\n\n"
-        f"Two emulated nodes (netns + veth + tbf), one pinned core and one torch thread each, gloo; "
-        + ("" if devices_per_node == 1 else f"{devices_per_node} processes per node sharing its core; ")
+        f"Two emulated nodes (netns + veth + tbf), {cores_per_node} pinned core(s) and one torch thread each, gloo; "
+        + ("" if devices_per_node == 1 else f"{devices_per_node} processes per node sharing its cores; ")
         + f"batch {records[0]['batch_size']} per process; {steps} timed steps after warm-up, "
         f"{repeats} interleaved repeat(s). Links: {rates}. "
         + (

@@ -42,7 +42,7 @@ def burst_bytes(bits_per_second: float) -> int:
 class TwoNodeLink:
     """Context manager owning the namespaces, the veth pair and its qdiscs (see module docstring)."""
 
-    def __init__(self, rate: str | None, cores: tuple[int, int] = (0, 1), socket_seconds: float = 2.0) -> None:
+    def __init__(self, rate: str | None, cores: tuple[str, str] = ("0", "1"), socket_seconds: float = 2.0) -> None:
         self.rate = rate
         self.cores = cores
         self.socket_seconds = socket_seconds
@@ -55,11 +55,9 @@ class TwoNodeLink:
 
     @property
     def nodes(self) -> tuple[Node, Node]:
-        """Node k runs in namespace k, pinned to ``cores[k]``."""
+        """Node k runs in namespace k, pinned to ``cores[k]`` (a ``taskset`` CPU list such as ``"2-3"``)."""
         return tuple(  # type: ignore[return-value]
-            Node(
-                ifname=INTERFACES[k], prefix=("ip", "netns", "exec", NAMESPACES[k], "taskset", "-c", str(self.cores[k]))
-            )
+            Node(ifname=INTERFACES[k], prefix=("ip", "netns", "exec", NAMESPACES[k], "taskset", "-c", self.cores[k]))
             for k in range(2)
         )
 
