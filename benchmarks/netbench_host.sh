@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The netbench targets that one core per emulated node could not reach (delayed synchronisation,
+# the two-phase exchange, the two-level hierarchy), run on a host with cores to spare: each node
+# pinned to its own block of CORES cores (netbench --cores-per-node), training on the CPU.
+#
+#     bash benchmarks/netbench_host.sh OUT_DIR [CORES] [SECTION...]     (as root)
+#
+# SECTION: delay (gc_fp16 with delay=1 against torch's fp16 hook), two_phase (onebit, gather
+# against two-phase at N = 2), hierarchy (2 nodes x 2 processes, flat against hierarchy="node");
+# default: all three. Each section's records.jsonl and table land flat in OUT_DIR; a section that
+# fails does not stop the next. Exit status: the number of sections that failed.
+#
+# Where the host has no `ip`/`tc` (the GPU machines lent here have neither), build a folder with
+# them next to the checkout's root first and put it on PATH, e.g. from a Debian/Ubuntu host that
+# has iproute2: copy /usr/sbin/ip and /usr/sbin/tc and the libraries `ldd` names (not libc, libm,
+# ld-linux), and wrap each binary as `exec /lib64/ld-linux-x86-64.so.2 --library-path LIB BIN "$@"`
+# so that the processes `ip netns exec` starts do not inherit the libraries.
+set -u
+OUT=${1:?usage: bash benchmarks/netbench_host.sh OUT_DIR [CORES] [SECTION...]}
+CORES=${2:-4}
+shift $(($# < 2 ? $# : 2))
+SECTIONS=("$@")
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(delay two_phase hierarchy)
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+failed=0
+
+section() {  # section NAME SECONDS NETBENCH-ARGS...: one netbench run, its records and table kept
+    local name=$1 seconds=$2
+    shift 2
+    echo "=== $name: netbench --cores-per-node $CORES $*"
+    timeout "$seconds" "$PY" -m benchmarks.netbench --cores-per-node "$CORES" --models resnet18 \
+        --steps 10 --warmup 3 --out "/tmp/netbench-$name" "$@" 2>&1 | grep -v -i warning | tail -n 25
+    local rc=${PIPESTATUS[0]}
+    cp "/tmp/netbench-$name/records.jsonl" "$OUT/$name-records.jsonl" 2>/dev/null
+    cp "/tmp/netbench-$name/table.md" "$OUT/$name-table.md" 2>/dev/null
+    echo "=== $name: exit $rc"
+    [ "$rc" -eq 0 ] || failed=$((failed + 1))
+}
+
+for name in "${SECTIONS[@]}"; do
+    case $name in
+    delay) section delay 240 --rates 1gbit --modes noop torch_fp16 gc_fp16 gc_fp16_delay1 --repeats 3 ;;
+    two_phase) section two_phase 200 --rates 1gbit 100mbit --modes noop gc_onebit gc_onebit_2p --repeats 2 ;;
+    hierarchy) section hierarchy 240 --rates 1gbit 100mbit --modes noop gc_dgc gc_dgc_node --devices-per-node 2 --repeats 2 ;;
+    *) echo "unknown section $name (delay, two_phase, hierarchy)"; failed=$((failed + 1)) ;;
+    esac
+done
+echo "=== sections failed: $failed"
+exit "$failed"
