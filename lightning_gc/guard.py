@@ -34,12 +34,16 @@ def all_finite(values: torch.Tensor) -> torch.Tensor:
     Read from ``aminmax``: a NaN anywhere makes both extremes NaN, and ``+-inf`` is an extreme.
     One vectorised read-only pass; ``isfinite(values).all()`` writes a bool per element first and
     costs about 30x more on one CPU core (62 ms per step on ResNet-18's 11 M parameters).
+    The extremes are then compared as ``low * 0 == high * 0``: ``x * 0`` is 0 for finite ``x`` and
+    NaN for NaN and ``+-inf``, and NaN equals nothing; 3 ops where ``isfinite`` on each extreme
+    and their ``&`` dispatch 9 (``isfinite`` is 4 ops itself), once per bucket on the hook's
+    thread. (``high - low`` would overflow for finite extremes of opposite sign.)
     An empty tensor (e.g. a zero-size parameter) is finite.
     """
     if values.numel() == 0:  # aminmax refuses empty input
         return torch.ones((), dtype=torch.bool, device=values.device)
     low, high = torch.aminmax(values)
-    return torch.isfinite(low) & torch.isfinite(high)
+    return low.mul(0) == high.mul(0)
 
 
 class StepGuard:
