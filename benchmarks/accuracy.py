@@ -144,23 +144,43 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
     )
 
 
-def ptb_adamw_task(data: Path, steps: int, freeze: int) -> Task:
+PTB_ADAMW_PROCESSES, PTB_ADAMW_BATCH, PTB_ADAMW_BPTT = 2, 16, 64
+LR_DECAY_AT = (0.6, 0.85)
+"""``--lr-decay``: the learning rate falls 10x at these fractions of the run (as the cifar10 task's)."""
+
+
+def ptb_steps_per_epoch(data: Path) -> int:
+    """Optimizer steps per epoch of the ptb_adamw task: each process takes half the training
+    windows (DDP's sampler) in batches of 16, the last partial batch dropped."""
+    from recipes.language import read_tokens
+
+    windows = (len(read_tokens(data / "ptb" / "ptb.train.txt")) - 1) // PTB_ADAMW_BPTT
+    return -(-windows // PTB_ADAMW_PROCESSES) // PTB_ADAMW_BATCH
+
+
+def ptb_adamw_task(data: Path, steps: int, freeze: int, lr_decay: bool = False) -> Task:
     shared = (
         f"data.root={data / 'ptb'}",
         "data.download=false",
-        "trainer.devices=2",
+        f"trainer.devices={PTB_ADAMW_PROCESSES}",
         "trainer.accelerator=cpu",
         f"trainer.max_steps={steps}",
         "trainer.max_epochs=-1",  # the recipe's 2 epochs (about 900 steps) would cut a longer run short
         f"trainer.val_check_interval={max(1, steps // 10)}",
         "trainer.enable_checkpointing=false",
     )
+    decay = ""
+    if lr_decay:  # the recipe's milestones are in (fractional) epochs
+        epochs = [round(at * steps / ptb_steps_per_epoch(data), 4) for at in LR_DECAY_AT]
+        shared += (f"model.lr_milestones=[{','.join(map(str, epochs))}]",)
+        decay = ", lr x0.1 at " + " and ".join(f"{at:.0%}" for at in LR_DECAY_AT) + " of the steps"
     frozen = (f"strategy.adam_warmup_steps={freeze}",)
     return Task(
         name="ptb_adamw",
         description=(
-            f"2-layer causal transformer (d = 128), PTB, AdamW lr 1e-3 wd 0.01, {steps} steps, "
-            f"2 CPU processes x 16 x 64 tokens; variance frozen after {freeze} steps"
+            f"2-layer causal transformer (d = 128), PTB, AdamW lr 1e-3 wd 0.01{decay}, {steps} steps, "
+            f"{PTB_ADAMW_PROCESSES} CPU processes x {PTB_ADAMW_BATCH} x {PTB_ADAMW_BPTT} tokens; "
+            f"variance frozen after {freeze} steps"
         ),
         runs=(
             Run("dense AdamW", "transformer_ptb_dense"),
@@ -424,6 +444,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train-size", type=int, default=20_000, help="cifar10: training images")
     parser.add_argument("--steps", type=int, default=600, help="ptb_adamw: optimizer steps")
     parser.add_argument("--freeze", type=int, default=120, help="ptb_adamw: steps before Adam's variance freezes")
+    parser.add_argument(
+        "--lr-decay", action="store_true", help="ptb_adamw: lr x0.1 at 60 %% and 85 %% of the steps (default: constant)"
+    )
     parser.add_argument("--report-only", action="store_true", help="only tabulate the runs already finished")
     parser.add_argument(
         "--runs", nargs="+", metavar="LABEL", default=None, help="train only these runs (labels as in the table)"
@@ -441,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.task == "yesno":
         task = yesno_task(data)
     else:
-        task = ptb_adamw_task(data, args.steps, args.freeze)
+        task = ptb_adamw_task(data, args.steps, args.freeze, args.lr_decay)
     labels = [run.label for run in task.runs]
     unknown = sorted(set(args.runs or ()) - set(labels))
     if unknown:

@@ -40,3 +40,17 @@ def test_an_unknown_run_label_is_named_with_the_task_runs(tmp_path: Path, capsys
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert "--runs ['DGC 2 %'] are not runs of lstm_ptb" in error and "'DGC 1 %'" in error
+
+
+def test_ptb_adamw_lr_decay_falls_at_60_and_85_percent_of_the_steps_in_epochs(tmp_path: Path) -> None:
+    from benchmarks.accuracy import ptb_adamw_task, ptb_steps_per_epoch
+
+    (tmp_path / "ptb").mkdir()
+    # 100 lines of 63 words + <eos>: 6,400 tokens, 99 windows of 64, 50 per process, 3 full batches of 16
+    (tmp_path / "ptb" / "ptb.train.txt").write_text(("w " * 63 + "\n") * 100)
+    assert ptb_steps_per_epoch(tmp_path) == 3
+    decayed = ptb_adamw_task(tmp_path, steps=30, freeze=6, lr_decay=True)
+    assert "model.lr_milestones=[6.0,8.5]" in decayed.overrides  # steps 18 and 25.5, at 3 steps per epoch
+    assert "lr x0.1 at 60% and 85% of the steps" in decayed.description
+    constant = ptb_adamw_task(tmp_path, steps=30, freeze=6)
+    assert not any(o.startswith("model.lr_milestones") for o in constant.overrides)
