@@ -62,6 +62,36 @@ def test_dgc_compresses_adamw_momentum_and_trains(run_ranks) -> None:
     assert rank0[0]["epoch_metrics"][-1]["gc/wire_ratio"] > 20  # the last step was compressed
 
 
+def test_onebit_and_dgc_with_warm_up_and_grad_scaler_train_under_the_hand_over(run_ranks) -> None:
+    """The hand-over with other company: onebit (1-bit Adam's configuration) and DGC under DGC's
+    step-based sparsity warm-up with fp16 autocast and a grad scaler. Each trains (loss falls
+    to under 30 % of the first epoch's), ranks end identical, and the compressed phase compressed."""
+    model = {**ADAMW, "hidden": [256, 256]}
+    fits = [
+        {
+            "strategy": {"kind": "gc", "compressor": "onebit", "momentum_correction": True, "adam_warmup_steps": 10},
+            "model": model,
+            "epochs": 3,
+        },
+        {
+            "strategy": {"kind": "dgc", "compress_ratio": 0.01, "adam_warmup_steps": 10},
+            "model": model,
+            "epochs": 3,
+            "warmup": {"densities": [0.25, 0.0625], "interval": "step", "steps_per_stage": 10},
+            "trainer": {"fp16_with_scaler": True},
+        },
+    ]
+    rank0, rank1 = run_ranks({"fits": fits})
+    for fit0, fit1 in zip(rank0, rank1):
+        assert torch.equal(fit0["params"], fit1["params"])
+        losses = [m["train/loss_epoch"] for m in fit0["epoch_metrics"]]
+        assert losses[-1] < 0.3 * losses[0], losses
+        assert fit0["memory_entries"] == ["momentum", "velocity"]  # the first moment was handed over
+    onebit, dgc = (fit["epoch_metrics"][-1] for fit in rank0)
+    assert onebit["gc/wire_ratio"] > 25  # 1 bit per element (32x less some dense small tensors)
+    assert dgc["gc/density"] < 0.02 and dgc["gc/wire_ratio"] > 20  # past the warm-up's stages, at 1 %
+
+
 def test_exact_resume_across_the_freeze_and_the_checkpoint_loads_into_plain_adamw(run_ranks, tmp_path: Path) -> None:
     """Freeze at step 30 (inside epoch 2): resuming epoch 1's checkpoint (before the freeze) or
     epoch 2's (after it) gives the straight run's parameters bit for bit; epoch 2's optimizer
