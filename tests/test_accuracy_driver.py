@@ -54,3 +54,13 @@ def test_ptb_adamw_lr_decay_falls_at_60_and_85_percent_of_the_steps_in_epochs(tm
     assert "lr x0.1 at 60% and 85% of the steps" in decayed.description
     constant = ptb_adamw_task(tmp_path, steps=30, freeze=6)
     assert not any(o.startswith("model.lr_milestones") for o in constant.overrides)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "freeze"), [(["--steps", "2000"], 400), (["--steps", "2000", "--freeze", "120"], 120)]
+)
+def test_ptb_adamw_freezes_after_a_fifth_of_the_steps_unless_told(
+    tmp_path: Path, arguments: list[str], freeze: int
+) -> None:
+    accuracy.main(["ptb_adamw", "--data", str(tmp_path), "--out", str(tmp_path / "out"), "--report-only", *arguments])
+    assert f"variance frozen after {freeze} steps" in (tmp_path / "out" / "ptb_adamw" / "table.md").read_text()
