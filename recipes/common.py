@@ -28,24 +28,38 @@ class WarmupMultiStep:
     ``factor(e) = start + (1 - start) * e / warmup_epochs`` while ``e < warmup_epochs`` (Goyal et al.
     2017's gradual warm-up), afterwards ``gamma ** (number of milestones <= e)``. ``factor`` is
     1 at the end of the warm-up and never exceeds 1.
+
+    ``steps_per_epoch`` may be a callable, read at every step after the first: the recipes pass
+    the trainer's batches per epoch, which Lightning knows only once the fit loop has loaded the
+    training data (with ``max_epochs=-1`` it does not load them to configure the optimizers).
+    Without a warm-up or milestones the factor is 1 and the epoch length is never read.
     """
 
     def __init__(
         self,
-        steps_per_epoch: int,
+        steps_per_epoch: int | Callable[[], int],
         warmup_epochs: float = 0.0,
         milestones: Sequence[float] = (),
         gamma: float = 0.1,
         start: float = 0.1,
     ) -> None:
-        self.steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, 1)
+        if not callable(steps_per_epoch):
+            check_int("steps_per_epoch", steps_per_epoch, 1)
+        self._steps_per_epoch = steps_per_epoch
         self.warmup_epochs = check_range("warmup_epochs", warmup_epochs, 0.0)
         self.milestones = sorted(check_range("milestones[]", m, 0.0) for m in milestones)
         self.gamma = check_range("gamma", gamma, 0.0, 1.0, low_inclusive=False)
         self.start = check_range("start", start, 0.0, 1.0)
 
+    @property
+    def steps_per_epoch(self) -> int:
+        length = self._steps_per_epoch
+        return check_int("steps_per_epoch", length() if callable(length) else length, 1)
+
     def __call__(self, step: int) -> float:
-        epoch = step / self.steps_per_epoch
+        if not self.warmup_epochs and not self.milestones:
+            return 1.0
+        epoch = 0.0 if step == 0 else step / self.steps_per_epoch
         if epoch < self.warmup_epochs:
             return self.start + (1.0 - self.start) * epoch / self.warmup_epochs
         return self.gamma ** bisect.bisect_right(self.milestones, epoch)
@@ -114,9 +128,16 @@ class RecipeTask(L.LightningModule):
                 weight_decay=self.weight_decay,
             )
         trainer = self.trainer
-        trainer.estimated_stepping_batches  # noqa: B018 - loads the train loader, sets num_training_batches
-        batches = trainer.num_training_batches
-        steps_per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches)) if math.isfinite(batches) else 1
+
+        def steps_per_epoch() -> int:  # read when stepping, once the fit loop has loaded the data
+            batches = trainer.num_training_batches
+            if not math.isfinite(batches):
+                raise ValueError(
+                    "`model.lr_warmup_epochs` and `model.lr_milestones` are in epochs, which need a training "
+                    f"loader with a length; this one has {batches} batches. Leave them at 0 and [] for it"
+                )
+            return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+
         schedule = WarmupMultiStep(
             steps_per_epoch, self.lr_warmup_epochs, self.lr_milestones, self.lr_gamma, self.lr_warmup_start
         )

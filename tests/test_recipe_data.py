@@ -247,6 +247,27 @@ def test_lr_schedule_warms_up_linearly_then_steps() -> None:
     assert schedule(820) == pytest.approx(0.1) and schedule(1230) == pytest.approx(0.01)
 
 
+@pytest.mark.parametrize(("max_steps", "factor"), [(12, 1.0), (20, 0.1)])
+def test_lr_milestones_count_epochs_in_a_run_bounded_by_steps(max_steps: int, factor: float) -> None:
+    """With ``max_epochs=-1`` Lightning does not load the training data to configure optimizers;
+    the milestones must still be read in epochs of 8 steps (once taken as 1 step per epoch, a
+    milestone at epoch 2 fell at step 2)."""
+    import lightning as L
+
+    from recipes.language import TransformerLanguageModel
+
+    data = PTBDataModule(synthetic=True, synthetic_size=64, batch_size=8, bptt=8, vocab_size=50)  # 8 steps per epoch
+    model = TransformerLanguageModel(
+        vocab_size=50, d_model=8, num_heads=2, num_layers=1, ff_size=16, max_length=8, lr=1e-3, lr_milestones=[2.0]
+    )
+    trainer = L.Trainer(
+        max_epochs=-1, max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(model, data)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * factor)  # epoch 1.5, then 2.5
+
+
 def test_ctc_text_helpers() -> None:
     ids = encode_text("yes no")
     assert "".join(ALPHABET[i] for i in ids) == "YES NO"
