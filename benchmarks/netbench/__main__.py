@@ -105,15 +105,9 @@ def calibrate(model: str, modes: list[str], out: Path, cores_per_node: int = 1, 
     paths = [out / f"costs-{model}-node{node}.json" for node in range(nodes)]
     processes = []
     for node, path in enumerate(paths):
-        command = [
-            "taskset",
-            "-c",
-            node_cores(node, cores_per_node),
-            sys.executable,
-            "-m",
-            "benchmarks.netbench.predict",
-        ]
-        command += ["--model", model, "--modes", *modes, "--out", str(path)]
+        cores = node_cores(node, cores_per_node)
+        command = ["taskset", "-c", cores, sys.executable, "-m", "benchmarks.netbench.predict", "--model", model]
+        command += ["--modes", *modes, "--out", str(path)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         processes.append(subprocess.Popen(command, cwd=REPO, env=env))
     if any(process.wait() != 0 for process in processes):
