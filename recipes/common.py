@@ -29,37 +29,36 @@ class WarmupMultiStep:
     2017's gradual warm-up), afterwards ``gamma ** (number of milestones <= e)``. ``factor`` is
     1 at the end of the warm-up and never exceeds 1.
 
-    ``steps_per_epoch`` may be a callable, read at every step after the first: the recipes pass
-    the trainer's batches per epoch, which Lightning knows only once the fit loop has loaded the
-    training data (with ``max_epochs=-1`` it does not load them to configure the optimizers).
-    Without a warm-up or milestones the factor is 1 and the epoch length is never read.
+    ``steps_per_epoch`` may be ``None`` until the first step after step 0: the recipes set it at
+    ``on_train_start``, when the fit loop has loaded the training data (with ``max_epochs=-1``
+    Lightning does not load them to configure the optimizers). Without a warm-up or milestones the
+    factor is 1 and the epoch length is never read. Every attribute is plain data, because
+    ``LambdaLR`` saves a callable object's ``__dict__`` in checkpoints.
     """
 
     def __init__(
         self,
-        steps_per_epoch: int | Callable[[], int],
+        steps_per_epoch: int | None,
         warmup_epochs: float = 0.0,
         milestones: Sequence[float] = (),
         gamma: float = 0.1,
         start: float = 0.1,
     ) -> None:
-        if not callable(steps_per_epoch):
-            check_int("steps_per_epoch", steps_per_epoch, 1)
-        self._steps_per_epoch = steps_per_epoch
+        self.steps_per_epoch = None if steps_per_epoch is None else check_int("steps_per_epoch", steps_per_epoch, 1)
         self.warmup_epochs = check_range("warmup_epochs", warmup_epochs, 0.0)
         self.milestones = sorted(check_range("milestones[]", m, 0.0) for m in milestones)
         self.gamma = check_range("gamma", gamma, 0.0, 1.0, low_inclusive=False)
         self.start = check_range("start", start, 0.0, 1.0)
 
-    @property
-    def steps_per_epoch(self) -> int:
-        length = self._steps_per_epoch
-        return check_int("steps_per_epoch", length() if callable(length) else length, 1)
-
     def __call__(self, step: int) -> float:
         if not self.warmup_epochs and not self.milestones:
             return 1.0
-        epoch = 0.0 if step == 0 else step / self.steps_per_epoch
+        if step == 0:
+            epoch = 0.0
+        elif self.steps_per_epoch is None:
+            raise RuntimeError("WarmupMultiStep stepped past step 0 before its steps_per_epoch was set")
+        else:
+            epoch = step / self.steps_per_epoch
         if epoch < self.warmup_epochs:
             return self.start + (1.0 - self.start) * epoch / self.warmup_epochs
         return self.gamma ** bisect.bisect_right(self.milestones, epoch)
@@ -127,22 +126,23 @@ class RecipeTask(L.LightningModule):
                 nesterov=self.nesterov,
                 weight_decay=self.weight_decay,
             )
-        trainer = self.trainer
-
-        def steps_per_epoch() -> int:  # read when stepping, once the fit loop has loaded the data
-            batches = trainer.num_training_batches
-            if not math.isfinite(batches):
-                raise ValueError(
-                    "`model.lr_warmup_epochs` and `model.lr_milestones` are in epochs, which need a training "
-                    f"loader with a length; this one has {batches} batches. Leave them at 0 and [] for it"
-                )
-            return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
-
-        schedule = WarmupMultiStep(
-            steps_per_epoch, self.lr_warmup_epochs, self.lr_milestones, self.lr_gamma, self.lr_warmup_start
+        self.lr_schedule = WarmupMultiStep(
+            None, self.lr_warmup_epochs, self.lr_milestones, self.lr_gamma, self.lr_warmup_start
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        """The schedule's epoch length, now that the fit loop has loaded the training data."""
+        trainer = self.trainer
+        batches = trainer.num_training_batches
+        if math.isfinite(batches):
+            self.lr_schedule.steps_per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches))
+        elif self.lr_warmup_epochs or self.lr_milestones:
+            raise ValueError(
+                "`model.lr_warmup_epochs` and `model.lr_milestones` are in epochs, which need a training loader "
+                f"with a length; this one has {batches} batches. Leave them at 0 and [] for it"
+            )
 
 
 class RecipeDataModule(L.LightningDataModule):

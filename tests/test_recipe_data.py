@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 import tarfile
 from pathlib import Path
@@ -266,6 +267,9 @@ def test_lr_milestones_count_epochs_in_a_run_bounded_by_steps(max_steps: int, fa
     )  # fmt: skip
     trainer.fit(model, data)
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * factor)  # epoch 1.5, then 2.5
+    saved = trainer.lr_scheduler_configs[0].scheduler.state_dict()  # as a checkpoint holds it: plain data
+    torch.save(saved, io.BytesIO())
+    assert saved["lr_lambdas"][0]["steps_per_epoch"] == 8
 
 
 def test_ctc_text_helpers() -> None:
