@@ -274,32 +274,9 @@ class AdamHandOver(HandOver):
             self.memory.seed_momentum(moments)
 
     def _freeze(self, optimizers: Sequence[Any]) -> None:
-        """Each parameter's frozen ``d = sqrt(v / (1 - b2^T)) + eps`` (``T``: the step of v's last
-        update) and a gradient hook dividing by it (adding Adam's L2 decay first).
-
-        An element whose ``v`` is still 0 never had a gradient during the warm-up (an embedding row
-        of a word not yet seen): ``d = eps`` would turn its first gradient into a step of ``lr/eps``.
-        It takes its tensor's mean ``sqrt(v_hat)`` instead (or, for a tensor without any gradient
-        yet, the mean over all tensors): the same value on every rank, as ``v`` is."""
-        roots: dict[torch.Tensor, tuple[torch.Tensor, float, float]] = {}
-        for optimizer, group in _adam_groups(optimizers):
-            beta2, eps = float(group["betas"][1]), float(group["eps"])
-            decay = 0.0 if _decoupled(optimizer, group) else float(group["weight_decay"])
-            for param in group["params"]:
-                state = optimizer.state.get(param, {})
-                if "exp_avg_sq" not in state:
-                    continue  # never stepped: the optimizer holds no moments to hand over
-                frozen_at = float(state["step"]) - self.compressed_steps
-                roots[param] = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**frozen_at), eps, decay)
-        seen = [root[root > 0] for root, _, _ in roots.values()]
-        overall = torch.cat(seen).mean() if any(s.numel() for s in seen) else None
-        for param, (root, eps, decay) in roots.items():
-            unseen = root == 0
-            if unseen.any():
-                typical = root[~unseen].mean() if not unseen.all() else overall
-                if typical is not None:
-                    root = torch.where(unseen, typical, root)
-            denominator = root.add_(eps)
+        """Freeze every Adam parameter's denominator (:func:`frozen_denominators`) and hook a
+        division by it (adding Adam's L2 decay first) onto its gradient."""
+        for param, (denominator, decay) in frozen_denominators(optimizers, self.compressed_steps).items():
             self.denominators[param] = denominator
             self._hooks.append(param.register_hook(self._preconditioner(param, denominator, decay)))
 
@@ -323,6 +300,40 @@ class AdamHandOver(HandOver):
         frozen-variance step of the module docstring (the user's precision plugin and grad
         scaler still call it as they would Adam's own)."""
         return _frozen_variance_steps(optimizers, self.denominators) if self.active else nullcontext()
+
+
+def frozen_denominators(
+    optimizers: Sequence[Any], compressed_steps: int = 0
+) -> dict[torch.Tensor, tuple[torch.Tensor, float]]:
+    """Each Adam/AdamW parameter's frozen ``d = sqrt(v / (1 - b2^T)) + eps`` (``T``: the step of v's
+    last update, ``compressed_steps`` before the optimizer's count) and its L2 decay (0 for AdamW's
+    decoupled form), for the parameters the optimizers have stepped.
+
+    An element whose ``v`` is still 0 never had a gradient during the warm-up (an embedding row
+    of a word not yet seen): ``d = eps`` would turn its first gradient into a step of ``lr/eps``.
+    It takes its tensor's mean ``sqrt(v_hat)`` instead (or, for a tensor without any gradient
+    yet, the mean over all tensors): the same value on every rank, as ``v`` is."""
+    roots: dict[torch.Tensor, tuple[torch.Tensor, float, float]] = {}
+    for optimizer, group in _adam_groups(optimizers):
+        beta2, eps = float(group["betas"][1]), float(group["eps"])
+        decay = 0.0 if _decoupled(optimizer, group) else float(group["weight_decay"])
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if "exp_avg_sq" not in state:
+                continue  # never stepped: the optimizer holds no moments to hand over
+            frozen_at = float(state["step"]) - compressed_steps
+            roots[param] = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**frozen_at), eps, decay)
+    seen = [root[root > 0] for root, _, _ in roots.values()]
+    overall = torch.cat(seen).mean() if any(s.numel() for s in seen) else None
+    frozen = {}
+    for param, (root, eps, decay) in roots.items():
+        unseen = root == 0
+        if unseen.any():
+            typical = root[~unseen].mean() if not unseen.all() else overall
+            if typical is not None:
+                root = torch.where(unseen, typical, root)
+        frozen[param] = (root.add_(eps), decay)
+    return frozen
 
 
 @contextmanager
