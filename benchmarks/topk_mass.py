@@ -7,16 +7,18 @@ that costs depends on how concentrated the update is: the fraction of its square
     k = ceil(ratio * numel) per tensor,
 
 is 1 for a vector with at most k non-zeros per tensor and ``ratio`` for one whose elements are all
-the same size. Momentum SGD's update is the gradient's direction; frozen-variance Adam's is the
-gradient over the frozen denominator ``d = sqrt(v_hat) + eps`` (:mod:`lightning_gc.handover`),
-which makes every element's step about ``lr`` and so flattens the distribution DGC relies on.
+the same size. Momentum SGD's update is its first moment; frozen-variance Adam's is that moment
+over the frozen denominator ``d`` (:func:`lightning_gc.handover.frozen_denominators`, the
+hand-over's own), which moves every element by about ``lr``: the question is whether that
+flattens the distribution DGC relies on.
 
 The task is the accuracy benchmark's ``ptb_adamw`` transformer (2 layers, d = 128) on the shared
 PTB text, one process, batch 32 x 64 tokens (the benchmark's 2 x 16), AdamW lr 1e-3 wd 0.01.
 After ``--freeze`` plain AdamW steps ``d`` is read from AdamW's state; training goes on with
 AdamW for ``--steps`` more steps, and at each the captured fractions of the gradient ``g``, of
 ``g / d``, of AdamW's first moment ``m`` and of ``m / d`` are taken over the tensors DGC
-compresses (2-D or more, at least 1024 elements). Printed: the median over the steps.
+compresses (:func:`lightning_gc.compressors.base.compressible` at DGC's default
+``min_compress_numel``). Printed: the median over the steps.
 
     python benchmarks/topk_mass.py [--data ../shared/data] [--freeze 120] [--steps 20]
 """
@@ -30,10 +32,19 @@ from pathlib import Path
 
 import torch
 
+from lightning_gc.calibration import layout_of_shapes
+from lightning_gc.compressors import create
+from lightning_gc.compressors.base import split_segments
+from lightning_gc.handover import frozen_denominators
 from recipes.language import PTBDataModule, TransformerLanguageModel
 
-MIN_COMPRESS_NUMEL = 1024  # the strategies' default: smaller and 1-D tensors are sent dense
 RATIOS = (0.001, 0.01)
+
+
+def compressed_parameters(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors DGC (at its default settings) compresses rather than sends dense."""
+    segments, _ = split_segments(layout_of_shapes([p.shape for p in params]).segments, create("dgc").min_compress_numel)
+    return [params[segment.order] for segment in segments]
 
 
 def captured(tensors: list[torch.Tensor], ratio: float) -> float:
@@ -58,10 +69,8 @@ def main() -> None:
     data.setup("fit")
     model = TransformerLanguageModel(vocab_size=data.vocab_size, d_model=128, num_layers=2, ff_size=512)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    compressed = [p for p in model.parameters() if p.dim() >= 2 and p.numel() >= MIN_COMPRESS_NUMEL]
+    compressed = compressed_parameters(list(model.parameters()))
     batches = iter(torch.utils.data.DataLoader(data.train_set, batch_size=32, shuffle=True))
-    beta2 = optimizer.param_groups[0]["betas"][1]
-    eps = optimizer.param_groups[0]["eps"]
     rows: dict[str, list[float]] = {}
     denominators: list[torch.Tensor] = []
     for step in range(args.freeze + args.steps):
@@ -69,9 +78,9 @@ def main() -> None:
         optimizer.zero_grad()
         logits = model(tokens)
         torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)).backward()
-        if step == args.freeze:  # v frozen here, as the hand-over freezes it, with its bias correction
-            correction = 1 - beta2**args.freeze
-            denominators = [(optimizer.state[p]["exp_avg_sq"] / correction).sqrt() + eps for p in compressed]
+        if step == args.freeze:  # v frozen here, as the hand-over freezes it
+            frozen = frozen_denominators([optimizer])
+            denominators = [frozen[p][0] for p in compressed]
         if step >= args.freeze:
             gradients = [p.grad for p in compressed]
             moments = [optimizer.state[p]["exp_avg"] for p in compressed]
