@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.records is None:
         records = measure(args)
     link_bps = {r["rate"]: r["link_bps"] for r in records}
-    # One core per node runs both training and the transport: what that core pushes through TCP
-    # (the unshaped link's socket test) is the host-bound part of every exchange.
+    # With one core per node (the default) that core runs both training and the transport: what it
+    # pushes through TCP (the unshaped link's socket test) is the host-bound part of every exchange.
     host_bps = link_bps.get(UNSHAPED)
     predicted = {}
     devices_per_node = max(r.get("devices_per_node", 1) for r in records)
