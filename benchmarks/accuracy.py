@@ -219,6 +219,13 @@ def ptb_adamw_task(data: Path, steps: int, freeze: int, lr_decay: bool = False) 
                 "transformer_ptb_dgc",
                 (*frozen, "strategy.compress_ratio=0.01", "strategy.momentum_masking=false"),
             ),
+            # the recipe ranks top-k by each element's loss decrease (adam_weighting=decrease); this is
+            # the ranking by pending Adam step alone, the library's default (and onebit's better choice)
+            Run(
+                "DGC 0.1 %, frozen variance, step weighting",
+                "transformer_ptb_dgc",
+                (*frozen, "strategy.adam_weighting=step"),
+            ),
         ),
         overrides=shared,
         metric="perplexity",

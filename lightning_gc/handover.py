@@ -29,6 +29,20 @@ momentum; picked by raw magnitude, elements with small gradients wait hundreds o
 jump by hundreds of ``lr`` at once (a 2-rank MLP diverged so at 1 % density). With ``d`` frozen
 the recurrence stays linear, so error feedback still loses nothing.
 
+**Weighting** (``adam_weighting``, :data:`ADAM_WEIGHTINGS`): because ``d`` is frozen and the
+recurrence is linear, the memory may hold each element scaled by any fixed ``d^a`` without changing
+what is eventually applied; only which elements a compressor favours changes. The memory then
+takes ``(g + wd p) / d^(1-a)`` (and ``exp_avg / d^(1-a)`` at the freeze), and the step divides the
+average by ``d^a`` before applying it (``exp_avg <- M' d^(1-a)``). With ``V`` an element's pending
+Adam step (in units of ``lr``), top-k then ranks by ``|V| d^a``:
+
+* ``"step"`` (``a = 0``): the largest pending step, whatever its effect on the loss;
+* ``"decrease"`` (``a = 1/2``): the largest first-order loss decrease. The pending step's gradient
+  sum is ``G = V d``, so applying it lowers the loss by about ``G V = d V^2``: ranking by
+  ``|V| sqrt(d)`` ranks by that decrease;
+* ``"gradient"`` (``a = 1``): the largest accumulated gradient, as SGD's DGC ranks (the
+  divergence above).
+
 ``T`` is the step at which ``v`` froze: its bias correction is the one of its last update (with
 ``1 - b2^t`` the frozen estimate would shrink as ``t`` grows, raising every effective learning
 rate: 2.4x from step 10 to 60). Because ``v`` no longer changes, each element's effective learning
@@ -44,6 +58,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -85,6 +100,11 @@ class HandOver(ABC):
     @abstractmethod
     def release(self) -> None:
         """Undo whatever the hand-over put on the model (at the end of a fit)."""
+
+    def resume_settings(self) -> dict[str, Any]:
+        """Settings that a checkpoint of the memory as it is now must be resumed with (the
+        memory's meaning depends on them), by their setting names; empty when any will do."""
+        return {}
 
 
 class MomentumHandOver(HandOver):
@@ -176,6 +196,10 @@ class MomentumHandOver(HandOver):
 
 ADAM_TYPES = (torch.optim.Adam, torch.optim.AdamW)
 
+ADAM_WEIGHTINGS: dict[str, float] = {"step": 0.0, "decrease": 0.5, "gradient": 1.0}
+"""``adam_weighting`` choices and their power ``a``: the memory holds each element's pending Adam
+step times ``d^a`` (module docstring)."""
+
 
 def _adam_groups(optimizers: Sequence[Any]) -> Iterator[tuple[Any, dict[str, Any]]]:
     for optimizer in optimizers:
@@ -189,6 +213,22 @@ def _decoupled(optimizer: Any, group: dict[str, Any]) -> bool:
     return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
 
 
+@dataclass(frozen=True)
+class FrozenScales:
+    """One parameter's frozen denominator ``d`` split by a weighting's power ``a``: gradients enter
+    the memory divided by ``into = d^(1-a)`` and averages leave it divided by ``out_of = d^a``
+    (``None`` for ``a = 0``), so every element is divided by ``d`` exactly once."""
+
+    into: torch.Tensor
+    out_of: torch.Tensor | None
+
+    @classmethod
+    def split(cls, denominator: torch.Tensor, power: float) -> FrozenScales:
+        if power == 0.0:
+            return cls(denominator, None)
+        return cls(denominator.pow(1.0 - power), denominator.pow(power))
+
+
 class AdamHandOver(HandOver):
     """Adam's first moment applied by ``memory`` after ``warmup_steps`` dense steps, over a frozen,
     preconditioned second moment (module docstring). Needs exactly one ``torch.optim.Adam``/``AdamW``.
@@ -197,15 +237,18 @@ class AdamHandOver(HandOver):
         memory: the compensation memory (with momentum correction).
         warmup_steps: optimizer steps of plain, exactly averaged Adam before the variance freezes.
         owner: the front end's name, used in errors.
+        weighting: an :data:`ADAM_WEIGHTINGS` name: how the memory weights elements against each
+            other (module docstring).
     """
 
-    def __init__(self, memory: CompensationMemory, warmup_steps: int, owner: str) -> None:
+    def __init__(self, memory: CompensationMemory, warmup_steps: int, owner: str, weighting: str = "step") -> None:
         self.memory = memory
         self.warmup_steps = warmup_steps
         self.owner = owner
+        self.weighting = weighting
         self.active = False  # set per step: whether this step is compressed (past the warm-up)
         self.compressed_steps = 0  # set per step: compressed steps before this one
-        self.denominators: dict[torch.Tensor, torch.Tensor] = {}  # param -> sqrt(v_hat) + eps, frozen
+        self.scales: dict[torch.Tensor, FrozenScales] = {}  # param -> its frozen d, split by the weighting
         self._hooks: list[Any] = []
         self._loss_scale = 1.0
 
@@ -256,7 +299,7 @@ class AdamHandOver(HandOver):
             self.release()
             self.memory.set_specs({})
             return
-        if not self.denominators:
+        if not self.scales:
             self._freeze(optimizers)
         specs, moments = {}, {}
         by_id = {pid: name for pid, (name, _) in names.items()}
@@ -265,20 +308,21 @@ class AdamHandOver(HandOver):
             spec = MomentumSpec(momentum=beta1, dampening=beta1)  # Adam's L2 decay is in the gradient hook
             for param in group["params"]:
                 name = by_id.get(id(param))
-                if name is None or param not in self.denominators:
+                if name is None or param not in self.scales:
                     continue
                 specs[name] = spec
-                moments[name] = optimizer.state[param]["exp_avg"] / self.denominators[param]
+                moments[name] = optimizer.state[param]["exp_avg"] / self.scales[param].into
         self.memory.set_specs(specs)
         if step == self.warmup_steps:  # the freeze: u starts from Adam's first moment
             self.memory.seed_momentum(moments)
 
     def _freeze(self, optimizers: Sequence[Any]) -> None:
-        """Freeze every Adam parameter's denominator (:func:`frozen_denominators`) and hook a
-        division by it (adding Adam's L2 decay first) onto its gradient."""
+        """Freeze every Adam parameter's denominator (:func:`frozen_denominators`), split it by the
+        weighting, and hook a division by its ``into`` part (adding Adam's L2 decay first) onto its gradient."""
+        power = ADAM_WEIGHTINGS[self.weighting]
         for param, (denominator, decay) in frozen_denominators(optimizers, self.compressed_steps).items():
-            self.denominators[param] = denominator
-            self._hooks.append(param.register_hook(self._preconditioner(param, denominator, decay)))
+            self.scales[param] = scales = FrozenScales.split(denominator, power)
+            self._hooks.append(param.register_hook(self._preconditioner(param, scales.into, decay)))
 
     def _preconditioner(self, param: torch.Tensor, denominator: torch.Tensor, decay: float) -> Any:
         def precondition(grad: torch.Tensor) -> torch.Tensor:
@@ -293,13 +337,17 @@ class AdamHandOver(HandOver):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self.denominators.clear()
+        self.scales.clear()
+
+    def resume_settings(self) -> dict[str, Any]:
+        """After the freeze the memory holds elements weighted by ``d^a``: resume with the same weighting."""
+        return {"adam_weighting": self.weighting} if self.scales else {}
 
     def stepping(self, optimizers: Sequence[Any]) -> AbstractContextManager[Any]:
         """Around an optimizer step of the compressed phase: the optimizer's ``step`` is the
         frozen-variance step of the module docstring (the user's precision plugin and grad
         scaler still call it as they would Adam's own)."""
-        return _frozen_variance_steps(optimizers, self.denominators) if self.active else nullcontext()
+        return _frozen_variance_steps(optimizers, self.scales) if self.active else nullcontext()
 
 
 def frozen_denominators(
@@ -337,12 +385,12 @@ def frozen_denominators(
 
 
 @contextmanager
-def _frozen_variance_steps(optimizers: Sequence[Any], denominators: dict[torch.Tensor, torch.Tensor]) -> Iterator[None]:
+def _frozen_variance_steps(optimizers: Sequence[Any], scales: dict[torch.Tensor, FrozenScales]) -> Iterator[None]:
     inner = [unwrap_optimizer(o) for o in optimizers]
     # An LR scheduler wraps the instance's ``step`` to record that it ran: keep that wrapper to restore.
     saved = [o.__dict__.get("step") for o in inner]
     for optimizer in inner:
-        optimizer.step = _frozen_step_of(optimizer, denominators)
+        optimizer.step = _frozen_step_of(optimizer, scales)
     try:
         yield
     finally:
@@ -353,13 +401,13 @@ def _frozen_variance_steps(optimizers: Sequence[Any], denominators: dict[torch.T
                 optimizer.step = step
 
 
-def _frozen_step_of(optimizer: Any, denominators: dict[torch.Tensor, torch.Tensor]) -> Any:
+def _frozen_step_of(optimizer: Any, scales: dict[torch.Tensor, FrozenScales]) -> Any:
     def step(closure: Any = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        frozen_variance_step(optimizer, denominators)
+        frozen_variance_step(optimizer, scales)
         optimizer._opt_called = True  # what a scheduler's own wrapper records (no "step order" warning)
         return loss
 
@@ -367,31 +415,33 @@ def _frozen_step_of(optimizer: Any, denominators: dict[torch.Tensor, torch.Tenso
 
 
 @torch.no_grad()
-def frozen_variance_step(optimizer: Any, denominators: dict[torch.Tensor, torch.Tensor]) -> None:
-    """One Adam/AdamW step with ``p.grad`` the averaged, preconditioned compressed momentum
-    ``M' = M / d`` (``d = denominators[p]``, the frozen ``sqrt(v_hat) + eps``)::
+def frozen_variance_step(optimizer: Any, scales: dict[torch.Tensor, FrozenScales]) -> None:
+    """One Adam/AdamW step with ``p.grad`` the averaged, weighted compressed momentum
+    ``M' = M / d^(1-a)`` (``d`` the frozen ``sqrt(v_hat) + eps``, split by ``scales[p]``;
+    ``a = 0`` unless a weighting says otherwise)::
 
-        p <- p (1 - lr wd)   (AdamW);   p <- p - lr / (1 - b1^t) * M';   exp_avg <- M' d;   step <- t
+        p <- p (1 - lr wd)   (AdamW);   p <- p - lr / (1 - b1^t) * M' / d^a;   exp_avg <- M' d^(1-a);   step <- t
     """
     for group in optimizer.param_groups:
         beta1 = float(group["betas"][0])
         lr, decay = float(group["lr"]), float(group["weight_decay"])
         decoupled = _decoupled(optimizer, group)
         for param in group["params"]:
-            if param.grad is None or param not in denominators:
+            if param.grad is None or param not in scales:
                 continue
-            state = optimizer.state[param]
+            state, scale = optimizer.state[param], scales[param]
             state["step"] += 1
             t = float(state["step"])
             if decoupled and decay != 0.0:
                 param.mul_(1 - lr * decay)
-            param.add_(param.grad, alpha=-lr / (1 - beta1**t))
-            torch.mul(param.grad, denominators[param], out=state["exp_avg"])
+            step = param.grad if scale.out_of is None else param.grad / scale.out_of
+            param.add_(step, alpha=-lr / (1 - beta1**t))
+            torch.mul(param.grad, scale.into, out=state["exp_avg"])
 
 
 def hand_over_for(
     optimizers: Sequence[Any], memory: CompensationMemory, *, explicit_momentum: float | None,
-    adam_warmup_steps: int, owner: str,
+    adam_warmup_steps: int, owner: str, adam_weighting: str = "step",
 ) -> HandOver:  # fmt: skip
     """The hand-over for a fit's optimizers: Adam's when they are Adam/AdamW and momentum
     correction is on (and no explicit momentum replaces theirs), SGD's otherwise."""
@@ -403,5 +453,5 @@ def hand_over_for(
                 f"momentum={explicit_momentum} on {owner} replaces a missing SGD momentum, but the model uses "
                 f"{type(adam[0]).__name__}, whose first moment is handed over; remove momentum="
             )
-        return AdamHandOver(memory, adam_warmup_steps, owner)
+        return AdamHandOver(memory, adam_warmup_steps, owner, adam_weighting)
     return MomentumHandOver(memory, explicit_momentum, owner)

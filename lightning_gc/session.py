@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gc.checkpoint import gather_entry, rank_state
+from lightning_gc.checkpoint import IncompatibleCheckpoint, gather_entry, rank_state
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.handover import HandOver, MomentumHandOver, hand_over_for
@@ -132,6 +132,7 @@ class CompressionSession:
             self.memory,
             explicit_momentum=self.settings.momentum,
             adam_warmup_steps=self.settings.adam_warmup_steps,
+            adam_weighting=self.settings.adam_weighting,
             owner=self.owner,
         )
         self.hand_over.check(optimizers, local_update=self.settings.local_update, delay=self.settings.delay)
@@ -220,6 +221,7 @@ class CompressionSession:
         if self.hook_state is None:
             return None
         local = self.hook_state.state_dict()
+        local["resume_settings"] = self.hand_over.resume_settings()
         if self.settings.local_update:
             local["parameters"] = {n: p.detach().cpu().clone() for n, p in ddp.module.named_parameters()}
             local["optimizer_states"] = list(optimizer_states)
@@ -236,5 +238,12 @@ class CompressionSession:
         """Take this rank's state from a checkpoint entry for the next :meth:`attach`; this
         rank's own optimizer states when they were saved (``local_update``), else ``None``."""
         self._pending_state = rank_state(entry, source=source, rank=rank, world_size=world_size)
+        for name, saved in self._pending_state.pop("resume_settings", {}).items():
+            if getattr(self.settings, name) != saved:
+                raise IncompatibleCheckpoint(
+                    f"the checkpoint {source}'s compression memory was written with {name}={saved!r} and this run "
+                    f"has {name}={getattr(self.settings, name)!r}: the memory holds its values in that setting's "
+                    f"terms; resume with {name}={saved!r}"
+                )
         self.totals.update(entry.get("totals", {}))  # the running sums continue where they were
         return self._pending_state.pop("optimizer_states", None)

@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.guard import NONFINITE_POLICIES
+from lightning_gc.handover import ADAM_WEIGHTINGS
 from lightning_gc.hierarchy import HIERARCHIES
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.policy import CompressionPolicy
@@ -46,6 +47,7 @@ class CompressionSettings:
     local_update: bool = False
     sync_warmup_steps: int | None = None
     adam_warmup_steps: int = 1000
+    adam_weighting: str = "step"
     hierarchy: str = "flat"
 
     def __post_init__(self) -> None:
@@ -69,6 +71,7 @@ class CompressionSettings:
         if self.sync_warmup_steps is not None:
             check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
         check_int("adam_warmup_steps", self.adam_warmup_steps, 0)
+        check_choice("adam_weighting", self.adam_weighting, ADAM_WEIGHTINGS)
         check_choice("hierarchy", self.hierarchy, HIERARCHIES)
         if self.hierarchy != "flat" and self.local_update:
             raise ValueError(
@@ -118,5 +121,6 @@ class CompressionSettings:
             "local_update": self.local_update,
             "sync_warmup_steps": self.sync_warmup_steps,
             "adam_warmup_steps": self.adam_warmup_steps,
+            "adam_weighting": self.adam_weighting,
             "hierarchy": self.hierarchy,
         }

@@ -167,6 +167,12 @@ class GradientCompressionStrategy(DDPStrategy):
             optimizer steps of plain Adam (gradients averaged exactly as DDP does) before the second
             moment freezes and the first moment is compressed (:mod:`lightning_gc.handover`;
             1-bit Adam freezes after 15-25 % of training).
+        adam_weighting: after the freeze, how the compressed momentum weights elements against each
+            other (what top-k favours): ``"step"`` (default) by each element's pending Adam step,
+            ``"decrease"`` by the first-order loss decrease of applying it (the step times
+            ``sqrt(d)``, ``d`` the frozen denominator), ``"gradient"`` by its gradient sum (the step
+            times ``d``, SGD's ranking). What is eventually applied is the same; see
+            :mod:`lightning_gc.handover`.
         hierarchy: ``"flat"`` (default): one compressed exchange over all ranks. ``"node"``: two
             levels (:mod:`lightning_gc.hierarchy`): a dense sum within each node over its fast link,
             the compressed exchange across nodes with every device carrying ``1/devices`` of each
@@ -199,6 +205,7 @@ class GradientCompressionStrategy(DDPStrategy):
         local_update: bool = False,
         sync_warmup_steps: int | None = None,
         adam_warmup_steps: int = 1000,
+        adam_weighting: str = "step",
         hierarchy: str = "flat",
         **kwargs: Any,
     ) -> None:
@@ -224,6 +231,7 @@ class GradientCompressionStrategy(DDPStrategy):
             local_update=local_update,
             sync_warmup_steps=sync_warmup_steps,
             adam_warmup_steps=adam_warmup_steps,
+            adam_weighting=adam_weighting,
             hierarchy=hierarchy,
         )
         self.session = CompressionSession(compressor, settings, owner=type(self).__name__)

@@ -24,6 +24,7 @@ def test_warm_up_is_plain_adamw_and_the_frozen_phase_matches_a_hand_written_refe
     """Before the freeze: bitwise plain AdamW under DDP. After it, at compress_ratio=1: a
     hand-written frozen-variance AdamW (tests/workers/fit_worker.py) within 1e-5."""
     freeze = 10
+    compressed = {"kind": "dgc", "compress_ratio": 1.0, "adam_warmup_steps": freeze}
     fits = [
         {"strategy": {"kind": "ddp"}, "model": ADAMW, "epochs": 2},
         {"strategy": {"kind": "dgc", "adam_warmup_steps": 1000}, "model": ADAMW, "epochs": 2},
@@ -33,14 +34,22 @@ def test_warm_up_is_plain_adamw_and_the_frozen_phase_matches_a_hand_written_refe
             "model": {**ADAMW, "freeze_after": freeze},
             "epochs": 2,
         },
-        {"strategy": {"kind": "dgc", "compress_ratio": 1.0, "adam_warmup_steps": freeze}, "model": ADAMW, "epochs": 2},
+        {"strategy": compressed, "model": ADAMW, "epochs": 2},
+        {  # the memory weighted by sqrt(d): at ratio 1 every element leaves every step, so the same run
+            "strategy": {**compressed, "adam_weighting": "decrease"},
+            "model": ADAMW,
+            "epochs": 2,
+        },
     ]
     rank0, rank1 = run_ranks({"fits": fits})
-    ddp, warm, reference, frozen = rank0
+    ddp, warm, reference, frozen, weighted = rank0
     assert ddp["global_step"] == 2 * STEPS_PER_EPOCH
     assert torch.equal(warm["params"], ddp["params"])  # the whole run inside the warm-up: bit for bit
     assert warm["totals"]["bytes_sent"] == warm["totals"]["dense_bytes"]  # and nothing compressed
     assert _relative_difference(frozen["params"], reference["params"]) < 1e-5
+    assert _relative_difference(weighted["params"], reference["params"]) < 1e-5
+    for a, b in zip(weighted["exp_avg"], reference["exp_avg"]):
+        assert _relative_difference(a, b) < 1e-4  # exp_avg = M' d^(1-a) is Adam's m again
     assert _relative_difference(frozen["params"], ddp["params"]) > 1e-3  # the freeze changed the run
     for a, b in zip(frozen["exp_avg_sq"], reference["exp_avg_sq"]):
         assert torch.equal(a, b)  # v frozen at the same value, never updated after step 10
@@ -49,17 +58,26 @@ def test_warm_up_is_plain_adamw_and_the_frozen_phase_matches_a_hand_written_refe
         assert torch.equal(fit0["params"], fit1["params"])
 
 
-def test_dgc_compresses_adamw_momentum_and_trains(run_ranks) -> None:
-    fit = {
-        "strategy": {"kind": "dgc", "compress_ratio": 0.01, "adam_warmup_steps": 10},
-        "model": {**ADAMW, "hidden": [256, 256]},
-        "epochs": 3,
-    }
-    rank0, rank1 = run_ranks({"fits": [fit]})
-    assert torch.equal(rank0[0]["params"], rank1[0]["params"])
-    losses = [m["train/loss_epoch"] for m in rank0[0]["epoch_metrics"]]
-    assert losses[-1] < 0.3 * losses[0], losses
-    assert rank0[0]["epoch_metrics"][-1]["gc/wire_ratio"] > 20  # the last step was compressed
+def test_dgc_compresses_adamw_momentum_and_trains_under_each_weighting(run_ranks) -> None:
+    """At 1 % density each weighting trains with ranks identical, and the weighting changes which
+    elements leave (so the runs differ) without changing how many."""
+    fits = [
+        {
+            "strategy": {"kind": "dgc", "compress_ratio": 0.01, "adam_warmup_steps": 10, "adam_weighting": weighting},
+            "model": {**ADAMW, "hidden": [256, 256]},
+            "epochs": 3,
+        }
+        for weighting in ("step", "decrease")
+    ]
+    rank0, rank1 = run_ranks({"fits": fits})
+    for fit0, fit1 in zip(rank0, rank1):
+        assert torch.equal(fit0["params"], fit1["params"])
+        losses = [m["train/loss_epoch"] for m in fit0["epoch_metrics"]]
+        assert losses[-1] < 0.3 * losses[0], losses
+        assert fit0["epoch_metrics"][-1]["gc/wire_ratio"] > 20  # the last step was compressed
+    step, decrease = rank0
+    assert _relative_difference(decrease["params"], step["params"]) > 1e-3
+    assert step["totals"]["bytes_sent"] == decrease["totals"]["bytes_sent"]
 
 
 def test_onebit_and_dgc_with_warm_up_and_grad_scaler_train_under_the_hand_over(run_ranks) -> None:
@@ -98,7 +116,7 @@ def test_exact_resume_across_the_freeze_and_the_checkpoint_loads_into_plain_adam
     state is a plain AdamW state that DDP + AdamW resumes from."""
     ckpt_dir = tmp_path / "ckpts"
     common = {
-        "strategy": {"kind": "dgc", "compress_ratio": 0.05, "adam_warmup_steps": 30},
+        "strategy": {"kind": "dgc", "compress_ratio": 0.05, "adam_warmup_steps": 30, "adam_weighting": "decrease"},
         "model": ADAMW,
         "epochs": 3,
     }
@@ -127,6 +145,7 @@ def test_exact_resume_across_the_freeze_and_the_checkpoint_loads_into_plain_adam
     [
         ({"adam_warmup_steps": -1}, "`adam_warmup_steps` must be an integer >= 0, got -1"),
         ({"adam_warmup_steps": 2.5}, "`adam_warmup_steps` must be an integer >= 0, got 2.5"),
+        ({"adam_weighting": "loss"}, "`adam_weighting` must be one of ['step', 'decrease', 'gradient'], got 'loss'"),
     ],
 )
 def test_bad_adam_settings_fail_at_construction(kwargs: dict, message: str) -> None:
@@ -153,11 +172,13 @@ def test_adam_settings_the_hand_over_cannot_honour_are_refused(optimizer, settin
         hand_over.check([optimizer(params)], local_update=False, delay=settings.get("delay", 0))
 
 
-def test_the_frozen_step_is_adams_update_with_the_preconditioned_momentum() -> None:
-    """``p.grad`` = M' (momentum already divided by the frozen d = sqrt(v_hat) + eps): the step is
-    AdamW's with exp_avg = M' d, decoupled decay and step t's first-moment bias correction, and
-    leaves a plain AdamW state (exp_avg = M' d, v untouched, step + 1)."""
-    from lightning_gc.handover import frozen_variance_step
+@pytest.mark.parametrize("weighting", ["step", "decrease", "gradient"])
+def test_the_frozen_step_is_adams_update_with_the_preconditioned_momentum(weighting: str) -> None:
+    """``p.grad`` = M' (momentum divided by ``d^(1-a)``, d = sqrt(v_hat) + eps the frozen
+    denominator, ``a`` the weighting's power): the step is AdamW's with exp_avg = M' d^(1-a),
+    decoupled decay and step t's first-moment bias correction, and leaves a plain AdamW state
+    (exp_avg = the momentum, v untouched, step + 1), whatever the weighting."""
+    from lightning_gc.handover import ADAM_WEIGHTINGS, FrozenScales, frozen_variance_step
 
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(50))
@@ -168,11 +189,37 @@ def test_the_frozen_step_is_adams_update_with_the_preconditioned_momentum() -> N
     before, v = param.detach().clone(), optimizer.state[param]["exp_avg_sq"].clone()
     (b1, b2), t = optimizer.param_groups[0]["betas"], 4
     d = v.sqrt() / (1 - b2**3) ** 0.5 + 1e-8
+    power = ADAM_WEIGHTINGS[weighting]
     momentum = torch.randn(50)
-    param.grad = momentum / d
-    frozen_variance_step(optimizer, {param: d})
+    param.grad = momentum / d ** (1 - power)
+    frozen_variance_step(optimizer, {param: FrozenScales.split(d, power)})
     expected = before * (1 - 1e-2 * 0.1) - 1e-2 / (1 - b1**t) * momentum / d
     torch.testing.assert_close(param.detach(), expected)
     assert torch.equal(optimizer.state[param]["exp_avg_sq"], v)
     torch.testing.assert_close(optimizer.state[param]["exp_avg"], momentum)
     assert float(optimizer.state[param]["step"]) == t
+
+
+def test_a_checkpoint_of_the_weighted_memory_resumes_only_with_its_weighting() -> None:
+    """The memory after the freeze holds elements scaled by the weighting's ``d^a``: a checkpoint
+    written with one weighting is refused, naming both, by a run with another; entries without the
+    record (written before the freeze, or by SGD) resume with any."""
+    from lightning_gc.checkpoint import CHECKPOINT_FORMAT, IncompatibleCheckpoint
+    from lightning_gc.session import CompressionSession
+    from lightning_gc.settings import CompressionSettings
+
+    strategy = DGCStrategy()
+
+    def entry(saved: dict) -> dict:
+        rank = {"step": 5, "memory": {}, "compressor": {}, "resume_settings": saved}
+        return {"format": CHECKPOINT_FORMAT, "world_size": 1, "compressor": {}, "ranks": [rank], "totals": {}}
+
+    def session(weighting: str) -> CompressionSession:
+        settings = CompressionSettings(momentum_correction=True, adam_weighting=weighting)
+        return CompressionSession(strategy.compressor, settings)
+
+    with pytest.raises(IncompatibleCheckpoint) as error:
+        session("step").resume(entry({"adam_weighting": "decrease"}), source="x.ckpt", rank=0, world_size=1)
+    assert "adam_weighting='decrease'" in str(error.value) and "adam_weighting='step'" in str(error.value)
+    session("decrease").resume(entry({"adam_weighting": "decrease"}), source="x.ckpt", rank=0, world_size=1)
+    session("decrease").resume(entry({}), source="x.ckpt", rank=0, world_size=1)

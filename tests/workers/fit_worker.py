@@ -288,6 +288,7 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
         result["grad_scale"] = hook.grad_scale
     state = trainer.optimizers[0].state
     result["exp_avg_sq"] = [state[p]["exp_avg_sq"].clone() for p in model.parameters() if "exp_avg_sq" in state[p]]
+    result["exp_avg"] = [state[p]["exp_avg"].clone() for p in model.parameters() if "exp_avg" in state[p]]
     return result
 
 
