@@ -170,7 +170,8 @@ def ptb_adamw_task(data: Path, steps: int, freeze: int, lr_decay: bool = False) 
         "trainer.accelerator=cpu",
         f"trainer.max_steps={steps}",
         "trainer.max_epochs=-1",  # the recipe's 2 epochs (about 900 steps) would cut a longer run short
-        f"trainer.val_check_interval={max(1, steps // 10)}",
+        # ten validations per run, but at least one per epoch: Lightning counts the interval within an epoch
+        f"trainer.val_check_interval={min(max(1, steps // 10), ptb_steps_per_epoch(data))}",
         "trainer.enable_checkpointing=false",
     )
     decay = ""

@@ -42,18 +42,25 @@ def test_an_unknown_run_label_is_named_with_the_task_runs(tmp_path: Path, capsys
     assert "--runs ['DGC 2 %'] are not runs of lstm_ptb" in error and "'DGC 1 %'" in error
 
 
+def _tiny_ptb(data: Path) -> None:
+    """100 lines of 63 words + <eos>: 6,400 tokens, 99 windows of 64, 50 per process, 3 full batches of 16."""
+    (data / "ptb").mkdir()
+    (data / "ptb" / "ptb.train.txt").write_text(("w " * 63 + "\n") * 100)
+
+
 def test_ptb_adamw_lr_decay_falls_at_60_and_85_percent_of_the_steps_in_epochs(tmp_path: Path) -> None:
     from benchmarks.accuracy import ptb_adamw_task, ptb_steps_per_epoch
 
-    (tmp_path / "ptb").mkdir()
-    # 100 lines of 63 words + <eos>: 6,400 tokens, 99 windows of 64, 50 per process, 3 full batches of 16
-    (tmp_path / "ptb" / "ptb.train.txt").write_text(("w " * 63 + "\n") * 100)
+    _tiny_ptb(tmp_path)
     assert ptb_steps_per_epoch(tmp_path) == 3
     decayed = ptb_adamw_task(tmp_path, steps=30, freeze=6, lr_decay=True)
     assert "model.lr_milestones=[6.0,8.5]" in decayed.overrides  # steps 18 and 25.5, at 3 steps per epoch
     assert "lr x0.1 at 60% and 85% of the steps" in decayed.description
     constant = ptb_adamw_task(tmp_path, steps=30, freeze=6)
     assert not any(o.startswith("model.lr_milestones") for o in constant.overrides)
+    assert "trainer.val_check_interval=3" in constant.overrides  # 30 // 10
+    long = ptb_adamw_task(tmp_path, steps=300, freeze=60)
+    assert "trainer.val_check_interval=3" in long.overrides  # not 30: Lightning refuses more than an epoch
 
 
 @pytest.mark.parametrize(
@@ -62,5 +69,6 @@ def test_ptb_adamw_lr_decay_falls_at_60_and_85_percent_of_the_steps_in_epochs(tm
 def test_ptb_adamw_freezes_after_a_fifth_of_the_steps_unless_told(
     tmp_path: Path, arguments: list[str], freeze: int
 ) -> None:
+    _tiny_ptb(tmp_path)
     accuracy.main(["ptb_adamw", "--data", str(tmp_path), "--out", str(tmp_path / "out"), "--report-only", *arguments])
     assert f"variance frozen after {freeze} steps" in (tmp_path / "out" / "ptb_adamw" / "table.md").read_text()
