@@ -43,6 +43,11 @@ Adam step (in units of ``lr``), top-k then ranks by ``|V| d^a``:
 * ``"gradient"`` (``a = 1``): the largest accumulated gradient, as SGD's DGC ranks (the
   divergence above).
 
+Under SGD (``d = 1``) the three coincide: SGD's DGC already ranks by loss decrease, and
+``"decrease"`` is that rule carried over to Adam's metric. It helps top-k (DGC); a compressor that
+sends every element (onebit) has nothing to rank and only sees its scales skewed, so the default
+stays ``"step"`` (benchmarks/RESULTS.md, "What top-k ranks by").
+
 ``T`` is the step at which ``v`` froze: its bias correction is the one of its last update (with
 ``1 - b2^t`` the frozen estimate would shrink as ``t`` grows, raising every effective learning
 rate: 2.4x from step 10 to 60). Because ``v`` no longer changes, each element's effective learning
