@@ -221,17 +221,28 @@ def _decoupled(optimizer: Any, group: dict[str, Any]) -> bool:
 @dataclass(frozen=True)
 class FrozenScales:
     """One parameter's frozen denominator ``d`` split by a weighting's power ``a``: gradients enter
-    the memory divided by ``into = d^(1-a)`` and averages leave it divided by ``out_of = d^a``
-    (``None`` for ``a = 0``), so every element is divided by ``d`` exactly once."""
+    the memory divided by ``into = d^(1-a)`` and averages leave it divided by ``out_of = d^a``, so
+    every element is divided by ``d`` exactly once. A part that is 1 is ``None`` (no division), and
+    at ``a = 1/2`` both parts are the same tensor: one parameter-sized tensor per parameter."""
 
-    into: torch.Tensor
+    into: torch.Tensor | None
     out_of: torch.Tensor | None
 
     @classmethod
     def split(cls, denominator: torch.Tensor, power: float) -> FrozenScales:
         if power == 0.0:
             return cls(denominator, None)
+        if power == 1.0:
+            return cls(None, denominator)
+        if power == 0.5:
+            root = denominator.sqrt()
+            return cls(root, root)
         return cls(denominator.pow(1.0 - power), denominator.pow(power))
+
+    @staticmethod
+    def divide(tensor: torch.Tensor, part: torch.Tensor | None) -> torch.Tensor:
+        """``tensor / part`` (a new tensor; ``tensor`` itself when ``part`` is 1, i.e. ``None``)."""
+        return tensor if part is None else tensor / part
 
 
 class AdamHandOver(HandOver):
@@ -307,6 +318,7 @@ class AdamHandOver(HandOver):
         if not self.scales:
             self._freeze(optimizers)
         specs, moments = {}, {}
+        freezing = step == self.warmup_steps  # the freeze: u starts from Adam's first moment
         by_id = {pid: name for pid, (name, _) in names.items()}
         for optimizer, group in _adam_groups(optimizers):
             beta1 = float(group["betas"][0])
@@ -316,9 +328,10 @@ class AdamHandOver(HandOver):
                 if name is None or param not in self.scales:
                     continue
                 specs[name] = spec
-                moments[name] = optimizer.state[param]["exp_avg"] / self.scales[param].into
+                if freezing:
+                    moments[name] = FrozenScales.divide(optimizer.state[param]["exp_avg"], self.scales[param].into)
         self.memory.set_specs(specs)
-        if step == self.warmup_steps:  # the freeze: u starts from Adam's first moment
+        if freezing:
             self.memory.seed_momentum(moments)
 
     def _freeze(self, optimizers: Sequence[Any]) -> None:
@@ -329,11 +342,11 @@ class AdamHandOver(HandOver):
             self.scales[param] = scales = FrozenScales.split(denominator, power)
             self._hooks.append(param.register_hook(self._preconditioner(param, scales.into, decay)))
 
-    def _preconditioner(self, param: torch.Tensor, denominator: torch.Tensor, decay: float) -> Any:
+    def _preconditioner(self, param: torch.Tensor, into: torch.Tensor | None, decay: float) -> Any:
         def precondition(grad: torch.Tensor) -> torch.Tensor:
             if decay != 0.0:  # Adam's L2 term, scaled like the gradient under a grad scaler
                 grad = grad + (decay * self._loss_scale) * param.detach()
-            return grad / denominator
+            return FrozenScales.divide(grad, into)
 
         return precondition
 
@@ -439,9 +452,11 @@ def frozen_variance_step(optimizer: Any, scales: dict[torch.Tensor, FrozenScales
             t = float(state["step"])
             if decoupled and decay != 0.0:
                 param.mul_(1 - lr * decay)
-            step = param.grad if scale.out_of is None else param.grad / scale.out_of
-            param.add_(step, alpha=-lr / (1 - beta1**t))
-            torch.mul(param.grad, scale.into, out=state["exp_avg"])
+            param.add_(FrozenScales.divide(param.grad, scale.out_of), alpha=-lr / (1 - beta1**t))
+            if scale.into is None:
+                state["exp_avg"].copy_(param.grad)
+            else:
+                torch.mul(param.grad, scale.into, out=state["exp_avg"])
 
 
 def hand_over_for(
