@@ -161,6 +161,7 @@ def ptb_steps_per_epoch(data: Path) -> int:
 
 
 def ptb_adamw_task(data: Path, steps: int, freeze: int, lr_decay: bool = False) -> Task:
+    epoch_steps = ptb_steps_per_epoch(data)
     shared = (
         f"data.root={data / 'ptb'}",
         "data.download=false",
@@ -171,12 +172,12 @@ def ptb_adamw_task(data: Path, steps: int, freeze: int, lr_decay: bool = False) 
         f"trainer.max_steps={steps}",
         "trainer.max_epochs=-1",  # the recipe's 2 epochs (about 900 steps) would cut a longer run short
         # ten validations per run, but at least one per epoch: Lightning counts the interval within an epoch
-        f"trainer.val_check_interval={min(max(1, steps // 10), ptb_steps_per_epoch(data))}",
+        f"trainer.val_check_interval={min(max(1, steps // 10), epoch_steps)}",
         "trainer.enable_checkpointing=false",
     )
     decay = ""
     if lr_decay:  # the recipe's milestones are in (fractional) epochs
-        epochs = [round(at * steps / ptb_steps_per_epoch(data), 4) for at in LR_DECAY_AT]
+        epochs = [round(at * steps / epoch_steps, 4) for at in LR_DECAY_AT]
         shared += (f"model.lr_milestones=[{','.join(map(str, epochs))}]",)
         decay = ", lr x0.1 at " + " and ".join(f"{at:.0%}" for at in LR_DECAY_AT) + " of the steps"
     frozen = (f"strategy.adam_warmup_steps={freeze}",)

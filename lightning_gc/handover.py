@@ -230,14 +230,11 @@ class FrozenScales:
 
     @classmethod
     def split(cls, denominator: torch.Tensor, power: float) -> FrozenScales:
-        if power == 0.0:
-            return cls(denominator, None)
-        if power == 1.0:
-            return cls(None, denominator)
-        if power == 0.5:
-            root = denominator.sqrt()
-            return cls(root, root)
-        return cls(denominator.pow(1.0 - power), denominator.pow(power))
+        def part(exponent: float) -> torch.Tensor | None:
+            return None if exponent == 0.0 else denominator if exponent == 1.0 else denominator.pow(exponent)
+
+        into = part(1.0 - power)
+        return cls(into, into if power == 0.5 else part(power))
 
     @staticmethod
     def divide(tensor: torch.Tensor, part: torch.Tensor | None) -> torch.Tensor:
