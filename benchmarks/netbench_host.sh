@@ -8,7 +8,8 @@
 # SECTION: delay (gc_fp16 with delay=1 against torch's fp16 hook), two_phase (onebit, gather
 # against two-phase at N = 2), hierarchy (2 nodes x 2 processes, flat against hierarchy="node");
 # default: all three. Each section's records.jsonl and table land flat in OUT_DIR; a section that
-# fails does not stop the next. Exit status: the number of sections that failed.
+# fails does not stop the next. With NETBENCH_DEADLINE (a `date +%s` time) set, a section whose
+# time limit would pass it is skipped and named. Exit status: the number of sections that failed.
 #
 # Where the host has no `ip`/`tc` (the GPU machines lent here have neither), build a folder with
 # them next to the checkout's root first and put it on PATH, e.g. from a Debian/Ubuntu host that
@@ -29,6 +30,11 @@ failed=0
 section() {  # section NAME SECONDS NETBENCH-ARGS...: one netbench run, its records and table kept
     local name=$1 seconds=$2
     shift 2
+    local left=$((${NETBENCH_DEADLINE:-0} - $(date +%s)))
+    if [ -n "${NETBENCH_DEADLINE:-}" ] && [ "$left" -lt "$seconds" ]; then
+        echo "=== $name: skipped (its limit is $seconds s, $left s left before the deadline)"
+        return
+    fi
     echo "=== $name: netbench --cores-per-node $CORES $*"
     timeout "$seconds" "$PY" -m benchmarks.netbench --cores-per-node "$CORES" --models resnet18 \
         --steps 10 --warmup 3 --out "/tmp/netbench-$name" "$@" 2>&1 | grep -v -i warning | tail -n 25
@@ -42,7 +48,7 @@ section() {  # section NAME SECONDS NETBENCH-ARGS...: one netbench run, its reco
 for name in "${SECTIONS[@]}"; do
     case $name in
     delay) section delay 240 --rates 1gbit --modes noop torch_fp16 gc_fp16 gc_fp16_delay1 --repeats 3 ;;
-    two_phase) section two_phase 200 --rates 1gbit 100mbit --modes noop gc_onebit gc_onebit_2p --repeats 2 ;;
+    two_phase) section two_phase 280 --rates 1gbit 100mbit --modes noop gc_onebit gc_onebit_2p --repeats 3 ;;
     hierarchy) section hierarchy 240 --rates 1gbit 100mbit --modes noop gc_dgc gc_dgc_node --devices-per-node 2 --repeats 2 ;;
     *) echo "unknown section $name (delay, two_phase, hierarchy)"; failed=$((failed + 1)) ;;
     esac
