@@ -128,7 +128,7 @@ class AttachedCompression:
         """Every rank's compression state, complete on rank 0 (a collective: call it on every rank)."""
         optimizer_states = [self.optimizer.state_dict()] if self.session.settings.local_update else []
         entry = self.session.checkpoint_entry(
-            self.ddp, optimizer_states, rank=dist.get_rank(self.ddp.process_group), world_size=_world(self.ddp)
+            self.ddp.module, optimizer_states, rank=dist.get_rank(self.ddp.process_group), world_size=_world(self.ddp)
         )
         assert entry is not None  # attached: the hook state exists
         return entry

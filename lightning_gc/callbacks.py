@@ -101,11 +101,16 @@ class SparsityWarmup(Callback):
 
     def steps(self, trainer: Trainer) -> int:
         """The optimizer steps the warm-up's stages last: ``stages * steps_per_stage``, or with
-        ``interval="epoch"`` ``ceil(stages * epochs_per_stage * batches per epoch / accumulation)``."""
+        ``interval="epoch"`` the steps of its whole epochs, ``ceil(B / a)`` each (Lightning steps on
+        an epoch's last, partial accumulation too), plus ``ceil(rest / a)`` for the batches of a
+        partial last epoch: ``B`` batches per epoch, ``a`` accumulated per step."""
         if self.steps_per_stage is not None:
             return len(self.densities) * self.steps_per_stage
-        batches = len(self.densities) * self.epochs_per_stage * trainer.num_training_batches
-        return math.ceil(batches / trainer.accumulate_grad_batches)
+        per_epoch, accumulated = trainer.num_training_batches, trainer.accumulate_grad_batches
+        batches = round(len(self.densities) * self.epochs_per_stage * per_epoch, 6)  # 0.1 * 3 is not 0.3
+        whole_epochs = int(batches // per_epoch)
+        rest = batches - whole_epochs * per_epoch
+        return whole_epochs * math.ceil(per_epoch / accumulated) + math.ceil(rest / accumulated)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A delayed exchange (`delay`) with `sync_warmup_steps` left to None stays synchronous as long as the warm-up.

@@ -19,7 +19,9 @@ encodes and decodes into slot ``t mod (d+1)`` and reads slot ``(t-d) mod (d+1)``
 flight is never the one read. Only one exchange per bucket is ever in flight: step ``t`` waits for
 step ``t-1``'s before compensating, because compressors reuse their buffers across steps (and
 PowerSGD commits its residual at decode). The overlap gained is therefore the next step's
-forward and backward pass, whatever ``d``.
+forward and backward pass, whatever ``d``. A guarded step (``nonfinite="skip"`` or a grad
+scaler) waits for all of them at its first bucket instead, before the guard copies the
+compressor state aside, so the backward pass of the next step is not overlapped.
 
 With ``find_unused_parameters`` a parameter can be unused on every rank in the step that would
 apply its average; DDP then leaves its gradient alone, and the average would be lost. The line
@@ -95,6 +97,12 @@ class DelayLine:
         bucket = self._buckets.get(layout.index)
         if self.drains_for(layout):
             self.drain()
+            # buckets of the old bucketing holding any of these parameters are stale: a rebuild into
+            # fewer buckets would otherwise leave some behind, and pending() would read them
+            names = {segment.name for segment in layout.segments}
+            for index, old in list(self._buckets.items()):
+                if index != layout.index and any(segment.name in names for segment in old.layout.segments):
+                    del self._buckets[index]
             flat = self._state.bind(layout, like, self._kinds)
             bucket = DelayedBucket(
                 layout=layout,
@@ -161,6 +169,11 @@ class DelayLine:
                         value = value - segment.of(bucket.owns[slot])
                     owed[segment.name] = value.view(segment.shape)
             yield owed
+
+    def discharge(self) -> None:
+        """Once what :meth:`pending` owes was applied: nothing is owed any more, so every slot and
+        carry starts from zero again (a checkpoint written afterwards must not owe it twice)."""
+        self.load_state_dict({})
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every parameter's slots by name, after draining (the exchanges in flight are decoded)."""

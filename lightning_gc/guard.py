@@ -76,6 +76,9 @@ class StepGuard:
         self._compressor_state: dict[str, Any] = {}
         self._backups: dict[int, tuple[BucketMemory, list[torch.Tensor]]] = {}  # by id(bucket); reused
         self._backed_up: set[int] = set()  # buckets whose backup holds the state before this step
+        self.before_snapshot: Callable[[], None] | None = None
+        """Called before a guarded step's compressor state is copied aside (e.g. to drain the previous
+        step's exchanges, whose decodes still write it); every rank calls it at its step's first bucket."""
         self.before_roll_back: Callable[[], None] | None = None
         """Called before a skipped step is rolled back (e.g. to drain exchanges still in flight)."""
 
@@ -91,6 +94,8 @@ class StepGuard:
         if self.guarding(loss_scaled):
             if self._open_at is None:
                 self._open_at = step
+                if self.before_snapshot is not None:
+                    self.before_snapshot()
                 self._compressor_state = self.compressor.state_dict()
             self._back_up(bucket)
             bad = finite.logical_not()

@@ -132,7 +132,9 @@ class CompressionHookState:
         self.rounds = RoundQueue()  # buckets whose earlier round is still in flight (defer_rounds)
         memory.seed_view = None if hierarchy is None else hierarchy.node_sum_piece
         if self.delay_line is not None:
-            self.guard.before_roll_back = self.delay_line.drain  # a skipped step's exchange must land first
+            # the previous step's exchanges must land before the guard snapshots the compressor
+            # state, and a skipped step's own before it is rolled back
+            self.guard.before_snapshot = self.guard.before_roll_back = self.delay_line.drain
         self.step = 0
         self.exact_steps = 0
         self.stats = CompressionStats()
@@ -184,7 +186,10 @@ class CompressionHookState:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's resumable state: step counter, memory, the compressor's own state and, with a
-        delay, the averages not yet handed over (exchanges in flight are drained first)."""
+        delay, the averages not yet handed over. Exchanges in flight are drained first: their
+        decodes still write memory and compressor state (PowerSGD's residual and Q)."""
+        if self.delay_line is not None:
+            self.delay_line.drain()
         state = {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
         if self.hierarchy is not None:
             state["hierarchy"] = self.hierarchy.topology.describe()

@@ -12,7 +12,7 @@ call the same points) owns a :class:`CompressionSession` and calls, in order::
         session.after_step()                     -> the step's gc/* metrics or None
         session.verify(ddp_model)                every verify_every_n_steps: ranks still agree?
     session.finish(ddp_model, optimizers)        when training ends (applies owed delayed averages)
-    session.checkpoint_entry(...)                every rank, when a checkpoint is written
+    session.checkpoint_entry(module, ...)        every rank, when a checkpoint is written (DDP's module)
     session.resume(entry, ...)                   before attach, when a checkpoint is loaded
 
 Invariants: the hook state is built once per ``attach``; state restored by :meth:`resume` is taken
@@ -210,10 +210,11 @@ class CompressionSession:
                     unwrap_optimizer(optimizer).step()
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
+        line.discharge()
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_entry(
-        self, ddp: DistributedDataParallel, optimizer_states: Sequence[dict[str, Any]], *, rank: int, world_size: int
+        self, module: torch.nn.Module, optimizer_states: Sequence[dict[str, Any]], *, rank: int, world_size: int
     ) -> dict[str, Any] | None:
         """Every rank's state for the checkpoint (a collective; ``None`` before :meth:`attach`).
         With ``local_update`` each rank's parameters and optimizer states hold its own latest
@@ -223,7 +224,7 @@ class CompressionSession:
         local = self.hook_state.state_dict()
         local["resume_settings"] = self.hand_over.resume_settings()
         if self.settings.local_update:
-            local["parameters"] = {n: p.detach().cpu().clone() for n, p in ddp.module.named_parameters()}
+            local["parameters"] = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
             local["optimizer_states"] = list(optimizer_states)
         return gather_entry(
             local,

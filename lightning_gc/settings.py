@@ -80,6 +80,12 @@ class CompressionSettings:
             )
         if self.local_update and not self.delay:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
+        if self.local_update and self.verify_every_n_steps:
+            raise ValueError(
+                f"`verify_every_n_steps={self.verify_every_n_steps}` compares the ranks' parameters, which with "
+                "local_update=True differ by design (each rank holds its own latest contributions until their "
+                "averages arrive); use verify_every_n_steps=None or local_update=False"
+            )
         if self.momentum_correction and self.error_feedback is False:
             raise ValueError(
                 "`error_feedback=False` drops what was not sent, which momentum correction needs; "

@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
 
+import lightning_gc
+from lightning_gc.attach import AttachedCompression
 from lightning_gc.calibration import layout_of_shapes
 from lightning_gc.compressors import create
 from lightning_gc.delay import DelayLine
+from lightning_gc.exchange import Exchange
 from lightning_gc.hook import CompressionHookState
+from lightning_gc.layout import BucketLayout
 from lightning_gc.memory import CompensationMemory
 
 SHAPES = [(6, 5), (4,)]
@@ -28,6 +38,8 @@ def test_bad_settings_are_refused_naming_the_value(world_of_one: None) -> None:
         CompressionHookState(create("none"), memory, {}, delay=-1)
     with pytest.raises(ValueError, match=r"`local_update=True` needs `delay` >= 1"):
         CompressionHookState(create("none"), memory, {}, local_update=True)
+    with pytest.raises(ValueError, match=r"`verify_every_n_steps=10` .* differ by design.*local_update=False"):
+        lightning_gc.DGCStrategy(delay=1, local_update=True, verify_every_n_steps=10)
 
 
 def test_slots_never_read_the_one_written_and_cycle_through_delay_plus_one() -> None:
@@ -67,6 +79,116 @@ def test_hand_over_and_pending_follow_the_rule_and_survive_a_checkpoint(local_up
     want = averages[2] - (owns[2] if local_update else 0)
     torch.testing.assert_close(owed[first.name], first.of(want).view(first.shape))
     assert list(restored.pending(step=3, since=3)) == []  # nothing owed from before the first delayed step
+
+
+class LaggingExchange(Exchange):
+    """The real collectives, each round landing ``lag`` seconds after it completed: a slow network,
+    so that a step starts while the previous step's exchanges are still decoding."""
+
+    def __init__(self, inner: Exchange, lag: float) -> None:
+        self.inner, self.lag = inner, lag
+
+    def launch(self, encoded: Any) -> Future[Any]:
+        late: Future[Any] = Future()
+
+        def landed(done: Future[Any]) -> None:
+            threading.Timer(self.lag, lambda: late.set_result(done.value())).start()
+
+        self.inner.launch(encoded).add_done_callback(landed)
+        return late
+
+
+class SlowBackward(torch.nn.Module):
+    """Identity whose backward takes 0.1 s: the next bucket's exchange starts that much later."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad:
+            x.register_hook(lambda grad: (time.sleep(0.1), grad)[1])
+        return x
+
+
+def _lagging_powersgd(**settings: Any) -> tuple[AttachedCompression, torch.nn.Module, Any]:
+    """PowerSGD delayed by one step over two buckets (``world_of_one``), on a lagging network."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), SlowBackward(), torch.nn.Linear(64, 64))
+    model = DistributedDataParallel(net, bucket_cap_mb=0.01)  # one bucket per layer
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gc = lightning_gc.attach(model, optimizer, "powersgd", delay=1, sync_warmup_steps=0, **settings)
+    state = gc.session.hook_state
+    state.exchange = LaggingExchange(state.exchange, lag=0.3)
+
+    def step(scale: float = 1.0) -> None:
+        optimizer.zero_grad()
+        (model(torch.ones(8, 64)).pow(2).sum() * scale).backward()
+        gc.step()
+
+    return gc, model, step
+
+
+def _compression_state(gc: AttachedCompression) -> dict[str, Any]:
+    gc.session.hook_state.delay_line.drain()
+    return {"memory": gc.session.memory.state_dict(), "q": gc.session.compressor.state_dict()["q"]}
+
+
+def _assert_same_state(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_state_read_while_the_previous_exchanges_land_is_the_state_after_them(world_of_one: None) -> None:
+    """PowerSGD's decode writes its residual and Q, and under a delay it runs while the next step
+    computes. A checkpoint taken then, and the snapshot a skipped step rolls back to, must both be
+    the state after those decodes (the later bucket's lands 0.1 s after the earlier's)."""
+    gc, _, step = _lagging_powersgd(nonfinite="skip")
+    for _ in range(3):
+        step()
+    saved = gc.session.hook_state.state_dict()  # straight away: exchanges still in flight
+    settled = _compression_state(gc)
+    _assert_same_state({"memory": saved["memory"], "q": saved["compressor"]["q"]}, settled)
+    gc.finish()
+
+    skipped, _, step = _lagging_powersgd(nonfinite="skip")
+    for _ in range(3):
+        step()
+    step(scale=float("nan"))  # at once: rolled back to the state after step 2's exchanges
+    assert skipped.totals["skipped_steps"] == 1
+    _assert_same_state(_compression_state(skipped), settled)
+    skipped.finish()
+
+
+def test_a_checkpoint_after_the_end_of_training_owes_nothing(world_of_one: None) -> None:
+    """:meth:`finish` applies what the last delayed step owed; a checkpoint written afterwards and
+    resumed must not apply it again (finishing the resumed run changes nothing)."""
+    gc, model, step = _lagging_powersgd()
+    for _ in range(3):
+        step()
+    gc.finish()
+    finished = [p.detach().clone() for p in model.parameters()]
+    entry = gc.state_dict()
+    assert all(not t.any() for rank in entry["ranks"] for e in rank["delayed"].values() for t in e.values())
+
+    again, model, _ = _lagging_powersgd()
+    with torch.no_grad():
+        for param, value in zip(model.parameters(), finished):
+            param.copy_(value)
+    again.load_state_dict(entry)
+    again.finish()
+    for param, value in zip(model.parameters(), finished):
+        assert torch.equal(param, value)
+
+
+def test_a_rebuild_into_fewer_buckets_leaves_no_stale_bucket_behind() -> None:
+    """DDP's rebuild can merge buckets: the slots move to the new bucket by name, and what the
+    end of training owes is read from there only."""
+    first, second = layout_of_shapes([(3,)]), layout_of_shapes([(3,), (2,)])
+    second_alone = BucketLayout(index=1, segments=(replace(second.segments[1], start=0),), param_ids=(1,))
+    line = DelayLine(1)
+    for layout in (first, second_alone):
+        line.bucket(layout, torch.zeros(layout.numel)).averages[0].fill_(1.0)  # step 0's averages
+    merged = line.bucket(second, torch.zeros(second.numel))  # one bucket of both
+    assert torch.equal(merged.averages[0], torch.ones(5))  # taken over by name
+    merged.averages[0].fill_(2.0)  # as a later decode would
+    (owed,) = line.pending(step=1)
+    assert sorted(owed) == ["t0", "t1"] and all(bool((value == 2.0).all()) for value in owed.values())
 
 
 def test_the_performance_model_hides_the_exchange_behind_the_whole_next_step() -> None:

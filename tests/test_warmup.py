@@ -117,6 +117,8 @@ def test_warmup_length_in_optimizer_steps() -> None:
     assert SparsityWarmup(epochs_per_stage=0.25).steps(trainer) == 8  # the language models' one epoch
     trainer.accumulate_grad_batches = 3
     assert SparsityWarmup(epochs_per_stage=0.25).steps(trainer) == 3  # ceil(8 / 3) optimizer steps
+    assert SparsityWarmup().steps(trainer) == 12  # each epoch's last, partial accumulation steps too: 4 x 3
+    assert SparsityWarmup(epochs_per_stage=0.375).steps(trainer) == 3 + 2  # 1.5 epochs: 3, then ceil(4 / 3)
     assert SparsityWarmup([0.3, 0.1], interval="step", steps_per_stage=10).steps(trainer) == 20
 
 
