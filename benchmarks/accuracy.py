@@ -33,7 +33,8 @@ Tasks:
   decay at 60 % and 85 % of the epochs; dense DDP and DGC at 0.1 % (after the paper's 4-epoch
   sparsity warm-up), each with seeds 0 and 1 so the seed-to-seed spread is known, and DGC with
   ``delay=1`` (seed 0), without and with the local update, for delayed synchronisation's
-  staleness cost.
+  staleness cost; onebit gathered and through the two-phase exchange, with and without its
+  server error feedback (seed 0).
 
 Needs the shared data folder (``--data``, default ``../shared/data`` beside the checkout).
 """
@@ -85,6 +86,9 @@ class Task:
 
 DELAYED_FROM_START = ("strategy.sync_warmup_steps=0",)
 """The delayed runs recorded before ``sync_warmup_steps`` defaulted to the sparsity warm-up's length."""
+
+
+ONEBIT, TWO_PHASE = ("strategy=onebit",), ("strategy.exchange=two_phase",)
 
 
 def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
@@ -140,6 +144,15 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
                 "resnet20_cifar10_dgc",
                 ("seed=0", "strategy.delay=1", "strategy.local_update=true")
                 + (f"strategy.sync_warmup_steps={warmup_steps}",),
+            ),
+            # the compressed all-reduce's server error feedback, on a task where 1 bit per element
+            # costs accuracy (the digits task cannot tell the three apart)
+            Run("onebit, seed 0", "resnet20_cifar10_dense", ("seed=0", *ONEBIT)),
+            Run("onebit two-phase, seed 0", "resnet20_cifar10_dense", ("seed=0", *ONEBIT, *TWO_PHASE)),
+            Run(
+                "onebit two-phase, no server feedback, seed 0",
+                "resnet20_cifar10_dense",
+                ("seed=0", *ONEBIT, *TWO_PHASE, "strategy.server_feedback=false"),
             ),
         ),
         overrides=shared,
@@ -334,15 +347,10 @@ def compressors_task(epochs: int) -> Task:
     feedback) and qsgd against their gathered form."""
     runs = [Run("dense DDP", None, ("strategy=dense",))]
     runs += [Run(name, None, (f"strategy={name}", *settings)) for name, settings in COMPRESSOR_SETTINGS]
-    two_phase = ("strategy.exchange=two_phase",)
     runs += [
-        Run("onebit two-phase", None, ("strategy=onebit", *two_phase)),
-        Run(
-            "onebit two-phase, no server feedback",
-            None,
-            ("strategy=onebit", *two_phase, "strategy.server_feedback=false"),
-        ),
-        Run("qsgd two-phase", None, ("strategy=qsgd", "strategy.levels=7", *two_phase)),
+        Run("onebit two-phase", None, (*ONEBIT, *TWO_PHASE)),
+        Run("onebit two-phase, no server feedback", None, (*ONEBIT, *TWO_PHASE, "strategy.server_feedback=false")),
+        Run("qsgd two-phase", None, ("strategy=qsgd", "strategy.levels=7", *TWO_PHASE)),
     ]
     return Task(
         name="compressors",
