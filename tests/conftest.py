@@ -9,6 +9,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import socket
 import subprocess
 import sys
@@ -118,6 +120,65 @@ def start_ranks(
     return codes, logs
 
 
+class _Rank:
+    """One rank process, started fresh (``subprocess``) or forked from the warm forkserver."""
+
+    def __init__(self, process: subprocess.Popen[bytes] | multiprocessing.process.BaseProcess) -> None:
+        self.process = process
+
+    def poll(self) -> int | None:
+        if isinstance(self.process, subprocess.Popen):
+            return self.process.poll()
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+        if isinstance(self.process, subprocess.Popen):
+            self.process.wait()
+        else:
+            self.process.join()
+
+
+_warm: multiprocessing.context.BaseContext | None = None
+
+
+def _warm_context() -> multiprocessing.context.BaseContext:
+    """The session's forkserver, started once with ``forked_rank.PRELOAD`` imported (see there),
+    in the environment every rank gets at least (one OpenMP thread: libgomp reads it at load)."""
+    global _warm
+    if _warm is None:
+        if str(WORKERS) not in sys.path:
+            sys.path.insert(0, str(WORKERS))  # the forkserver takes this process's sys.path
+        from forked_rank import PRELOAD
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["forked_rank", *PRELOAD])
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        _warm = context
+    return _warm
+
+
+def _start_rank(script: Path, plan_path: Path, rank_env: dict[str, str], log_path: Path, fresh: bool) -> _Rank:
+    if fresh:
+        with open(log_path, "w") as log:
+            command = [sys.executable, str(script), str(plan_path)]
+            return _Rank(subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT))
+    context = _warm_context()
+    from forked_rank import run_rank
+
+    process = context.Process(target=run_rank, args=(str(script), [str(plan_path)], rank_env, str(log_path)))
+    process.start()
+    return _Rank(process)
+
+
 FAILURE_GRACE_S = 60.0
 """Once a rank has failed, how long the others may take to notice and exit before being killed."""
 
@@ -132,7 +193,8 @@ def _run_once(
     devices_per_node: int | None,
 ) -> tuple[list[int | None], list[str]]:
     port = free_port()
-    procs, logs = [], []
+    fresh = bool(env)  # variables read at import need a fresh interpreter
+    procs = []
     for rank in range(world_size):
         rank_env = {
             **os.environ,
@@ -148,16 +210,7 @@ def _run_once(
             "PYTHONFAULTHANDLER": "1",  # a rank that aborts prints every thread's Python stack
             **env,
         }
-        log = open(out / f"rank{rank}.log", "w")
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKERS / worker), str(plan_path)],
-                env=rank_env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
+        procs.append(_start_rank(WORKERS / worker, plan_path, rank_env, out / f"rank{rank}.log", fresh))
     deadline = time.monotonic() + timeout
     hung: set[int] = set()
     try:
@@ -170,10 +223,7 @@ def _run_once(
             if p.poll() is None:
                 hung.add(rank)
                 p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    codes = [None if rank in hung else p.returncode for rank, p in enumerate(procs)]
+    codes = [None if rank in hung else p.poll() for rank, p in enumerate(procs)]
     return codes, [(out / f"rank{r}.log").read_text() for r in range(world_size)]
 
 
