@@ -98,7 +98,7 @@ class DelayLine:
         if self.drains_for(layout):
             self.drain()
             # buckets of the old bucketing holding any of these parameters are stale: a rebuild into
-            # fewer buckets would otherwise leave some behind, and pending() would read them
+            # fewer buckets would otherwise leave some behind for drain() to visit
             names = {segment.name for segment in layout.segments}
             for index, old in list(self._buckets.items()):
                 if index != layout.index and any(segment.name in names for segment in old.layout.segments):
@@ -147,28 +147,23 @@ class DelayLine:
 
     def pending(self, step: int, since: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """After the last step (``step`` = steps taken), what each delayed step (from step ``since``
-        on) whose average was not yet applied still owes, oldest first, by parameter name:
-        ``avg_j`` (``avg_j - own_j`` with ``local_update``), what is carried for unused parameters
-        first. Drains first."""
+        on) whose average was not yet applied still owes, oldest first, by parameter name and
+        flat: ``avg_j`` (``avg_j - own_j`` with ``local_update``), what is carried for unused
+        parameters first. Read by name, so state loaded from a checkpoint and not yet bound to a
+        bucket is owed too. Drains first."""
         self.drain()
-        carried = {
-            segment.name: segment.of(bucket.carries[(step - 1) % 2]).view(segment.shape)
-            for bucket in self._buckets.values()
-            if bucket.carries
-            for segment in bucket.layout.segments
-        }
-        if any(bool(value.any()) for value in carried.values()):
-            yield carried
+        if self._carry_kinds:
+            carried = self._state.of_kind(self._carry_kinds[(step - 1) % 2])
+            if any(bool(value.any()) for value in carried.values()):
+                yield carried
         for j in range(max(since, step - self.delay), step):
             slot = j % (self.delay + 1)
-            owed: dict[str, torch.Tensor] = {}
-            for bucket in self._buckets.values():
-                for segment in bucket.layout.segments:
-                    value = segment.of(bucket.averages[slot])
-                    if self.local_update:
-                        value = value - segment.of(bucket.owns[slot])
-                    owed[segment.name] = value.view(segment.shape)
-            yield owed
+            averages = self._state.of_kind(self._average_kinds[slot])
+            if self.local_update:
+                owns = self._state.of_kind(self._own_kinds[slot])
+                yield {name: value - owns[name] for name, value in averages.items()}
+            else:
+                yield averages
 
     def discharge(self) -> None:
         """Once what :meth:`pending` owes was applied: nothing is owed any more, so every slot and

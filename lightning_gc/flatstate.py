@@ -55,6 +55,13 @@ class FlatState:
             self._views[segment.name][kind] = segment.of(buffer)
         return buffer
 
+    def of_kind(self, kind: str) -> dict[str, torch.Tensor]:
+        """Every parameter's flat state of ``kind`` by name: the live view where the parameter is
+        bound to a bucket, else what was loaded for it (no copies)."""
+        entries = {name: entry[kind] for name, entry in self._pending.items() if kind in entry}
+        entries.update({name: views[kind] for name, views in self._views.items() if kind in views})
+        return entries
+
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """Every parameter's state as standalone CPU tensors (never views of a bucket buffer)."""
         state = {name: {k: t.detach().cpu().clone() for k, t in views.items()} for name, views in self._views.items()}

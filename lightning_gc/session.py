@@ -204,7 +204,7 @@ class CompressionSession:
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             for name, value in owed.items():
-                params[name].grad = value.to(params[name].dtype).clone()
+                params[name].grad = value.to(params[name].dtype).view_as(params[name]).clone()
             for optimizer in optimizers:
                 with self.hand_over.stepping([optimizer]):
                     unwrap_optimizer(optimizer).step()

@@ -85,10 +85,11 @@ def launch_ranks(
     timeout: float = 600,
     env: dict[str, str] | None = None,
     devices_per_node: int | None = None,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``worker`` as ``world_size`` ranks on loopback (gloo) and return each rank's saved results
-    (``devices_per_node``: see :func:`start_ranks`)."""
-    codes, logs = start_ranks(worker, plan, out, world_size, timeout, env, devices_per_node)
+    (``devices_per_node``, ``fresh``: see :func:`start_ranks`)."""
+    codes, logs = start_ranks(worker, plan, out, world_size, timeout, env, devices_per_node, fresh)
     if any(code != 0 for code in codes):
         tails = "\n".join(f"--- rank {r} (exit {c}) ---\n" + logs[r][-4000:] for r, c in enumerate(codes))
         raise AssertionError(f"distributed worker failed:\n{tails}")
@@ -103,18 +104,21 @@ def start_ranks(
     timeout: float = 600,
     env: dict[str, str] | None = None,
     devices_per_node: int | None = None,
+    fresh: bool = False,
 ) -> tuple[list[int | None], list[str]]:
     """Run ``worker`` as ``world_size`` ranks on loopback (gloo), with ``env`` added to the
     environment; each rank's exit code and output. A rank still running after ``timeout``
     seconds is killed and reported with code ``None``. With ``devices_per_node``, the ranks play
     nodes of that many devices, numbered node by node, as torchrun numbers them (``RANK``,
-    ``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE``); without, one node (``LOCAL_RANK`` = rank)."""
+    ``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE``); without, one node (``LOCAL_RANK`` = rank).
+    Ranks are forks of a warm interpreter (``tests/workers/forked_rank.py``) unless ``fresh`` or
+    ``env`` is given: then each is a new interpreter, with its own exit and finalization."""
     out.mkdir(parents=True, exist_ok=True)
     plan = {**plan, "out": str(out)}
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
     for _ in range(3):  # a free port can be taken by another process before rank 0 listens on it
-        codes, logs = _run_once(worker, plan_path, out, world_size, timeout, env or {}, devices_per_node)
+        codes, logs = _run_once(worker, plan_path, out, world_size, timeout, env or {}, devices_per_node, fresh)
         if not any("EADDRINUSE" in log for log in logs):
             break
     return codes, logs
@@ -140,6 +144,9 @@ class _Rank:
 
 
 _warm: multiprocessing.context.BaseContext | None = None
+_LAUNCHER_VARIABLES = {
+    "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+}  # fmt: skip
 
 
 def _warm_context() -> multiprocessing.context.BaseContext:
@@ -153,15 +160,15 @@ def _warm_context() -> multiprocessing.context.BaseContext:
 
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["forked_rank", *PRELOAD])
-        saved = os.environ.get("OMP_NUM_THREADS")
+        saved = dict(os.environ)
+        for key in [k for k in os.environ if k in _LAUNCHER_VARIABLES or k.startswith("PL_")]:
+            del os.environ[key]  # whatever the test that happens to start it has set
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
             multiprocessing.forkserver.ensure_running()
         finally:
-            if saved is None:
-                del os.environ["OMP_NUM_THREADS"]
-            else:
-                os.environ["OMP_NUM_THREADS"] = saved
+            os.environ.clear()
+            os.environ.update(saved)
         _warm = context
     return _warm
 
@@ -191,9 +198,10 @@ def _run_once(
     timeout: float,
     env: dict[str, str],
     devices_per_node: int | None,
+    fresh: bool,
 ) -> tuple[list[int | None], list[str]]:
     port = free_port()
-    fresh = bool(env)  # variables read at import need a fresh interpreter
+    fresh = fresh or bool(env)  # variables read at import need a fresh interpreter
     procs = []
     for rank in range(world_size):
         rank_env = {
@@ -229,10 +237,11 @@ def _run_once(
 
 @pytest.fixture
 def run_ranks(tmp_path: Path) -> Callable[..., list[Any]]:
-    """``run_ranks(plan, worker="fit_worker.py")`` -> per-rank results of a 2-process gloo run."""
+    """``run_ranks(plan, worker="fit_worker.py")`` -> per-rank results of a 2-process gloo run
+    (``fresh``: see :func:`start_ranks`)."""
 
-    def run(plan: dict[str, Any], worker: str = "fit_worker.py", name: str = "run") -> list[Any]:
-        return launch_ranks(worker, plan, tmp_path / name)
+    def run(plan: dict[str, Any], worker: str = "fit_worker.py", name: str = "run", fresh: bool = False) -> list[Any]:
+        return launch_ranks(worker, plan, tmp_path / name, fresh=fresh)
 
     return run
 

@@ -119,10 +119,10 @@ def test_a_second_fit_on_the_same_trainer_resumes_exactly_and_evaluation_takes_a
     assert float(done.stdout.split("val/acc")[1]) > 0.5
 
 
-def test_a_checkpoint_saved_after_fit_resumes_without_applying_the_owed_averages_twice(tmp_path: Path) -> None:
+def test_a_checkpoint_saved_after_fit_keeps_the_compression_state_and_owes_nothing(tmp_path: Path) -> None:
     """``trainer.save_checkpoint`` after ``fit`` (the model is unwrapped from DDP by then) keeps the
-    compression state; the end of training applied what the delayed steps owed, so a run resumed
-    from it with no step left to train ends where the first one did, on every rank."""
+    compression state; the end of training applied what the delayed steps owed, so the checkpoint
+    owes nothing, and a run resumed from it ends where the first one did, on every rank."""
     fit = {
         "strategy": {"kind": "dgc", "compress_ratio": 0.01, "delay": 1, "local_update": True, "sync_warmup_steps": 3},
         "model": SMALL,
@@ -131,7 +131,8 @@ def test_a_checkpoint_saved_after_fit_resumes_without_applying_the_owed_averages
     after = tmp_path / "after_fit.ckpt"
     first = launch_ranks("fit_worker.py", {"fits": [{**fit, "save_after_fit": str(after)}]}, tmp_path / "first")
     entry = torch.load(after, weights_only=False)[CHECKPOINT_KEY]
-    assert entry["ranks"][0]["step"] == STEPS_PER_EPOCH
+    assert [rank["step"] for rank in entry["ranks"]] == [STEPS_PER_EPOCH] * 2
+    assert [rank["delayed"] for rank in entry["ranks"]] == [{}, {}]  # the end of training paid what was owed
     resumed = launch_ranks("fit_worker.py", {"fits": [{**fit, "resume_from": str(after)}]}, tmp_path / "resumed")
     for rank in range(2):
         assert torch.equal(resumed[rank][0]["params"], first[rank][0]["params"])
