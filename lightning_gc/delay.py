@@ -98,7 +98,7 @@ class DelayLine:
         if self.drains_for(layout):
             self.drain()
             # buckets of the old bucketing holding any of these parameters are stale: a rebuild into
-            # fewer buckets would otherwise leave some behind for drain() to visit
+            # fewer buckets would otherwise keep some (and their slot buffers) alive
             names = {segment.name for segment in layout.segments}
             for index, old in list(self._buckets.items()):
                 if index != layout.index and any(segment.name in names for segment in old.layout.segments):

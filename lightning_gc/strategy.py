@@ -359,12 +359,11 @@ class GradientCompressionStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Adds every rank's compression state; must be called on all ranks (Lightning does)."""
         if self.hook_state is not None:
-            # after fit Lightning has unwrapped the model from DDP; the compression state lives on
-            module = self.model.module if isinstance(self.model, DistributedDataParallel) else self.lightning_module
-            assert module is not None
+            # the LightningModule, wrapped by DDP or (after fit) not: the compression state lives on
+            assert self.lightning_module is not None
             optimizer_states = [self.optimizer_state(o) for o in self.optimizers] if self.settings.local_update else []
             checkpoint[CHECKPOINT_KEY] = self.session.checkpoint_entry(
-                module, optimizer_states, rank=self.global_rank, world_size=self.world_size
+                self.lightning_module, optimizer_states, rank=self.global_rank, world_size=self.world_size
             )
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

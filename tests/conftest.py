@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -117,6 +118,7 @@ def start_ranks(
     plan = {**plan, "out": str(out)}
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
+    fresh = fresh or bool(env)  # variables read at import need a fresh interpreter
     for _ in range(3):  # a free port can be taken by another process before rank 0 listens on it
         codes, logs = _run_once(worker, plan_path, out, world_size, timeout, env or {}, devices_per_node, fresh)
         if not any("EADDRINUSE" in log for log in logs):
@@ -160,15 +162,10 @@ def _warm_context() -> multiprocessing.context.BaseContext:
 
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["forked_rank", *PRELOAD])
-        saved = dict(os.environ)
-        for key in [k for k in os.environ if k in _LAUNCHER_VARIABLES or k.startswith("PL_")]:
-            del os.environ[key]  # whatever the test that happens to start it has set
-        os.environ["OMP_NUM_THREADS"] = "1"
-        try:
+        # not whatever launcher variables the test that happens to start it has set
+        clean = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES and not k.startswith("PL_")}
+        with mock.patch.dict(os.environ, {**clean, "OMP_NUM_THREADS": "1"}, clear=True):
             multiprocessing.forkserver.ensure_running()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
         _warm = context
     return _warm
 
@@ -201,7 +198,6 @@ def _run_once(
     fresh: bool,
 ) -> tuple[list[int | None], list[str]]:
     port = free_port()
-    fresh = fresh or bool(env)  # variables read at import need a fresh interpreter
     procs = []
     for rank in range(world_size):
         rank_env = {
