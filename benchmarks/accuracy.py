@@ -89,6 +89,7 @@ DELAYED_FROM_START = ("strategy.sync_warmup_steps=0",)
 
 
 ONEBIT, TWO_PHASE = ("strategy=onebit",), ("strategy.exchange=two_phase",)
+CORRECTED = ("strategy.momentum_correction=true",)
 
 
 def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
@@ -153,6 +154,25 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
                 "onebit two-phase, no server feedback, seed 0",
                 "resnet20_cifar10_dense",
                 ("seed=0", *ONEBIT, *TWO_PHASE, "strategy.server_feedback=false"),
+            ),
+            # is it the momentum outside the compressor? With momentum correction the memory
+            # accumulates momentum SGD's velocity and both error buffers hold velocity (1-bit Adam)
+            Run("onebit, momentum correction, seed 0", "resnet20_cifar10_dense", ("seed=0", *ONEBIT, *CORRECTED)),
+            Run(
+                "onebit two-phase, momentum correction, seed 0",
+                "resnet20_cifar10_dense",
+                ("seed=0", *ONEBIT, *TWO_PHASE, *CORRECTED),
+            ),
+            Run(
+                "onebit two-phase, momentum correction, no server feedback, seed 0",
+                "resnet20_cifar10_dense",
+                ("seed=0", *ONEBIT, *TWO_PHASE, *CORRECTED, "strategy.server_feedback=false"),
+            ),
+            Run("onebit two-phase, seed 1", "resnet20_cifar10_dense", ("seed=1", *ONEBIT, *TWO_PHASE)),
+            Run(
+                "onebit two-phase, no server feedback, seed 1",
+                "resnet20_cifar10_dense",
+                ("seed=1", *ONEBIT, *TWO_PHASE, "strategy.server_feedback=false"),
             ),
         ),
         overrides=shared,
