@@ -69,6 +69,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_gc.layout import bucket_order
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_groups, sgd_momentum_specs, unwrap_optimizer
 from lightning_gc.staleness import staleness_warning
@@ -326,7 +327,8 @@ class AdamHandOver(HandOver):
                     continue
                 specs[name] = spec
                 if freezing:
-                    moments[name] = FrozenScales.divide(optimizer.state[param]["exp_avg"], self.scales[param].into)
+                    moment = FrozenScales.divide(optimizer.state[param]["exp_avg"], self.scales[param].into)
+                    moments[name] = bucket_order(moment, param)
         self.memory.set_specs(specs)
         if freezing:
             self.memory.seed_momentum(moments)

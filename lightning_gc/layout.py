@@ -6,6 +6,12 @@ distinct bucket so the hook can address each parameter's slice without recomputi
 
 DDP rebuilds its buckets after the first iteration, so the layout behind a given
 ``bucket.index()`` can change; :meth:`BucketLayout.matches` detects that.
+
+A parameter's slice holds its gradient in the parameter's own memory order: DDP makes the
+gradient a view of the bucket with the parameter's strides when the parameter is dense and
+non-overlapping (a ``channels_last`` convolution weight's slice runs N, H, W, C), and row-major
+otherwise. :func:`bucket_order` and :func:`shaped_like` convert between that order and a tensor
+shaped like the parameter; ``reshape(-1)`` and ``view_as`` would pair the wrong elements.
 """
 
 from __future__ import annotations
@@ -13,6 +19,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def _memory_permutation(tensor: torch.Tensor) -> list[int] | None:
+    """The dimensions of ``tensor`` from outermost to innermost in memory, when the tensor is dense
+    and non-overlapping (the permuted tensor is contiguous); ``None`` otherwise."""
+    outermost_first = sorted(range(tensor.dim()), key=tensor.stride, reverse=True)
+    return outermost_first if tensor.permute(outermost_first).is_contiguous() else None
+
+
+def bucket_order(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor``'s elements, 1-D, in the order DDP's bucket holds the gradient of ``like`` (a
+    parameter of ``tensor``'s shape; default ``tensor`` itself): its memory order when it is dense
+    and non-overlapping, else row-major. A view of ``tensor`` when ``tensor`` has ``like``'s
+    strides (writes reach it), a copy otherwise."""
+    like = tensor if like is None else like
+    if tensor.is_contiguous() and like.is_contiguous():
+        return tensor.view(-1)
+    if tensor.stride() != like.stride():
+        tensor = torch.empty_like(like, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+    order = _memory_permutation(tensor)
+    return tensor.reshape(-1) if order is None else tensor.permute(order).view(-1)
+
+
+def bucket_view(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A view of ``flat`` (1-D, in bucket order: :func:`bucket_order`) shaped and strided like
+    ``like``, as DDP makes a parameter's gradient a view of its bucket slice."""
+    if like.is_contiguous() or _memory_permutation(like) is None:
+        return flat.view(like.shape)
+    return flat.as_strided(like.shape, like.stride(), flat.storage_offset())
+
+
+def shaped_like(flat: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new tensor shaped and strided like ``like`` whose elements, in bucket order, are ``flat``'s
+    (cast to ``dtype``): e.g. a gradient for ``like`` from a slice of a bucket."""
+    return bucket_view(flat.to(dtype or flat.dtype), like).clone()
 
 
 @dataclass(frozen=True)
@@ -156,7 +197,7 @@ class Shard:
         """This shard's piece of each of the bucket's tensors (e.g. its parameters, in bucket layout
         order), as 1-D views, one per shard segment."""
         return [
-            tensors[source].detach().reshape(-1)[offset : offset + segment.numel]
+            bucket_order(tensors[source].detach())[offset : offset + segment.numel]
             for (source, offset), segment in zip(self.sources, self.layout.segments)
         ]
 

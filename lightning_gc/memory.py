@@ -34,7 +34,7 @@ import torch
 from lightning_gc import kernels
 from lightning_gc.compressors.base import Encoded
 from lightning_gc.flatstate import FlatState
-from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.layout import BucketLayout, Segment, bucket_order, bucket_view
 from lightning_gc.momentum import NO_MOMENTUM, MomentumSpec
 
 _STATE_NAMES = ("velocity", "momentum")
@@ -274,7 +274,7 @@ class CompensationMemory:
                 scale = torch.tensor(keep, device=g.device) if scale is None else scale.mul_(keep)
             param = None
             if piece.weight_decay != 0.0 and piece.segment is not None:
-                param = params[piece.segment].detach().reshape(-1)
+                param = bucket_order(params[piece.segment].detach())
             elif piece.weight_decay != 0.0:
                 param = self._copy_params(memory, piece, params)
             kernels.compensate_(
@@ -296,9 +296,9 @@ class CompensationMemory:
         if memory.params_copy is None:
             memory.params_copy, memory.copy_targets = torch.zeros_like(memory.velocity), {}
         targets = memory.copy_targets.get(piece.start)
-        if targets is None:  # shaped like the parameters, so the copy reads them as they are: no per-step views
+        if targets is None:  # strided like the parameters, so the copy reads them as they are: no per-step views
             segments = memory.layout.segments
-            targets = [segments[i].of(memory.params_copy).view(params[i].shape) for i in piece.positions]
+            targets = [bucket_view(segments[i].of(memory.params_copy), params[i]) for i in piece.positions]
             memory.copy_targets[piece.start] = targets
         with torch.no_grad():
             torch._foreach_copy_(targets, [params[i] for i in piece.positions])
@@ -370,8 +370,9 @@ class CompensationMemory:
         return self._state.state_dict()
 
     def seed_momentum(self, moments: dict[str, torch.Tensor]) -> None:
-        """Start each named parameter's momentum ``u`` from the given tensor, keeping its velocity
-        (Adam's first moment at the freeze, :mod:`lightning_gc.handover`)."""
+        """Start each named parameter's momentum ``u`` from the given tensor (1-D, in bucket order:
+        :func:`~lightning_gc.layout.bucket_order`), keeping its velocity (Adam's first moment at the
+        freeze, :mod:`lightning_gc.handover`)."""
         state = self.state_dict()
         for name, moment in moments.items():
             flat = moment.detach().reshape(-1)

@@ -35,6 +35,7 @@ from lightning_gc.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.handover import HandOver, MomentumHandOver, hand_over_for
 from lightning_gc.hierarchy import NodeHierarchy, agreed_topology
 from lightning_gc.hook import CompressionHookState, compression_hook
+from lightning_gc.layout import shaped_like
 from lightning_gc.momentum import unwrap_optimizer
 from lightning_gc.policy import agreed
 from lightning_gc.settings import CompressionSettings
@@ -204,7 +205,7 @@ class CompressionSession:
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             for name, value in owed.items():
-                params[name].grad = value.to(params[name].dtype).view_as(params[name]).clone()
+                params[name].grad = shaped_like(value, params[name], dtype=params[name].dtype)
             for optimizer in optimizers:
                 with self.hand_over.stepping([optimizer]):
                     unwrap_optimizer(optimizer).step()

@@ -36,6 +36,37 @@ def test_dense_limit_equals_ddp_with_the_same_sgd(run_ranks) -> None:
     assert torch.equal(rank0[1]["params"], rank1[1]["params"])
 
 
+def test_channels_last_weights_pair_their_bucket_slices_with_the_right_elements(run_ranks) -> None:
+    """DDP lays a channels_last weight's gradient out N, H, W, C in its bucket: weight decay at
+    ratio 1 still equals DDP's, the average a delayed run owes at the end lands where a contiguous
+    twin's does, and Adam's first moment handed to the memory at the freeze matches a contiguous
+    twin's (a row-major reading of the weights pairs each gradient with another element)."""
+    sgd = {"hidden": [8], **SGD, "weight_decay": 0.05}
+    dgc = {"kind": "dgc", "compress_ratio": 1.0, "min_compress_numel": 1}
+    delayed = {**dgc, "compress_ratio": 0.1, "delay": 1, "sync_warmup_steps": 0}
+    adamw = {"hidden": [8], "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.01}
+    frozen = {**dgc, "compress_ratio": 0.1, "adam_warmup_steps": 5}
+    fits = [
+        {"strategy": strategy, "model": {**model, "channels_last": layout}, "variant": "conv", "epochs": 2}
+        for strategy, model, layouts in (
+            ({"kind": "ddp"}, sgd, (True,)),
+            (dgc, sgd, (True,)),
+            (delayed, sgd, (True, False)),
+            (frozen, adamw, (True, False)),
+        )
+        for layout in layouts
+    ]
+    rank0, rank1 = run_ranks({"fits": fits})
+    ddp, at_ratio_one, delayed_last, delayed_contiguous, adam_last, adam_contiguous = rank0
+    assert ddp["global_step"] == at_ratio_one["global_step"] >= 20
+    assert _relative_difference(at_ratio_one["params"], ddp["params"]) < 1e-5
+    assert _relative_difference(ddp["epoch_params"][0], ddp["params"]) > 1e-2  # the decay mattered
+    assert _relative_difference(delayed_last["params"], delayed_contiguous["params"]) < 1e-5
+    assert _relative_difference(adam_last["params"], adam_contiguous["params"]) < 1e-5
+    for run in range(len(fits)):
+        assert torch.equal(rank0[run]["params"], rank1[run]["params"])
+
+
 def test_schedules_that_rewrite_momentum_and_decay_are_followed(run_ranks) -> None:
     """Weight decay raised mid-run, then momentum set to 0: DGC at ratio 1 still equals DDP, so
     the memory followed both (and the optimizer applied neither a second time)."""

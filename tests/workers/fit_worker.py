@@ -207,7 +207,27 @@ class FrozenAdamWReference(DigitsClassifier):
         return FrozenVarianceAdamW(self.parameters(), self.freeze_after, lr=h.lr, weight_decay=h.weight_decay)
 
 
+class ConvNet(DigitsClassifier):
+    """Two convolutions over the 8 x 8 digit, in ``channels_last`` memory format when asked (DDP
+    lays such a weight's gradient out in its bucket as N, H, W, C)."""
+
+    def __init__(self, channels_last: bool = False, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net = torch.nn.Sequential(
+            torch.nn.Unflatten(1, (1, 8, 8)),
+            torch.nn.Conv2d(1, 8, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(8, 8, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8 * 8 * 8, NUM_CLASSES),
+        )
+        if channels_last:
+            self.net.to(memory_format=torch.channels_last)
+
+
 VARIANTS = {
+    "conv": ConvNet,
     "frozen_adamw_reference": FrozenAdamWReference,
     None: DigitsClassifier,
     "groups": GroupsAndScheduler,
