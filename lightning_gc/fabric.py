@@ -32,6 +32,7 @@ from lightning_gc.checkpoint import CHECKPOINT_KEY, no_entry_notice
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import available
 from lightning_gc.strategy import ddp_argument_names
+from lightning_gc.validation import check_timeout
 
 
 class FabricCompressionStrategy(DDPStrategy):
@@ -50,6 +51,8 @@ class FabricCompressionStrategy(DDPStrategy):
         self.session = build_session(
             compressor, kwargs, owner=type(self).__name__, others={"DDP": ddp_argument_names(DDPStrategy)}
         )
+        if "timeout" in kwargs:
+            kwargs["timeout"] = check_timeout("timeout", kwargs["timeout"])
         super().__init__(**kwargs)  # what is left is DDP's
         self._ddp: DistributedDataParallel | None = None
         self._compression: AttachedCompression | None = None

@@ -73,6 +73,11 @@ class CompressionSettings:
         check_int("adam_warmup_steps", self.adam_warmup_steps, 0)
         check_choice("adam_weighting", self.adam_weighting, ADAM_WEIGHTINGS)
         check_choice("hierarchy", self.hierarchy, HIERARCHIES)
+        if self.compress_when is not None and not callable(self.compress_when):
+            raise ValueError(
+                f"`compress_when` must be None or a policy called with (compressor, layout, element_size),"
+                f" e.g. lightning_gc.selective.CompressWhenFaster; got {self.compress_when!r}"
+            )
         if self.hierarchy != "flat" and self.local_update:
             raise ValueError(
                 f"`hierarchy={self.hierarchy!r}` does not combine with local_update=True: a rank's own contribution "

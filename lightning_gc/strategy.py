@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from datetime import timedelta
 from difflib import get_close_matches
 from typing import Any
 
@@ -40,7 +39,7 @@ from lightning_gc.policy import CompressionPolicy
 from lightning_gc.session import CompressionSession
 from lightning_gc.settings import CompressionSettings
 from lightning_gc.teardown import shut_down_process_group_at_exit
-from lightning_gc.validation import check_range
+from lightning_gc.validation import check_timeout
 
 PRESET_CLASSES: dict[str, str] = {"dgc": "DGCStrategy"}
 """Compressors whose ``<name>_ddp`` preset is a dedicated class (with that method's defaults)."""
@@ -235,9 +234,8 @@ class GradientCompressionStrategy(DDPStrategy):
             hierarchy=hierarchy,
         )
         self.session = CompressionSession(compressor, settings, owner=type(self).__name__)
-        if "timeout" in kwargs and not isinstance(kwargs["timeout"], timedelta):
-            seconds = check_range("timeout", kwargs["timeout"], 0.0, None, low_inclusive=False)
-            kwargs["timeout"] = timedelta(seconds=seconds)  # seconds, as configs write it
+        if "timeout" in kwargs:
+            kwargs["timeout"] = check_timeout("timeout", kwargs["timeout"])
         super().__init__(**kwargs)
 
     @classmethod

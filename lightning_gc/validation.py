@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -53,6 +54,15 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"`{name}` must be True or False, got {value!r}")
     return value
+
+
+def check_timeout(name: str, value: Any) -> timedelta:
+    """A collective timeout as a ``timedelta``: ``value`` itself, or seconds (> 0) as configs write it."""
+    if isinstance(value, timedelta):
+        if value <= timedelta(0):
+            raise ValueError(f"`{name}` must be positive, got {value!r}")
+        return value
+    return timedelta(seconds=check_range(name, value, 0.0, None, low_inclusive=False))
 
 
 def check_choice(name: str, value: T, choices: Iterable[T]) -> T:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
-from lightning_gc import DGCCompressor, DGCStrategy, GradientCompressionStrategy, SparsityWarmup
+from lightning_gc import (
+    DGCCompressor,
+    DGCStrategy,
+    FabricCompressionStrategy,
+    GradientCompressionStrategy,
+    SparsityWarmup,
+)
 from lightning_gc.compressors import (
     FFTCompressor,
     OneBitCompressor,
@@ -41,6 +48,10 @@ CASES: list[tuple[type, dict[str, Any], str, str]] = [
     (DGCStrategy, {"nonfinite": "ignore"}, "nonfinite", "['raise', 'skip']"),
     (DGCStrategy, {"verify_every_n_steps": 0}, "verify_every_n_steps", ">= 1"),
     (DGCStrategy, {"timeout": -5}, "timeout", "(0, inf]"),
+    (FabricCompressionStrategy, {"timeout": -1}, "timeout", "(0, inf]"),
+    (FabricCompressionStrategy, {"timeout": "30"}, "timeout", "(0, inf]"),
+    (GradientCompressionStrategy, {"compress_when": "yes"}, "compress_when", "CompressWhenFaster"),
+    (RandomKCompressor, {"rescale": "false"}, "rescale", "True or False"),
     (GradientCompressionStrategy, {"compressor": "zstd"}, "compressor", "'powersgd'"),
     (DGCStrategy, {"momentum_masking": "no"}, "momentum_masking", "True or False"),
     (GradientCompressionStrategy, {"momentum_correction": 1}, "momentum_correction", "True or False"),
@@ -110,6 +121,13 @@ def test_momentum_correction_turns_error_feedback_on_for_unbiased_compressors() 
     """It needs error feedback (refused when set False), so by default it gets it, not silently off."""
     assert GradientCompressionStrategy("qsgd").memory.error_feedback is False  # unbiased: off by default
     assert GradientCompressionStrategy("qsgd", momentum_correction=True).memory.error_feedback is True
+
+
+def test_timeouts_in_seconds_become_timedeltas_on_every_front_end() -> None:
+    """Configs write seconds; torch takes a timedelta (Fabric's DDP passed an int through and
+    failed at launch)."""
+    for strategy in (DGCStrategy(timeout=30), FabricCompressionStrategy("dgc", timeout=30)):
+        assert strategy._timeout == timedelta(seconds=30)
 
 
 def test_good_arguments_are_kept() -> None:

@@ -22,7 +22,7 @@ from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encode
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.rng import counter_uniform
 from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.validation import check_int
+from lightning_gc.validation import check_bool, check_int
 
 _SEED_STEP = 1_000_003
 
@@ -57,7 +57,7 @@ class RandomKCompressor(AdjustableRatio, PlannedCompressor[_RandomKPlan]):
     def __init__(self, compress_ratio: float = 0.01, *, rescale: bool = False, min_compress_numel: int = 1024) -> None:
         super().__init__()
         self.compress_ratio = compress_ratio
-        self.rescale = bool(rescale)
+        self.rescale = check_bool("rescale", rescale)
         self.min_compress_numel = check_int("min_compress_numel", min_compress_numel, 1)
 
     @property
