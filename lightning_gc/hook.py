@@ -261,8 +261,28 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
         raise
 
 
+def refuse_sparse_gradients(module: torch.nn.Module) -> None:
+    """Refuse, naming them, the modules that make sparse gradients (``nn.Embedding`` or
+    ``nn.EmbeddingBag`` with ``sparse=True``): DDP hands those to the hook as sparse buckets, and
+    every compressor and the compensation memory work on dense bucket buffers."""
+    sparse = [
+        name
+        for name, child in module.named_modules()
+        if isinstance(child, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and child.sparse
+    ]
+    if sparse:
+        raise ValueError(
+            f"gradient compression works on dense gradients, but {sparse} make sparse ones (sparse=True): "
+            "build them with sparse=False (the compressors sparsify the exchange themselves), or train "
+            "with plain DDP"
+        )
+
+
 def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     grad = bucket.buffer()
+    if grad.layout != torch.strided:  # a sparse gradient from a functional call refuse_sparse_gradients cannot see
+        names = [state.names[id(p)][0] for p in bucket.parameters()]
+        raise RuntimeError(f"gradient compression works on dense gradients; {names} got a {grad.layout} gradient")
     if state.step < state.exact_steps:
         return exact_average(state, bucket)
     layout = state.layout_for(bucket)

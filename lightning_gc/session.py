@@ -34,7 +34,7 @@ from lightning_gc.compressors.base import Compressor
 from lightning_gc.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.handover import HandOver, MomentumHandOver, hand_over_for
 from lightning_gc.hierarchy import NodeHierarchy, agreed_topology
-from lightning_gc.hook import CompressionHookState, compression_hook
+from lightning_gc.hook import CompressionHookState, compression_hook, refuse_sparse_gradients
 from lightning_gc.layout import shaped_like
 from lightning_gc.momentum import unwrap_optimizer
 from lightning_gc.policy import agreed
@@ -79,6 +79,7 @@ class CompressionSession:
         from :meth:`resume`, and register the comm hook. ``find_unused_parameters``: what DDP was
         told (parameters without a gradient are then expected). ``devices_per_node``: ranks per
         node, for a two-level ``hierarchy`` (``None``: torchrun's ``LOCAL_WORLD_SIZE``)."""
+        refuse_sparse_gradients(ddp.module)
         names = {id(p): (name, order) for order, (name, p) in enumerate(ddp.module.named_parameters())}
         settings = self.settings
         topology = agreed_topology(settings.hierarchy, devices_per_node, ddp.process_group)
@@ -223,7 +224,10 @@ class CompressionSession:
         if self.hook_state is None:
             return None
         local = self.hook_state.state_dict()
-        local["resume_settings"] = self.hand_over.resume_settings()
+        # the memory holds momentum-corrected velocity or plain residuals: read back in the other
+        # terms, momentum would be lost or applied twice
+        local["resume_settings"] = {"momentum_correction": self.settings.momentum_correction}
+        local["resume_settings"] |= self.hand_over.resume_settings()
         if self.settings.local_update:
             local["parameters"] = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
             local["optimizer_states"] = list(optimizer_states)
@@ -240,6 +244,13 @@ class CompressionSession:
         """Take this rank's state from a checkpoint entry for the next :meth:`attach`; this
         rank's own optimizer states when they were saved (``local_update``), else ``None``."""
         self._pending_state = rank_state(entry, source=source, rank=rank, world_size=world_size)
+        saved_compressor = entry.get("compressor", {}).get("name", self.compressor.name)
+        if saved_compressor != self.compressor.name:
+            raise IncompatibleCheckpoint(
+                f"the checkpoint {source}'s compression state was written by compressor {saved_compressor!r} and "
+                f"this run uses {self.compressor.name!r}: its residuals and compressor state would not continue "
+                f"exactly; resume with compressor {saved_compressor!r}"
+            )
         for name, saved in self._pending_state.pop("resume_settings", {}).items():
             if getattr(self.settings, name) != saved:
                 raise IncompatibleCheckpoint(

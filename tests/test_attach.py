@@ -85,6 +85,17 @@ def test_attach_refuses_unknown_arguments_and_unwrapped_models(world_of_one) -> 
     assert gc.compressor.compress_ratio == 0.25
 
 
+def test_attach_refuses_a_model_with_sparse_gradients_naming_the_module(world_of_one) -> None:
+    """DDP hands nn.Embedding(sparse=True)'s gradient to the hook as a sparse bucket; it was
+    refused by an aminmax deep in the first step's screen. Now at attach, naming the module."""
+    net = torch.nn.Sequential(torch.nn.Embedding(16, 4, sparse=True), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"\['0'\] make sparse ones \(sparse=True\)"):
+        lightning_gc.attach(DistributedDataParallel(net), optimizer, "dgc")
+    dense = torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Linear(4, 2))
+    lightning_gc.attach(DistributedDataParallel(dense), torch.optim.SGD(dense.parameters(), lr=0.1), "dgc")
+
+
 def test_many_compressed_models_in_one_process_tear_down_cleanly(run_ranks) -> None:
     """Twelve models trained one after another in the same two processes, then the process group
     destroyed: no rank aborts. The exchange's callbacks run on the backend's threads; when they

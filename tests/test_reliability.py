@@ -492,3 +492,31 @@ def test_delay_settings_are_checked_at_construction_and_local_update_needs_sgd(t
     codes, logs = start_ranks("fit_worker.py", {"fits": [fit]}, tmp_path / "adam", timeout=180)
     assert all(code not in (0, None) for code in codes)
     assert "exact only for a linear update (torch.optim.SGD); the model configures ['Adam']" in logs[0]
+
+
+def test_a_checkpoint_resumes_only_with_the_compressor_and_momentum_correction_that_wrote_it() -> None:
+    """A DGC memory holds momentum-corrected velocity: read as plain residuals (or by another
+    compressor, whose state and residual terms differ) the run would not continue exactly, so the
+    resume is refused naming both values; entries written before the record resume with any."""
+    from lightning_gc.checkpoint import CHECKPOINT_FORMAT, IncompatibleCheckpoint
+    from lightning_gc.compressors.registry import create as create_compressor
+    from lightning_gc.session import CompressionSession
+    from lightning_gc.settings import CompressionSettings
+
+    def entry(compressor: str, saved: dict) -> dict:
+        rank = {"step": 5, "memory": {}, "compressor": {}, "resume_settings": saved}
+        return {"format": CHECKPOINT_FORMAT, "world_size": 1, "compressor": {"name": compressor}, "ranks": [rank]}
+
+    def session(compressor: str, corrected: bool) -> CompressionSession:
+        return CompressionSession(create_compressor(compressor), CompressionSettings(momentum_correction=corrected))
+
+    corrected = entry("dgc", {"momentum_correction": True})
+    with pytest.raises(IncompatibleCheckpoint) as error:
+        session("dgc", False).resume(corrected, source="x.ckpt", rank=0, world_size=1)
+    assert "momentum_correction=True" in str(error.value) and "momentum_correction=False" in str(error.value)
+    for other in ("topk", "powersgd"):
+        with pytest.raises(IncompatibleCheckpoint) as error:
+            session(other, True).resume(corrected, source="x.ckpt", rank=0, world_size=1)
+        assert "'dgc'" in str(error.value) and repr(other) in str(error.value)
+    session("dgc", True).resume(corrected, source="x.ckpt", rank=0, world_size=1)
+    session("dgc", False).resume(entry("dgc", {}), source="x.ckpt", rank=0, world_size=1)

@@ -183,6 +183,7 @@ def test_bucket_rebuild_and_exact_resume(run_ranks, tmp_path: Path) -> None:
     entry = checkpoint[CHECKPOINT_KEY]
     assert entry["world_size"] == 2 and len(entry["ranks"]) == 2
     assert entry["compressor"]["name"] == "dgc"
+    assert entry["ranks"][0]["resume_settings"] == {"momentum_correction": True}  # what the memory holds
     v0 = entry["ranks"][0]["memory"]["net.0.weight"]["velocity"]
     v1 = entry["ranks"][1]["memory"]["net.0.weight"]["velocity"]
     assert v0.abs().sum() > 0 and not torch.equal(v0, v1)  # residuals are per rank
