@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.checkpoint import IncompatibleCheckpoint, gather_entry, rank_state
@@ -191,7 +192,8 @@ class CompressionSession:
     def finish(self, ddp: DistributedDataParallel, optimizers: Sequence[Any]) -> None:
         """With a delay, the last ``delay`` steps' averages have not been applied when training
         ends: apply them now, one optimizer step each (momentum-free, as in training), so that
-        every rank ends with the same parameters. Then the hand-over lets go of the model."""
+        every rank ends with the same parameters (with ``local_update``, rank 0's: the ranks'
+        own-term swaps leave them float rounding apart). Then the hand-over lets go of the model."""
         try:
             self._apply_owed(ddp, optimizers)
         finally:
@@ -213,6 +215,13 @@ class CompressionSession:
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         line.discharge()
+        if self.settings.local_update:
+            # each swap of a rank's own term for the average, (p - own) + own - average, rounds
+            # differently on every rank: ulps apart at the end, so rank 0's values close the run
+            source = dist.get_global_rank(ddp.process_group, 0)
+            with torch.no_grad():
+                for param in ddp.module.parameters():
+                    dist.broadcast(param.data, src=source, group=ddp.process_group)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_entry(

@@ -40,7 +40,9 @@ def test_channels_last_weights_pair_their_bucket_slices_with_the_right_elements(
     """DDP lays a channels_last weight's gradient out N, H, W, C in its bucket: weight decay at
     ratio 1 still equals DDP's, the average a delayed run owes at the end lands where a contiguous
     twin's does, and Adam's first moment handed to the memory at the freeze matches a contiguous
-    twin's (a row-major reading of the weights pairs each gradient with another element)."""
+    twin's (a row-major reading of the weights pairs each gradient with another element). Ranks
+    end bitwise equal in every run, OD-SGD's local update included (its own-term swaps round
+    differently on each rank, so the end of training takes rank 0's parameters)."""
     sgd = {"hidden": [8], **SGD, "weight_decay": 0.05}
     dgc = {"kind": "dgc", "compress_ratio": 1.0, "min_compress_numel": 1}
     delayed = {**dgc, "compress_ratio": 0.1, "delay": 1, "sync_warmup_steps": 0}
@@ -52,18 +54,19 @@ def test_channels_last_weights_pair_their_bucket_slices_with_the_right_elements(
             ({"kind": "ddp"}, sgd, (True,)),
             (dgc, sgd, (True,)),
             (delayed, sgd, (True, False)),
+            ({**delayed, "local_update": True}, sgd, (True,)),
             (frozen, adamw, (True, False)),
         )
         for layout in layouts
     ]
     rank0, rank1 = run_ranks({"fits": fits})
-    ddp, at_ratio_one, delayed_last, delayed_contiguous, adam_last, adam_contiguous = rank0
+    ddp, at_ratio_one, delayed_last, delayed_contiguous, _, adam_last, adam_contiguous = rank0
     assert ddp["global_step"] == at_ratio_one["global_step"] >= 20
     assert _relative_difference(at_ratio_one["params"], ddp["params"]) < 1e-5
     assert _relative_difference(ddp["epoch_params"][0], ddp["params"]) > 1e-2  # the decay mattered
     assert _relative_difference(delayed_last["params"], delayed_contiguous["params"]) < 1e-5
     assert _relative_difference(adam_last["params"], adam_contiguous["params"]) < 1e-5
-    for run in range(len(fits)):
+    for run in range(len(fits)):  # OD-SGD's local update too: its own-term swaps round differently per rank
         assert torch.equal(rank0[run]["params"], rank1[run]["params"])
 
 
