@@ -53,7 +53,7 @@ def bucket_view(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def shaped_like(flat: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new tensor shaped and strided like ``like`` whose elements, in bucket order, are ``flat``'s
     (cast to ``dtype``): e.g. a gradient for ``like`` from a slice of a bucket."""
-    return bucket_view(flat.to(dtype or flat.dtype), like).clone()
+    return bucket_view(flat, like).to(dtype=dtype or flat.dtype, copy=True)  # keeps the strides: one copy
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,8 @@ class CompressionSession:
         own-term swaps leave them float rounding apart). Then the hand-over lets go of the model."""
         try:
             self._apply_owed(ddp, optimizers)
+            if self.settings.local_update:
+                self._take_rank_zeros_parameters(ddp)
         finally:
             self.hand_over.release()
 
@@ -215,13 +217,16 @@ class CompressionSession:
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         line.discharge()
-        if self.settings.local_update:
-            # each swap of a rank's own term for the average, (p - own) + own - average, rounds
-            # differently on every rank: ulps apart at the end, so rank 0's values close the run
-            source = dist.get_global_rank(ddp.process_group, 0)
-            with torch.no_grad():
-                for param in ddp.module.parameters():
-                    dist.broadcast(param.data, src=source, group=ddp.process_group)
+
+    @staticmethod
+    def _take_rank_zeros_parameters(ddp: DistributedDataParallel) -> None:
+        """Every rank takes rank 0's parameters (a collective). Each swap of a rank's own term for
+        the average, ``(p - own) + own - average``, rounds differently on every rank, so after the
+        local update the ranks are float rounding apart, not equal."""
+        source = dist.get_global_rank(ddp.process_group, 0)
+        with torch.no_grad():
+            for param in ddp.module.parameters():
+                dist.broadcast(param.data, src=source, group=ddp.process_group)
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_entry(
