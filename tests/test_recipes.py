@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from subprocess import CompletedProcess
+from typing import Any
 
 import pytest
 from apprun import REPO, SHARED_DATA, output, results, train
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from torch import nn
 
 RECIPES = ["resnet20_cifar10", "resnet110_cifar10", "resnet50", "lstm_ptb", "deepspeech_librispeech"]
 SMOKE = ["data.synthetic=true", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=2"]
@@ -16,7 +19,6 @@ SMOKE = ["data.synthetic=true", "trainer.accelerator=cpu", "trainer.devices=2", 
 # the recurrent models are narrowed to keep the CPU run short (their code paths are unchanged).
 SMALL = {
     "resnet20_cifar10": ["data.batch_size=2", "data.synthetic_size=8"],
-    "resnet110_cifar10": ["data.batch_size=2", "data.synthetic_size=8"],
     "resnet50": ["data.batch_size=2", "data.synthetic_size=8", "data.image_size=32"],
     "lstm_ptb": ["data.batch_size=2", "data.synthetic_size=8", "model.embedding_size=64", "model.hidden_size=64"],
     "transformer_ptb": [  # AdamW: one plain step, then the variance freezes (a one-step v: small lr)
@@ -44,17 +46,25 @@ COMPRESS_RATIO = {"speech_yesno_dgc": 0.01}  # the recipes' strategy.compress_ra
 
 @pytest.mark.parametrize(
     "recipe",
-    [f"{r}_dgc" for r in RECIPES] + ["lstm_ptb_dense", "transformer_ptb_dgc", "speech_yesno_dgc"],
+    # resnet110_cifar10 is resnet20_cifar10 deeper (test_resnet110_recipe_builds_110_layers); lstm_ptb_dgc
+    # trains in test_a_run_that_stops_before_its_first_validation_validates_once_at_the_end
+    ["resnet20_cifar10_dgc", "resnet50_dgc", "deepspeech_librispeech_dgc"]
+    + ["lstm_ptb_dense", "transformer_ptb_dgc", "speech_yesno_dgc"],
 )
 def test_recipe_trains_two_steps_on_two_processes(recipe: str, tmp_path: Path) -> None:
     task = recipe.rsplit("_", 1)[0]
     asked = ["trainer.enable_checkpointing=true"] if recipe == "lstm_ptb_dense" else []
     small = [*SMALL[task], *(DGC_ONLY.get(task, []) if recipe.endswith("_dgc") else [])]
     done = train(f"+recipe={recipe}", *SMOKE, *small, *asked, f"hydra.run.dir={tmp_path}")
-    assert done.returncode == 0, output(done)
     # made-up data writes no checkpoint unless asked (they reach hundreds of MB)
     assert bool(list(tmp_path.rglob("*.ckpt"))) == bool(asked)
-    (result,) = results(tmp_path)
+    _assert_two_steps_of(recipe, done, tmp_path)
+
+
+def _assert_two_steps_of(recipe: str, done: CompletedProcess[str], run_dir: Path) -> dict[str, Any]:
+    """The run of ``recipe`` made 2 steps on 2 processes, validated, and sent what its strategy sends."""
+    assert done.returncode == 0, output(done)
+    (result,) = results(run_dir)
     assert result["name"] == recipe
     assert result["steps"] == 2 and result["world_size"] == 2
     assert result["metric"] is not None and math.isfinite(result["metric"]), result
@@ -65,6 +75,14 @@ def test_recipe_trains_two_steps_on_two_processes(recipe: str, tmp_path: Path) -
     else:
         assert result["strategy"] == "DDPStrategy" and result["compress_ratio"] is None
         assert result["bytes_sent"] == result["dense_bytes"] > 0
+    return result
+
+
+def test_resnet110_recipe_builds_110_layers() -> None:
+    """The paper's ResNet-110 recipe: resnet20_cifar10's training, 109 3x3 convolutions and the classifier."""
+    model = instantiate(_compose("+recipe=resnet110_cifar10_dgc").model, _convert_="all")
+    convolutions = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert len(convolutions) + len([m for m in model.modules() if isinstance(m, nn.Linear)]) == 110
 
 
 def _compose(*overrides: str):
@@ -122,10 +140,7 @@ def test_a_run_that_stops_before_its_first_validation_validates_once_at_the_end(
     so its result and summary line carry the metric instead of ``n/a``."""
     small = [o for o in SMALL["lstm_ptb"] if not o.startswith("data.synthetic_size")]
     done = train("+recipe=lstm_ptb_dgc", *SMOKE, *small, "data.synthetic_size=32", f"hydra.run.dir={tmp_path}")
-    assert done.returncode == 0, output(done)
-    (result,) = results(tmp_path)
-    assert result["steps"] == 2  # of 8 in the first epoch
-    assert result["metric"] is not None and math.isfinite(result["metric"]), result
+    result = _assert_two_steps_of("lstm_ptb_dgc", done, tmp_path)  # of 8 in the first epoch
     assert len(result["curve"]) == 1 and result["curve"][0][1] == 2
     assert f"{result['metric_name']} {result['metric']:.4f}" in done.stdout
     assert "v_num" not in done.stdout  # the progress bar shows metrics, not the logger's version

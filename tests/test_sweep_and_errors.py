@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from rich.console import Console
 
-from recipes.app import build, build_strategy
+from recipes.app import UsageError, build, build_strategy, run
 from recipes.report import main as report_main
 from recipes.report import report
 
@@ -85,11 +85,25 @@ def test_a_run_that_makes_no_training_step_fails_naming_the_batch_size(tmp_path:
     ],
     ids=["ratio-0", "ratio-abc", "batch-negative", "devices-0", "no-test-split"],
 )  # fmt: skip
-def test_a_mistake_is_one_line_on_stderr_with_exit_status_2(overrides: list[str], message: str) -> None:
-    done = train(*overrides, "compare_dense=false")
+def test_a_mistake_is_a_usage_error_naming_the_option_before_any_process_starts(
+    overrides: list[str], message: str, tmp_path: Path
+) -> None:
+    """What ``train.py`` runs, in this process: the mistake is found before Lightning launches
+    the ranks (no process group is made); how ``train.py`` prints it is the test below."""
+    import torch.distributed
+
+    with pytest.raises(UsageError) as error:
+        run(_compose(*overrides, "compare_dense=false"), tmp_path, multirun=False, overrides=overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert not torch.distributed.is_initialized()
+
+
+def test_train_py_prints_a_mistake_as_one_line_on_stderr_with_exit_status_2() -> None:
+    done = train("strategy.compress_ratio=abc", "compare_dense=false")
     assert done.returncode == 2, output(done)
     assert done.stderr.strip().splitlines() == [done.stderr.strip()], output(done)  # exactly one line
-    assert done.stderr.startswith("train.py: error: ") and message in done.stderr, output(done)
+    assert done.stderr.startswith("train.py: error: bad `strategy` config"), output(done)
+    assert "`strategy.compress_ratio` must be a finite number in (0, 1], got 'abc'" in done.stderr, output(done)
     assert "Initializing distributed" not in done.stdout + done.stderr
 
 
@@ -307,11 +321,15 @@ def test_train_py_resumes_a_checkpoint_and_refuses_a_missing_one(tmp_path: Path)
     (two_epochs,) = results(tmp_path / "resumed")
     assert two_epochs["steps"] == 2 * one_epoch["steps"] > 0  # continued from step 11, not from 0
 
-    missing = train(*common, f"ckpt_path={tmp_path / 'nothing.ckpt'}", f"hydra.run.dir={tmp_path / 'missing'}")
-    assert missing.returncode != 0 and "`ckpt_path` must be a Lightning checkpoint file" in missing.stderr
-    assert "Initializing distributed" not in missing.stdout + missing.stderr
-    both = train(quoted, f"hydra.run.dir={tmp_path / 'both'}")
-    assert both.returncode != 0 and "add compare_dense=false" in both.stderr
+    with pytest.raises(UsageError, match="`ckpt_path` must be a Lightning checkpoint file"):
+        run(
+            _compose(*common, f"ckpt_path={tmp_path / 'nothing.ckpt'}"),
+            tmp_path / "missing",
+            multirun=False,
+            overrides=[],
+        )
+    with pytest.raises(UsageError, match="add compare_dense=false"):
+        run(_compose(quoted), tmp_path / "both", multirun=False, overrides=[])
     alone = train(*common, "trainer.max_epochs=2", "trainer.devices=1", quoted, f"hydra.run.dir={tmp_path / 'alone'}")
     lines = alone.stderr.strip().splitlines()  # one process resuming two ranks' residuals: one line, exit 2
     assert alone.returncode == 2 and "Traceback" not in alone.stderr, output(alone)
