@@ -83,14 +83,18 @@ def pieces_of(layout: BucketLayout, chunk: int, chunks: int) -> list[tuple[int, 
     return pieces
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_onebit_two_phase_follows_the_rule_with_worker_and_server_error_feedback(world_size: int) -> None:
+@pytest.mark.parametrize(("world_size", "server_feedback"), [(2, True), (3, True), (4, True), (3, False)])
+def test_onebit_two_phase_follows_the_rule_with_worker_and_server_error_feedback(
+    world_size: int, server_feedback: bool
+) -> None:
     layout = make_layout()
     numel = layout.numel
     chunks = [pieces_of(layout, j, world_size) for j in range(world_size)]
     all_pieces = sorted(p for chunk in chunks for p in chunk)
     assert sum(b - a for a, b in all_pieces) == numel and all_pieces[0][0] == 0  # the chunks partition the bucket
-    compressors = [registry.create("onebit", exchange="two_phase") for _ in range(world_size)]
+    compressors = [
+        registry.create("onebit", exchange="two_phase", server_feedback=server_feedback) for _ in range(world_size)
+    ]
     residual = [torch.zeros(numel) for _ in range(world_size)]  # the memory's part, kept by the test
     worker_error = [torch.zeros(numel) for _ in range(world_size)]  # the reference's
     server_error = torch.zeros(numel)
@@ -108,11 +112,15 @@ def test_onebit_two_phase_follows_the_rule_with_worker_and_server_error_feedback
         worker_error = [v - s for v, s in zip(reference_v, reference_sent)]
         mean_plus_error = sum(reference_sent) / world_size + server_error
         expected = onebit_by_piece(mean_plus_error, all_pieces)
-        server_error = mean_plus_error - expected
+        if server_feedback:  # without it the next mean is re-encoded alone
+            server_error = mean_plus_error - expected
         for out in outs:
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
         for got, want in zip(sent, reference_sent):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if not server_feedback:
+        assert all(c.state_dict() == {} for c in compressors)  # nothing to keep, nothing in a checkpoint
+        return
     state = [c.state_dict()["server"] for c in compressors]  # each rank keeps the error of the chunk it owns
     rebuilt = torch.zeros(numel)
     for rank, chunk in enumerate(chunks):
@@ -203,8 +211,10 @@ def test_auto_uses_two_phase_from_three_ranks_and_gather_is_unchanged() -> None:
     for world_size, two_phase in [(1, False), (2, False), (3, True), (8, True)]:
         assert auto.two_phase_at(world_size) is two_phase
         assert registry.create("qsgd", exchange="two_phase").two_phase_at(world_size) is (world_size > 1)
-    assert not gather.feeds_server_error and registry.create("onebit").feeds_server_error  # the codec's bias
-    assert registry.create("qsgd", server_feedback=True).feeds_server_error
+    # off unless asked, but for fft: its re-encoded mean keeps a few bins, the feedback the rest
+    assert [name for name in ACCEPTED if registry.create(name).server_feedback] == ["fft"]
+    assert not registry.create("fft", server_feedback=False).server_feedback
+    assert registry.create("qsgd", server_feedback=True).server_feedback
     a = auto.encode(velocity.clone(), torch.empty_like(velocity), EncodeContext(layout, 2, 2, 1))
     b = gather.encode(velocity.clone(), torch.empty_like(velocity), EncodeContext(layout, 2, 2, 1))
     assert a.scattered is None and torch.equal(a.gathered, b.gathered)
@@ -223,12 +233,14 @@ def test_exchange_is_refused_for_compressors_that_cannot_and_bad_values_are_name
 
 def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
     layout, world_size = make_layout(), 2
-    compressors = [registry.create("signsgd", exchange="two_phase") for _ in range(world_size)]
+    compressors = [registry.create("signsgd", exchange="two_phase", server_feedback=True) for _ in range(world_size)]
     velocities = [torch.randn(layout.numel) for _ in range(world_size)]
     simulate(compressors, [v.clone() for v in velocities], layout, step=0)
     saved = [c.state_dict() for c in compressors]
     assert any(t["server"].abs().sum() > 0 for entry in saved[0]["server"].values() for t in [entry])
-    resumed = [registry.create("signsgd", exchange="two_phase") for _ in range(world_size)]
+    with pytest.raises(ValueError, match=r"'signsgd'.*server error feedback.*resume with server_feedback=True"):
+        registry.create("signsgd", exchange="two_phase").load_state_dict(saved[0])  # would drop it
+    resumed = [registry.create("signsgd", exchange="two_phase", server_feedback=True) for _ in range(world_size)]
     for compressor, state in zip(resumed, saved):
         compressor.load_state_dict(state)
     rebuilt = make_layout()  # DDP's rebuild: a new layout object, the same names
@@ -269,16 +281,20 @@ def test_none_two_phase_equals_ddp_and_every_accepted_compressor_trains_on_four_
         {"label": n, "compressor": n, "arguments": {"exchange": "two_phase", **settings.get(n, {})}, "steps": steps}
         for n in ACCEPTED
     ]
+    fed = "onebit, server feedback"
+    arguments = {"exchange": "two_phase", "server_feedback": True}
+    runs.append({"label": fed, "compressor": "onebit", "arguments": arguments, "steps": steps})
     ranks = two_phase_runs(tmp_path, runs, world_size=4)
     for got, want in zip(ranks[0]["none"]["params"], ranks[0]["ddp"]["params"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for name in ACCEPTED:
+    for name in [*ACCEPTED, fed]:
         for other in ranks[1:]:
             assert all(torch.equal(a, b) for a, b in zip(ranks[0][name]["params"], other[name]["params"])), name
         first = sum(sum(rank[name]["losses"][:4]) for rank in ranks) / (4 * len(ranks))
         last = sum(sum(rank[name]["losses"][-4:]) for rank in ranks) / (4 * len(ranks))
         assert last <= 0.8 * first, f"{name}: loss {first:.3f} -> {last:.3f}"
-        assert ranks[0][name]["server_error_entries"] > 0  # the server error is kept, by parameter name
+        # the server error is kept by parameter name, only where asked for
+        assert (ranks[0][name]["server_error_entries"] > 0) is (name in (fed, "fft")), name
 
 
 def _deferred_and_at_once(tmp_path, cases: dict[str, dict], world_size: int) -> list[dict]:
@@ -346,13 +362,12 @@ def test_deferred_rounds_keep_three_ranks_in_step(tmp_path) -> None:
 def test_onebit_two_phase_resumes_exactly_from_its_state(tmp_path) -> None:
     """Parameters, optimizer and the hook's state (worker residuals and server errors) saved at
     step 5 and loaded into a fresh model, DDP and hook: the run continues bit for bit."""
-    arguments = {"exchange": "two_phase"}
+    arguments = {"exchange": "two_phase", "server_feedback": True}
     runs = [
         {"label": "straight", "compressor": "onebit", "arguments": arguments, "steps": 10},
         {"label": "resumed", "compressor": "onebit", "arguments": arguments, "steps": 10, "resume_at": 5},
-        {"label": "no server state", "compressor": "onebit", "arguments": arguments, "steps": 10, "resume_at": 5},
     ]
-    ranks = two_phase_runs(tmp_path, runs[:2], world_size=2)
+    ranks = two_phase_runs(tmp_path, runs, world_size=2)
     for rank in ranks:
         assert rank["straight"]["losses"] == rank["resumed"]["losses"]
         assert all(torch.equal(a, b) for a, b in zip(rank["straight"]["params"], rank["resumed"]["params"]))
@@ -362,7 +377,7 @@ def test_the_server_error_of_a_parameter_no_rank_used_is_kept() -> None:
     """DDP drops what is decoded for a parameter without a gradient anywhere; its server error
     must then neither be sent nor forgotten."""
     layout, world_size = make_layout(), 2
-    compressors = [registry.create("onebit", exchange="two_phase") for _ in range(world_size)]
+    compressors = [registry.create("onebit", exchange="two_phase", server_feedback=True) for _ in range(world_size)]
     simulate(compressors, [torch.randn(layout.numel) for _ in range(world_size)], layout, step=0)
     before = [c.state_dict()["server"]["p2"]["server"].clone() for c in compressors]
     assert any(b.abs().sum() > 0 for b in before)

@@ -99,10 +99,11 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
             mantissa; see :mod:`lightning_gc.compressors.rangefloat`).
         min_compress_numel: tensors with fewer elements (and 1-D tensors) are sent dense.
         exchange, server_feedback: ``"gather"`` (default), ``"two_phase"`` or ``"auto"``, and the
-            owner's error feedback (see :mod:`lightning_gc.compressors.two_phase`).
+            owner's error feedback, on unless ``False`` (see :mod:`lightning_gc.compressors.two_phase`).
     """
 
     name = "fft"
+    server_feedback_default = True  # re-encoding the mean keeps a few of its bins: feed the rest back
     arguments = ("compress_ratio", "bits", "min_compress_numel", *TwoPhaseExchange.exchange_arguments)
 
     def __init__(

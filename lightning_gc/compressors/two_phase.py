@@ -21,8 +21,8 @@ it enters the mean exactly and leaves no worker error (DeepSpeed's compressed al
 it too): less noise and ``1/N`` less codec work. Nor does the owner decode its re-encoded chunk
 again in phase 2: it kept ``decode(q_j)`` for the server error. Server error feedback ``e_j`` keeps
 what re-encoding the mean dropped
-(``server_feedback``; by default on for the biased codecs, off for the unbiased QSGD and TernGrad,
-see :attr:`TwoPhaseExchange.feeds_server_error`). It lives on the rank that owns the chunk,
+(``server_feedback``; by default on for ``fft`` only, see
+:attr:`TwoPhaseExchange.server_feedback_default`). It lives on the rank that owns the chunk,
 stored by parameter name like the memory's residuals (:class:`~lightning_gc.flatstate.FlatState`:
 it survives DDP's bucket rebuild) and returned by
 :meth:`~lightning_gc.compressors.base.Compressor.state_dict`, so checkpoints hold it per rank and a
@@ -51,7 +51,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -122,7 +122,7 @@ class _TwoPhasePlan:
     total: torch.Tensor  # float32: sums of decoded values (the owner's chunk, then the average)
     chunk_values: torch.Tensor  # velocity dtype: s_j on the owner's chunk
     chunk_decoded: torch.Tensor  # velocity dtype: decode(q_j) on the owner's chunk
-    server: torch.Tensor  # server error e (this rank's chunk only; a view of the by-name store)
+    server: torch.Tensor | None  # server error e (this rank's chunk; a view of the by-name store); None: no feedback
     owner: int = -1  # the chunk this rank re-encoded (chunk_decoded holds its decoded mean); -1: none yet
 
 
@@ -136,21 +136,30 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
 
     exchange_arguments = ("exchange", "server_feedback")
 
+    server_feedback_default: ClassVar[bool] = False
+    """``server_feedback`` when not given. Off for the sign codecs: with it onebit on
+    ResNet-20/CIFAR-10 lost 5.1 top-1 points on 2 ranks (two seeds) and 8.8 on 4
+    (benchmarks/RESULTS.md), while without it the two-phase form matched or beat the gathered one.
+    Off for the unbiased quantisers: error feedback needs a contractive codec (``||x - C(x)|| <
+    ||x||``), and their rounding noise can exceed the signal (QSGD's bound at 7 levels and 512
+    elements is 3.2x its energy): fed back it grows from step to step (QSGD diverged that way in
+    the two-phase training test). Off for the casts, whose rounding of the mean is negligible.
+    On for ``fft``: re-encoding keeps a few frequency bins of the mean, and without the feedback
+    the rest of it is lost for good."""
+
     def init_exchange(self, exchange: str, server_feedback: bool | None) -> None:
-        """Validate and keep the arguments (call from the compressor's ``__init__``)."""
+        """Validate and keep the arguments (call from the compressor's ``__init__``).
+
+        ``server_feedback``: whether the chunk owner keeps what re-encoding the mean dropped and
+        adds it to the next mean (DeepSpeed's compressed all-reduce, DoubleSqueeze); ``None``: the
+        codec's :attr:`server_feedback_default`.
+        """
         self.exchange = check_choice("exchange", exchange, EXCHANGES)
-        self.server_feedback = None if server_feedback is None else check_bool("server_feedback", server_feedback)
+        self.server_feedback = (
+            self.server_feedback_default if server_feedback is None else check_bool("server_feedback", server_feedback)
+        )
         self._server = FlatState((SERVER,))
         self._two_phase_plans: PlanCache[_TwoPhasePlan] = PlanCache()
-
-    @property
-    def feeds_server_error(self) -> bool:
-        """Whether the chunk owner keeps what re-encoding dropped: ``server_feedback``, or by
-        default the compressor's bias, as for the workers' error feedback. Error feedback needs a
-        contractive codec (``||x - C(x)|| < ||x||``); an unbiased quantiser's rounding noise can
-        exceed the signal (QSGD's bound at 7 levels and 512 elements is 3.2x its energy), and fed
-        back it grows from step to step: QSGD diverged that way in the two-phase training test."""
-        return self.biased if self.server_feedback is None else self.server_feedback
 
     def two_phase_at(self, world_size: int) -> bool:
         """Whether ``world_size`` ranks use the two-phase form."""
@@ -197,16 +206,18 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         for sender, row in enumerate(plan.received.view(world_size, -1)):
             if sender != rank:
                 self.add_decoded_chunk(row[: fmt.nbytes], fmt, plan.total, plan.own_decoded.dtype)
-        # a parameter no rank used: DDP drops what is decoded for it, so its server error stays out
-        fed = [piece for piece in fmt.segments if piece.name not in context.unused] if self.feeds_server_error else []
         for piece in fmt.segments:
             torch.div(piece.of(plan.total), world_size, out=piece.of(plan.chunk_values))
-        for piece in fed:
-            piece.of(plan.chunk_values).add_(piece.of(plan.server))
+        # a parameter no rank used: DDP drops what is decoded for it, so its server error stays out
+        fed = [piece for piece in fmt.segments if piece.name not in context.unused]
+        if plan.server is not None:
+            for piece in fed:
+                piece.of(plan.chunk_values).add_(piece.of(plan.server))
         seed = encode_seed(context.step, world_size + rank, rank)
         self.encode_chunk(plan.chunk_values, fmt, plan.server_payload[: fmt.nbytes], plan.chunk_decoded, seed)
-        for piece in fed:
-            torch.sub(piece.of(plan.chunk_values), piece.of(plan.chunk_decoded), out=piece.of(plan.server))
+        if plan.server is not None:
+            for piece in fed:
+                torch.sub(piece.of(plan.chunk_values), piece.of(plan.chunk_decoded), out=piece.of(plan.server))
         plan.owner = rank
         return Encoded(
             gathered=plan.server_payload,
@@ -254,11 +265,12 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             total=torch.zeros(layout.numel, dtype=torch.float32, device=like.device),
             chunk_values=like.new_zeros(layout.numel),
             chunk_decoded=like.new_zeros(layout.numel),
-            server=self._server.bind(layout, like, (SERVER,))[SERVER],
+            server=self._server.bind(layout, like, (SERVER,))[SERVER] if self.server_feedback else None,
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The server errors by parameter name (empty until a two-phase step ran)."""
+        """The server errors by parameter name (empty until a two-phase step with
+        ``server_feedback`` ran)."""
         server = self._server.state_dict()
         return {SERVER: server} if server else {}
 
@@ -266,7 +278,13 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         unknown = sorted(set(state) - {SERVER})
         if unknown:
             raise ValueError(f"compressor {self.name!r} keeps only {SERVER!r} state, got entries {unknown}")
-        self._server.load_state_dict(state.get(SERVER, {}))
+        server = state.get(SERVER, {})
+        if not self.server_feedback and any(t.any() for entry in server.values() for t in entry.values()):
+            raise ValueError(
+                f"compressor {self.name!r}: the state holds the server error feedback of a run with "
+                "server_feedback=True, which this one would drop; resume with server_feedback=True"
+            )
+        self._server.load_state_dict(server)
         self._two_phase_plans.clear()  # plans hold views of the replaced buffers
 
 
