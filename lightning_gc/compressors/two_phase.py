@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache, aligned
 from lightning_gc.compressors.registry import available, compressor_class
 from lightning_gc.flatstate import FlatState
@@ -280,7 +281,7 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             raise ValueError(f"compressor {self.name!r} keeps only {SERVER!r} state, got entries {unknown}")
         server = state.get(SERVER, {})
         if not self.server_feedback and any(t.any() for entry in server.values() for t in entry.values()):
-            raise ValueError(
+            raise IncompatibleCheckpoint(
                 f"compressor {self.name!r}: the state holds the server error feedback of a run with "
                 "server_feedback=True, which this one would drop; resume with server_feedback=True"
             )
