@@ -10,6 +10,7 @@ import torch
 from conftest import layout_of
 
 from lightning_gc import GradientCompressionStrategy
+from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.compressors import registry
 from lightning_gc.compressors.base import EncodeContext, Encoded
 from lightning_gc.compressors.two_phase import EXCHANGES, two_phase_compressors
@@ -214,7 +215,7 @@ def test_auto_uses_two_phase_from_three_ranks_and_gather_is_unchanged() -> None:
     # off unless asked, but for fft: its re-encoded mean keeps a few bins, the feedback the rest
     assert [name for name in ACCEPTED if registry.create(name).server_feedback] == ["fft"]
     assert not registry.create("fft", server_feedback=False).server_feedback
-    assert registry.create("qsgd", server_feedback=True).server_feedback
+    assert registry.create("qsgd", exchange="auto", server_feedback=True).server_feedback
     a = auto.encode(velocity.clone(), torch.empty_like(velocity), EncodeContext(layout, 2, 2, 1))
     b = gather.encode(velocity.clone(), torch.empty_like(velocity), EncodeContext(layout, 2, 2, 1))
     assert a.scattered is None and torch.equal(a.gathered, b.gathered)
@@ -229,6 +230,8 @@ def test_exchange_is_refused_for_compressors_that_cannot_and_bad_values_are_name
         GradientCompressionStrategy("onebit", exchange="twophase")
     with pytest.raises(ValueError, match="server_feedback"):
         registry.create("qsgd", exchange="two_phase", server_feedback="yes")
+    with pytest.raises(ValueError, match=r"server_feedback=True needs exchange='two_phase' or 'auto'.*'gather'"):
+        GradientCompressionStrategy("onebit", server_feedback=True)  # the gathered form has no chunk owners
 
 
 def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
@@ -238,8 +241,13 @@ def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
     simulate(compressors, [v.clone() for v in velocities], layout, step=0)
     saved = [c.state_dict() for c in compressors]
     assert any(t["server"].abs().sum() > 0 for entry in saved[0]["server"].values() for t in [entry])
-    with pytest.raises(ValueError, match=r"'signsgd'.*server error feedback.*resume with server_feedback=True"):
-        registry.create("signsgd", exchange="two_phase").load_state_dict(saved[0])  # would drop it
+    assert all(state["exchange"] == "two_phase" for state in saved)
+    # a run that would not add it back refuses it, on every rank: without the feedback, or with
+    # another exchange (auto runs the gathered form on two ranks)
+    for state in saved:
+        for dropping in ({"exchange": "two_phase"}, {"exchange": "auto", "server_feedback": True}):
+            with pytest.raises(IncompatibleCheckpoint, match=r"'signsgd'.*exchange='two_phase', server_feedback=True"):
+                registry.create("signsgd", **dropping).load_state_dict(state)
     resumed = [registry.create("signsgd", exchange="two_phase", server_feedback=True) for _ in range(world_size)]
     for compressor, state in zip(resumed, saved):
         compressor.load_state_dict(state)

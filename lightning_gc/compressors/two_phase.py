@@ -65,7 +65,7 @@ from lightning_gc.validation import check_bool, check_choice
 EXCHANGES = ("gather", "two_phase", "auto")
 """``exchange`` choices: the gathered payload (every rank's), the two-phase compressed all-reduce,
 or two-phase from three ranks on."""
-SERVER = "server"
+SERVER, EXCHANGE = "server", "exchange"
 _SEED_STEP, _SEED_SENDER, _SEED_CHUNK = 1_000_003, 7_919, 104_729
 
 
@@ -153,12 +153,18 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
 
         ``server_feedback``: whether the chunk owner keeps what re-encoding the mean dropped and
         adds it to the next mean (DeepSpeed's compressed all-reduce, DoubleSqueeze); ``None``: the
-        codec's :attr:`server_feedback_default`.
+        codec's :attr:`server_feedback_default`. ``True`` needs a two-phase ``exchange``.
         """
         self.exchange = check_choice("exchange", exchange, EXCHANGES)
-        self.server_feedback = (
-            self.server_feedback_default if server_feedback is None else check_bool("server_feedback", server_feedback)
-        )
+        if server_feedback is None:
+            self.server_feedback = self.server_feedback_default
+        else:
+            self.server_feedback = check_bool("server_feedback", server_feedback)
+            if self.server_feedback and self.exchange == "gather":
+                raise ValueError(
+                    f"server_feedback=True needs exchange='two_phase' or 'auto' (the owner of a chunk keeps "
+                    f"what re-encoding its mean dropped), got exchange={self.exchange!r}"
+                )
         self._server = FlatState((SERVER,))
         self._two_phase_plans: PlanCache[_TwoPhasePlan] = PlanCache()
 
@@ -270,21 +276,30 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The server errors by parameter name (empty until a two-phase step with
-        ``server_feedback`` ran)."""
+        """The server errors by parameter name and the ``exchange`` that uses them (empty until
+        a two-phase step with ``server_feedback`` ran)."""
         server = self._server.state_dict()
-        return {SERVER: server} if server else {}
+        return {SERVER: server, EXCHANGE: self.exchange} if server else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        unknown = sorted(set(state) - {SERVER})
+        """Restore :meth:`state_dict`'s output. A server error is someone's pending correction:
+        a run that would not add it (no ``server_feedback``, or another ``exchange``, which may not
+        run the two-phase form at this world size) is refused rather than dropping it."""
+        unknown = sorted(set(state) - {SERVER, EXCHANGE})
         if unknown:
-            raise ValueError(f"compressor {self.name!r} keeps only {SERVER!r} state, got entries {unknown}")
-        server = state.get(SERVER, {})
-        if not self.server_feedback and any(t.any() for entry in server.values() for t in entry.values()):
-            raise IncompatibleCheckpoint(
-                f"compressor {self.name!r}: the state holds the server error feedback of a run with "
-                "server_feedback=True, which this one would drop; resume with server_feedback=True"
-            )
+            raise ValueError(f"compressor {self.name!r} keeps only {[SERVER, EXCHANGE]} state, got entries {unknown}")
+        server, saved = state.get(SERVER, {}), state.get(EXCHANGE)
+        # every rank saves the same entries, so every rank refuses; older checkpoints held zeros
+        # without the feedback and did not name the exchange
+        if saved is not None or any(t.any() for entry in server.values() for t in entry.values()):
+            saved = saved or self.exchange
+            if not self.server_feedback or saved != self.exchange:
+                raise IncompatibleCheckpoint(
+                    f"compressor {self.name!r}: the checkpoint holds the server error feedback of a run with "
+                    f"exchange={saved!r}, server_feedback=True, and this run has exchange={self.exchange!r}, "
+                    f"server_feedback={self.server_feedback!r}, which would drop it; resume with "
+                    f"exchange={saved!r}, server_feedback=True"
+                )
         self._server.load_state_dict(server)
         self._two_phase_plans.clear()  # plans hold views of the replaced buffers
 
