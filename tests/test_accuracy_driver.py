@@ -72,3 +72,21 @@ def test_ptb_adamw_freezes_after_a_fifth_of_the_steps_unless_told(
     _tiny_ptb(tmp_path)
     accuracy.main(["ptb_adamw", "--data", str(tmp_path), "--out", str(tmp_path / "out"), "--report-only", *arguments])
     assert f"variance frozen after {freeze} steps" in (tmp_path / "out" / "ptb_adamw" / "table.md").read_text()
+
+
+@pytest.mark.parametrize("task_of", [accuracy.cifar10_task, accuracy.cifar10_4_ranks_task])
+def test_cifar10_runs_keep_the_global_batch_and_say_whether_they_feed_the_server_error(task_of, tmp_path: Path) -> None:
+    """Each run's configuration as train.py composes it: 128 samples per step at any number of
+    processes, and a two-phase run has the server error feedback unless its label says it has none
+    (it was the default when those runs were recorded)."""
+    from hydra import compose, initialize_config_dir
+
+    task, fed = task_of(tmp_path, 16, 20_000), []
+    with initialize_config_dir(str(accuracy.REPO / "configs"), version_base="1.3"):
+        for run in task.runs:
+            cfg = compose("config", overrides=[f"+recipe={run.recipe}", *task.overrides, *run.overrides])
+            assert cfg.trainer.devices * cfg.data.batch_size == accuracy.CIFAR10_GLOBAL_BATCH, run.label
+            if cfg.strategy.get("exchange") == "two_phase":
+                fed.append(cfg.strategy.server_feedback)
+                assert fed[-1] is ("no server feedback" not in run.label), run.label
+    assert True in fed and False in fed  # both forms are compared
