@@ -91,9 +91,10 @@ DELAYED_FROM_START = ("strategy.sync_warmup_steps=0",)
 
 
 ONEBIT, TWO_PHASE = ("strategy=onebit",), ("strategy.exchange=two_phase",)
-FED = TWO_PHASE + ("strategy.server_feedback=true",)
-"""Two-phase with the server error feedback: the default until these runs measured its cost, so the
-runs labelled plain "two-phase" have it and those without it say so."""
+FED, NOT_FED = TWO_PHASE + ("strategy.server_feedback=true",), TWO_PHASE + ("strategy.server_feedback=false",)
+"""Two-phase with and without the server error feedback, both explicit: it was the default until
+these runs measured its cost, so the runs labelled plain "two-phase" have it and those without it
+say so."""
 CORRECTED = ("strategy.momentum_correction=true",)
 
 
@@ -121,7 +122,7 @@ def cifar10_overrides(data: Path, epochs: int, train_size: int, processes: int =
 
 
 def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
-    warmup_steps = 4 * (train_size // 2 // 64)  # the 4 warm-up epochs: 2 ranks x batch 64, drop_last
+    warmup_steps = 4 * (train_size // CIFAR10_GLOBAL_BATCH)  # the 4 warm-up epochs, drop_last
     shared = cifar10_overrides(data, epochs, train_size)
     return Task(
         name="cifar10",
@@ -167,7 +168,7 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
             Run(
                 "onebit two-phase, no server feedback, seed 0",
                 "resnet20_cifar10_dense",
-                ("seed=0", *ONEBIT, *TWO_PHASE, "strategy.server_feedback=false"),
+                ("seed=0", *ONEBIT, *NOT_FED),
             ),
             # is it the momentum outside the compressor? With momentum correction the memory
             # accumulates momentum SGD's velocity and both error buffers hold velocity (1-bit Adam)
@@ -180,13 +181,13 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
             Run(
                 "onebit two-phase, momentum correction, no server feedback, seed 0",
                 "resnet20_cifar10_dense",
-                ("seed=0", *ONEBIT, *TWO_PHASE, *CORRECTED, "strategy.server_feedback=false"),
+                ("seed=0", *ONEBIT, *NOT_FED, *CORRECTED),
             ),
             Run("onebit two-phase, seed 1", "resnet20_cifar10_dense", ("seed=1", *ONEBIT, *FED)),
             Run(
                 "onebit two-phase, no server feedback, seed 1",
                 "resnet20_cifar10_dense",
-                ("seed=1", *ONEBIT, *TWO_PHASE, "strategy.server_feedback=false"),
+                ("seed=1", *ONEBIT, *NOT_FED),
             ),
         ),
         overrides=shared,
@@ -208,7 +209,7 @@ def cifar10_4_ranks_task(data: Path, epochs: int, train_size: int) -> Task:
             Run(
                 "onebit two-phase, no server feedback, seed 0",
                 "resnet20_cifar10_dense",
-                ("seed=0", *ONEBIT, *TWO_PHASE, "strategy.server_feedback=false"),
+                ("seed=0", *ONEBIT, *NOT_FED),
             ),
             Run("onebit, seed 0", "resnet20_cifar10_dense", ("seed=0", *ONEBIT, "strategy.exchange=gather")),
         ),
@@ -406,7 +407,7 @@ def compressors_task(epochs: int) -> Task:
     runs += [Run(name, None, (f"strategy={name}", *settings)) for name, settings in COMPRESSOR_SETTINGS]
     runs += [
         Run("onebit two-phase", None, (*ONEBIT, *FED)),
-        Run("onebit two-phase, no server feedback", None, (*ONEBIT, *TWO_PHASE, "strategy.server_feedback=false")),
+        Run("onebit two-phase, no server feedback", None, (*ONEBIT, *NOT_FED)),
         Run("qsgd two-phase", None, ("strategy=qsgd", "strategy.levels=7", *TWO_PHASE)),
     ]
     return Task(
