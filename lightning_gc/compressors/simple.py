@@ -15,6 +15,7 @@ from lightning_gc.compressors.base import (
     encode_whole_bucket,
     mean_into,
     saturating_copy_,
+    widened_for_commit,
 )
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
@@ -110,7 +111,7 @@ class _CastCompressor(_DenseChunks, PlannedCompressor[torch.Tensor]):
             dense_all=True,
             bytes_sent=wire.numel() * wire.element_size(),
             elements_sent=wire.numel(),
-            dense_sent=wire,  # memory subtracts it in place (mixed dtypes): v keeps the rounding
+            dense_sent=widened_for_commit(wire, velocity, out),  # memory subtracts it: v keeps the rounding
         )
 
     def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
