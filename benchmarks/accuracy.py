@@ -189,6 +189,14 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
                 "resnet20_cifar10_dense",
                 ("seed=1", *ONEBIT, *NOT_FED),
             ),
+            # momentum correction's gain on a second seed, before it becomes onebit's default
+            Run("onebit, seed 1", "resnet20_cifar10_dense", ("seed=1", *ONEBIT)),
+            Run("onebit, momentum correction, seed 1", "resnet20_cifar10_dense", ("seed=1", *ONEBIT, *CORRECTED)),
+            Run(
+                "onebit two-phase, momentum correction, no server feedback, seed 1",
+                "resnet20_cifar10_dense",
+                ("seed=1", *ONEBIT, *NOT_FED, *CORRECTED),
+            ),
         ),
         overrides=shared,
     )
