@@ -54,14 +54,11 @@ def allgather_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGrou
     return work.get_future().then(_resolving_to(out))
 
 
-def reduce_scatter_sum(staged: torch.Tensor, out: torch.Tensor, group: ProcessGroup) -> dist.Work:
+def reduce_scatter_sum(staged: torch.Tensor, out: torch.Tensor, group: ProcessGroup) -> None:
     """Sum ``staged`` (``world_size`` equal rows, flat) over ranks and leave row ``rank`` of the sum
-    in ``out``, asynchronously: ``out`` holds it once the returned work's ``wait()`` returns. A
-    work, not a future: gloo's reduce-scatter has none (``Work::getFuture`` is not implemented
-    there)."""
-    work = reduce_scatter_single(out, staged, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    assert work is not None
-    return work
+    in ``out``. Blocking: gloo's reduce-scatter has no future (``Work::getFuture`` is not
+    implemented there), and its callers need the sum before they go on anyway."""
+    reduce_scatter_single(out, staged, op=dist.ReduceOp.SUM, group=group)
 
 
 def alltoall_fixed(payload: torch.Tensor, out: torch.Tensor, group: ProcessGroup) -> Future[torch.Tensor]:

@@ -30,12 +30,9 @@ Equalities the maths gives (and the tests check): with a dense codec the result 
 to float summation order; DGC at ``compress_ratio=1`` is DDP + momentum SGD. A compressor's selection
 on a node sum differs from the flat one's on each rank's gradient, so sparse results differ from flat.
 
-Every collective is launched from the comm hook, in bucket order on every rank
-(:mod:`lightning_gc.comm`), and none is waited for in its own bucket's hook (``defer_rounds``,
-:class:`~lightning_gc.pipeline.RoundQueue`): bucket ``b``'s hook launches its reduce-scatter; bucket
-``b + 1``'s waits for it and runs step 3 up to the cross-node launch; bucket ``b + 2``'s waits for
-that and launches the all-gather (the last bucket's hook finishes every bucket). So each phase
-travels while backward computes the next buckets, on every rank at the same points.
+The shard's encode and exchange complete inside the comm hook (as the two-phase exchange's first
+phase does): only the final intra-node all-gather runs while backward goes on, so every collective is
+launched from the hook in bucket order on every rank (:mod:`lightning_gc.comm`).
 
 With a delayed exchange (``delay >= 1``, :mod:`lightning_gc.delay`) the shard's cross-node
 exchange is left in flight instead, overlapping the next step's compute, and steps 3's division and
@@ -47,9 +44,8 @@ thread on every rank in bucket order, so the all-gather keeps the collective ord
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,7 +58,7 @@ from lightning_gc.exchange import CollectiveExchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.layout import BucketLayout, Segment, Shard, piece_bounds
 from lightning_gc.memory import CompensationMemory
-from lightning_gc.pipeline import BucketStep, Timeline, advance, complete, reported, run_bucket, settle, wait
+from lightning_gc.pipeline import BucketStep, Timeline, reported, run_bucket, wait
 from lightning_gc.validation import check_choice
 
 HIERARCHIES = ("flat", "node", "auto")
@@ -229,107 +225,62 @@ class NodeHierarchy:
         on_decoded: Callable[[Timeline], None] | None,
         failure: Callable[[Exception], Exception] | None,
         out: torch.Tensor | None = None,
-        defer_rounds: bool = False,
     ) -> BucketStep:
         """One bucket through the two levels; ``averaged`` resolves to ``grad`` holding the mean.
-
-        With ``defer_rounds`` the run returns once the node's reduce-scatter is launched, and its
-        :attr:`~lightning_gc.pipeline.BucketStep.rounds` does the rest in two steps, each after
-        launching what it leaves in flight: the shard's pipeline up to the cross-node launch, then
-        the node's all-gather (see the module docstring). Without it the run ends here.
 
         With ``out`` (a delayed exchange's slot, bucket-sized) the mean is left unscaled in ``out``
         instead: the cross-node exchange is left in flight, and the returned step's ``finish``
         completes the bucket, after which ``averaged`` resolves (see the module docstring)."""
-        if out is not None and defer_rounds:
-            raise ValueError("a delayed two-level bucket is finished by its delay line, not by deferred rounds")
+        topology = self.topology
         plan = self.plan(layout, grad)
-        memory.clip_local_(grad, layout, self.topology.world_size, loss_scale)
+        memory.clip_local_(grad, layout, topology.world_size, loss_scale)
         for positions, row in zip(plan.positions, plan.rows):
             torch.index_select(grad, 0, positions, out=row[: positions.numel()])  # padding stays 0
         with reported(failure):
-            summing = comm.reduce_scatter_sum(plan.rows.view(-1), plan.row, self.node_group)
-        sent = BucketStep(
-            averaged=Future(devices=[grad.device]) if grad.device.type == "cuda" else Future(),
-            bytes_sent=0,
-            elements_sent=0,
-        )
-        pipeline = dict(
-            step=step,
-            params=params,
-            absent=absent,
-            loss_scale=loss_scale,
-            guard=guard,
-            timeline=timeline,
-            on_decoded=on_decoded,
-            failure=failure,
-        )
-
-        def rounds() -> Generator[None, None, None]:
-            """Every rank yields at the same two points, whatever its shard and codec, so that each
-            node's collectives go out in one order on all its ranks."""
-            yield  # the reduce-scatter travels
-            with reported(failure):
-                summing.wait()
-            shard, cross = self._cross_node(compressor, memory, plan, sent, out, pipeline)
-            if out is not None:
-                sent.finish = self._finisher(plan, shard, cross, out, sent.averaged, failure)
-                return
-            yield  # the cross-node exchange travels
-            if cross is not None:
-                wait(cross, failure)
-            gathered = self._gather(plan, shard, grad, failure)
-            gathered.then(lambda done, into=sent.averaged: settle(into, done))
-
-        sent.rounds = rounds()
-        advance(sent)
-        if not defer_rounds:
-            complete(sent)
-        return sent
-
-    def _cross_node(
-        self,
-        compressor: Compressor,
-        memory: CompensationMemory,
-        plan: _ShardPlan,
-        sent: BucketStep,
-        out: torch.Tensor | None,
-        pipeline: dict[str, Any],
-    ) -> tuple[torch.Tensor, Future[torch.Tensor] | None]:
-        """Step 3 up to the cross-node launch, on this rank's shard of the node sum (in
-        ``plan.row``): (the tensor the shard's mean over nodes is written to, the future of the
-        exchange in flight or ``None`` for an empty shard); counts what was sent into ``sent``."""
-        topology, shard = self.topology, plan.mine
+            comm.reduce_scatter_sum(plan.rows.view(-1), plan.row, self.node_group)
+        shard = plan.mine
         local = plan.row[: shard.numel]  # this node's sum on shard l
         bucket_memory = memory.bucket(shard.layout, local)
+        bytes_sent = elements_sent = 0
         averaged = local if out is None else plan.averaged[: shard.numel]
-        guard, loss_scale = pipeline["guard"], pipeline["loss_scale"]
-        if not shard.numel:  # every rank of this local rank has the same (empty) shard: none exchanges
-            if guard is not None:  # still take part in the step's settling, as every rank must
-                guard.screen(
-                    local, shard.layout, bucket_memory, step=pipeline["step"], loss_scaled=loss_scale is not None
-                )
-            return averaged, None
-        inner = run_bucket(
-            compressor,
-            memory,
-            bucket_memory,
-            local,
-            shard.layout,
-            self.cross_exchange,
-            out=None if out is None else averaged,
-            world_size=topology.nodes,
-            rank=topology.node,
-            summed_ranks=topology.per_node,
-            clip=False,
-            **{
-                **pipeline,
-                "params": shard.pieces_of(pipeline["params"]),
-                "absent": shard.segments_of({segment.name for segment in pipeline["absent"]}),
-            },
+        in_flight: Future[torch.Tensor] | None = None
+        if shard.numel:  # every rank of this local rank has the same (empty) shard: none exchanges
+            sent = run_bucket(
+                compressor,
+                memory,
+                bucket_memory,
+                local,
+                shard.layout,
+                self.cross_exchange,
+                out=None if out is None else averaged,
+                step=step,
+                world_size=topology.nodes,
+                rank=topology.node,
+                params=shard.pieces_of(params),
+                absent=shard.segments_of({segment.name for segment in absent}),
+                loss_scale=loss_scale,
+                guard=guard,
+                timeline=timeline,
+                on_decoded=on_decoded,
+                failure=failure,
+                summed_ranks=topology.per_node,
+                clip=False,
+            )
+            in_flight = sent.averaged
+            bytes_sent, elements_sent = sent.bytes_sent, sent.elements_sent
+        elif guard is not None:  # still take part in the step's settling, as every rank must
+            guard.screen(local, shard.layout, bucket_memory, step=step, loss_scaled=loss_scale is not None)
+        if out is not None:
+            done: Future[torch.Tensor] = Future()
+            finish = self._finisher(plan, averaged, in_flight, out, done, failure)
+            return BucketStep(averaged=done, bytes_sent=bytes_sent, elements_sent=elements_sent, finish=finish)
+        if in_flight is not None:
+            wait(in_flight, failure)
+        return BucketStep(
+            averaged=self._gather(plan, local, grad, failure),
+            bytes_sent=bytes_sent,
+            elements_sent=elements_sent,
         )
-        sent.bytes_sent, sent.elements_sent = inner.bytes_sent, inner.elements_sent
-        return averaged, inner.averaged
 
     def _gather(
         self,

@@ -72,10 +72,8 @@ class CompressionHookState:
         defer_rounds: a multi-round compressor's earlier round (the two-phase exchange's
             all-to-all, PowerSGD's first all-reduce) is waited for at the next bucket's hook, after
             that bucket's first round is launched, instead of at its own, so it travels while
-            backward computes and the next bucket encodes (without ``local_update``;
-            :mod:`lightning_gc.pipeline`). A synchronous two-level bucket's node reduce-scatter and
-            cross-node exchange are waited for at the next two buckets' hooks alike. The result is
-            the same bit for bit.
+            backward computes and the next bucket encodes (flat exchange, without
+            ``local_update``; :mod:`lightning_gc.pipeline`). The result is the same bit for bit.
 
     Attributes:
         exact_steps: steps before this one are averaged exactly as DDP's own all-reduce does
@@ -254,9 +252,9 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     try:
         earlier = len(state.rounds)  # earlier buckets' runs waiting for an earlier round (defer_rounds)
         averaged = _compressed(state, bucket)
-        # This bucket's first round is out; now each earlier bucket's next round, while it travels
+        # This bucket's first round is out; now the earlier buckets' later rounds, while it travels
         # (every rank launches in this same order). The last bucket's hook has finished them all.
-        state.rounds.advance(earlier)
+        state.rounds.finish(earlier)
         return averaged
     except BaseException as error:  # nothing left to resume in a later step
         state.rounds.abandon(error)
@@ -320,9 +318,7 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
         "failure": failure,
     }
     if state.hierarchy is not None:
-        sent = state.hierarchy.run(
-            compressor, state.memory, grad, layout, out=out, defer_rounds=state.defer_rounds and out is None, **pipeline
-        )
+        sent = state.hierarchy.run(compressor, state.memory, grad, layout, out=out, **pipeline)
     else:
         bucket_memory = state.memory.bucket(layout, grad)
         sent = run_bucket(

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import launch_ranks, start_ranks
-from test_two_phase import two_phase_runs
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy
 from lightning_gc.hierarchy import NodeTopology, resolve_hierarchy
@@ -138,34 +137,6 @@ def test_eight_processes_as_four_nodes_of_two(tmp_path: Path) -> None:
     for other in ranks[1:]:
         for ours, theirs in zip(ranks[0], other):
             assert torch.equal(ours["params"], theirs["params"])
-
-
-def test_each_phase_waited_for_at_a_later_buckets_hook_changes_nothing(tmp_path: Path) -> None:
-    """Several buckets over two levels: by default a bucket's node reduce-scatter and cross-node
-    exchange are waited for at the next two buckets' hooks (so they travel during backward); the
-    run equals the one that waits at once, bit for bit, bytes included, with a codec gathered across
-    nodes and one of two rounds there (two-phase), and all four ranks stay identical."""
-    cases = {
-        "dgc": {"compressor": "dgc", "arguments": {"compress_ratio": 0.05}},
-        "qsgd two-phase": {"compressor": "qsgd", "arguments": {"exchange": "two_phase"}},
-    }
-    runs = [
-        {"label": f"{label} {mode}", **case, "steps": 6, "defer_rounds": defer, "devices_per_node": 2}
-        for label, case in cases.items()
-        for mode, defer in (("deferred", True), ("at once", False))
-    ]
-    ranks = two_phase_runs(tmp_path, runs, world_size=4)
-    for label in cases:
-        for rank in ranks:
-            deferred, at_once = rank[f"{label} deferred"], rank[f"{label} at once"]
-            assert deferred["losses"] == at_once["losses"], label
-            assert all(torch.equal(a, b) for a, b in zip(deferred["params"], at_once["params"])), label
-            assert deferred["bytes_sent"] == at_once["bytes_sent"] > 0, label
-            assert at_once["deferred_rounds"] == 0 and deferred["deferred_rounds"] > 6, label  # > 1 bucket a step
-            assert all(
-                torch.equal(a, b)
-                for a, b in zip(rank[f"{label} deferred"]["params"], ranks[0][f"{label} deferred"]["params"])
-            )
 
 
 def test_trainer_on_two_nodes_of_two_devices_takes_the_hierarchy_from_lightning(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """One rank of raw-DDP runs (no Lightning) through lightning_gc's comm hook, for test_two_phase.py.
 
 For each run of the plan (``{"label", "compressor", "arguments", "steps", "resume_at", "defer_rounds", "delay",
-"local_update", "devices_per_node"}``; compressor
+"local_update"}``; compressor
 ``null`` is plain DDP without a hook) a fresh model from the same seed trains on this rank's
 deterministic data with ``SGD(lr)``; the rank saves, per label, its losses and final parameters.
 With ``resume_at`` the run stops there, keeps what a checkpoint would (parameters, optimizer,
@@ -14,12 +14,10 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from rank_setup import run_gloo_rank
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import registry
-from lightning_gc.hierarchy import NodeHierarchy, NodeTopology
 from lightning_gc.hook import CompressionHookState, compression_hook
 from lightning_gc.settings import CompressionSettings
 
@@ -47,15 +45,10 @@ def build(run: dict[str, Any], plan: dict[str, Any]) -> tuple[torch.nn.Module, A
         compressor = registry.create(run["compressor"], **run.get("arguments", {}))
         memory = CompressionSettings().memory_for(compressor)
         names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
-        hierarchy = None
-        if "devices_per_node" in run:  # two levels: the node groups are built anew, on every rank alike
-            topology = NodeTopology.of(dist.get_world_size(), dist.get_rank(), run["devices_per_node"])
-            hierarchy = NodeHierarchy(topology)
         state = CompressionHookState(
             compressor,
             memory,
             names,
-            hierarchy=hierarchy,
             defer_rounds=run.get("defer_rounds", True),
             delay=run.get("delay", 0),
             local_update=run.get("local_update", False),
