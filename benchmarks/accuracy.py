@@ -189,7 +189,7 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
                 "resnet20_cifar10_dense",
                 ("seed=1", *ONEBIT, *NOT_FED),
             ),
-            # momentum correction's gain on a second seed, before it becomes onebit's default
+            # momentum correction's gain on a second seed (README recommends it for onebit; the presets keep it off)
             Run("onebit, seed 1", "resnet20_cifar10_dense", ("seed=1", *ONEBIT)),
             Run("onebit, momentum correction, seed 1", "resnet20_cifar10_dense", ("seed=1", *ONEBIT, *CORRECTED)),
             Run(
