@@ -377,6 +377,26 @@ def test_sign_select_reads_each_bit_as_a_choice_between_two_values(numel: int) -
     assert torch.equal(decoded, torch.where(values < 0, if_negative, if_positive))
 
 
+@pytest.mark.parametrize("numel", [1, 9, 1000, 4097])
+@pytest.mark.parametrize("block", [None, 8, 96, 100, 4097])
+def test_sign_counts_and_selection_per_block_equal_elementwise_reference(numel: int, block: int | None) -> None:
+    """Counting set sign bits per block from the packed bytes, and choosing each block's pair of
+    values per bit, equal the element-wise definitions, for blocks that are whole bytes or not and
+    a last block that is shorter."""
+    values = _randn(numel, torch.float32, seed=numel + 2)
+    packed = kernels.pack_signs(values)
+    width = block or numel
+    block_of = torch.arange(numel, device=DEVICE) // width
+    negative = values < 0
+    expected = torch.zeros(int(block_of[-1]) + 1, dtype=torch.int64, device=DEVICE).index_add_(
+        0, block_of, negative.long()
+    )
+    assert torch.equal(packing.set_bits_per_block(packed, numel, block), expected)
+    if_true, if_false = _randn(expected.numel(), torch.float32, seed=1), _randn(expected.numel(), torch.float32, seed=2)
+    chosen = packing.select_by_block(negative, if_true, if_false, width)
+    assert torch.equal(chosen, torch.where(negative, if_true[block_of], if_false[block_of]))
+
+
 @pytest.mark.parametrize("numel", [0, 1, 9, 1000, 4097])
 @pytest.mark.parametrize("levels", [1, 3, 7, 15, 127])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -395,8 +415,11 @@ def test_stochastic_quantize_kernel_equals_reference_bit_for_bit(numel: int, lev
             packed, _on_backend("torch", kernels.stochastic_quantize, values, scales, levels, 11, chunk_size)
         )
         decoded = kernels.stochastic_dequantize(packed, scales, levels, numel, chunk_size)
-        steps = scales.reshape(-1).repeat_interleave(chunk_size or max(numel, 1))[:numel] / levels
+        steps = (scales.reshape(-1) / levels).repeat_interleave(chunk_size or max(numel, 1))[:numel]
         assert ((decoded - values.float()).abs() <= steps * (1 + 1e-5)).all()
+        codes = kernels.unpack_codes(packed, kernels.code_width(levels), numel).int()
+        signed_levels = torch.where(codes & 1 == 1, -(codes >> 1), codes >> 1).float()
+        assert torch.equal(decoded, signed_levels * steps)  # sign * level * (scale / levels), exactly
 
 
 def test_stochastic_quantization_is_reproducible_and_unbiased() -> None:

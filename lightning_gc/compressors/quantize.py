@@ -31,7 +31,6 @@ server-side error feedback, :mod:`lightning_gc.compressors.two_phase`) or ``"aut
 
 from __future__ import annotations
 
-import functools
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from lightning_gc import kernels
 from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor, aligned, mean_into
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange, encode_seed
-from lightning_gc.kernels.packing import packed_bytes, per_element, sign_select
+from lightning_gc.kernels.packing import packed_bytes, select_by_block, set_bits_per_block, sign_select
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_int
 
@@ -91,12 +90,9 @@ class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
         return blocks * self.scales_per_block
 
     @abstractmethod
-    def scales_of(self, values: torch.Tensor) -> torch.Tensor:
-        """The tensor's float32 scales, ``scale_count(numel)`` of them, on its device."""
-
-    @abstractmethod
-    def encode_codes(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
-        """Packed codes (uint8) of ``values``."""
+    def encode_run(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
+        """Write the float32 scales of one tensor's ``values`` into ``scales`` (``scale_count(numel)``
+        of them) and return the packed codes (uint8) of ``values``."""
 
     @abstractmethod
     def decode_codes(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
@@ -128,8 +124,7 @@ class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
                 continue
             run = segment.of(values)
             scales = all_scales[codes_at.scale_starts[position] : codes_at.scale_starts[position + 1]]
-            scales.copy_(self.scales_of(run))
-            codes = self.encode_codes(run, scales, seed + segment.order)
+            codes = self.encode_run(run, scales, seed + segment.order)
             start = codes_at.code_offsets[position]
             payload[start : start + codes_at.code_sizes[position]].copy_(codes)
             segment.of(decoded).copy_(self._decoded(codes, scales, segment.numel, decoded.dtype))
@@ -208,10 +203,8 @@ class _StochasticLevels(_BlockQuantizer):
     def scales_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """One float32 scale per row of ``rows`` (a chunk each, zero-padded at the end)."""
 
-    def scales_of(self, values: torch.Tensor) -> torch.Tensor:
-        return self.scales_of_rows(_chunked(values, self.chunk_size))
-
-    def encode_codes(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
+    def encode_run(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
+        scales.copy_(self.scales_of_rows(_chunked(values, self.chunk_size)))
         return kernels.stochastic_quantize(values, scales, self.levels, seed, self.chunk_size)
 
     def decode_codes(self, codes: torch.Tensor, scales: torch.Tensor, numel: int) -> torch.Tensor:
@@ -305,8 +298,14 @@ class _SignQuantizer(_BlockQuantizer):
     ) -> None:
         super().__init__(chunk_size, exchange, server_feedback)
 
-    def encode_codes(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
-        return kernels.pack_signs(values)
+    @abstractmethod
+    def scales_of_signs(self, values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+        """The float32 scales of ``values``, whose packed sign bits are ``signs``."""
+
+    def encode_run(self, values: torch.Tensor, scales: torch.Tensor, seed: int) -> torch.Tensor:
+        signs = kernels.pack_signs(values)
+        scales.copy_(self.scales_of_signs(values, signs))
+        return signs
 
     def _select(
         self, codes: torch.Tensor, if_negative: torch.Tensor, if_positive: torch.Tensor, numel: int
@@ -315,9 +314,8 @@ class _SignQuantizer(_BlockQuantizer):
         ``if_positive`` entry (one entry per block)."""
         if self.chunk_size is None:  # one pair for the whole run: a byte-table look-up
             return sign_select(codes, numel, if_negative, if_positive)
-        negative = kernels.unpack_codes(codes, 1, numel).bool()
-        spread = functools.partial(per_element, chunk_size=self.chunk_size, start=0, count=numel)
-        return torch.where(negative, spread(if_negative), spread(if_positive))
+        negative = kernels.unpack_codes(codes, 1, numel).view(torch.bool)  # codes are 0 or 1
+        return select_by_block(negative, if_negative, if_positive, self.chunk_size)
 
 
 @register
@@ -331,7 +329,7 @@ class SignSGDCompressor(_SignQuantizer):
 
     name = "signsgd"
 
-    def scales_of(self, values: torch.Tensor) -> torch.Tensor:
+    def scales_of_signs(self, values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
         rows = _chunked(values, self.chunk_size)
         return rows.abs().sum(1) / _block_counts(values.numel(), rows)
 
@@ -351,9 +349,9 @@ class OneBitCompressor(_SignQuantizer):
     name = "onebit"
     scales_per_block = 2
 
-    def scales_of(self, values: torch.Tensor) -> torch.Tensor:
+    def scales_of_signs(self, values: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
         rows = _chunked(values, self.chunk_size)
-        negatives = (rows < 0).sum(1, dtype=torch.int32)  # int32: twice as fast as int64 on a CPU
+        negatives = set_bits_per_block(signs, values.numel(), self.chunk_size)
         # the padded tail holds zeros: they add nothing to either sum and count as non-negative
         positives = _block_counts(values.numel(), rows) - negatives
         positive_sum = rows.clamp(min=0).sum(1)
