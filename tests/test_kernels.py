@@ -350,6 +350,13 @@ def test_code_packing_kernels_equal_reference_and_round_trip(numel: int, width: 
     assert torch.equal(packed, _on_backend("torch", kernels.pack_codes, codes, width))
     assert torch.equal(_on_backend("triton", kernels.unpack_codes, packed, width, numel), codes)
     assert torch.equal(_on_backend("torch", kernels.unpack_codes, packed, width, numel), codes)
+    reference = [
+        sum(int(c) << (k * width) for k, c in enumerate(codes[b * (8 // width) : (b + 1) * (8 // width)]))
+        for b in range(min(packed.numel(), 64))
+    ]
+    assert packed[:64].tolist() == reference  # code k of byte b at bits [k*width, (k+1)*width)
+    shifted = torch.cat([codes.new_zeros(1), codes])[1:]  # starts one byte into its storage
+    assert torch.equal(_on_backend("torch", kernels.pack_codes, shifted, width), packed)
 
 
 @pytest.mark.parametrize("numel", PACK_SIZES)

@@ -44,20 +44,45 @@ def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     """Pack ``width``-bit codes (uint8, each < 2**width) little-end first: code j of byte b sits
     at bits ``[j*width, (j+1)*width)`` of byte b. The tail is zero-padded.
 
-    Byte-wide work only: OR-ing the ``8 // width`` strided columns of the codes, shifted, into the
-    output costs ``8 // width`` passes over ``numel / (8 // width)`` bytes (sign bits have a faster,
-    fused path: :func:`pack_signs`)."""
+    Each byte's ``8 // width`` codes are read as one integer word and gathered into its top byte
+    by one multiply (:func:`gathered_bytes`): four passes over ``numel / (8 // width)`` words, where
+    OR-ing strided columns costs ``8 // width`` strided passes."""
     per_byte = 8 // width
     codes = codes.reshape(-1)
-    out = torch.zeros(packed_bytes(codes.numel(), width), dtype=torch.uint8, device=codes.device)
     whole = codes.numel() // per_byte
-    columns = codes[: whole * per_byte].view(whole, per_byte)
-    body = out[:whole]
-    for j in range(per_byte):
-        body |= columns[:, j] << (j * width)
-    for j, code in enumerate(codes[whole * per_byte :]):  # the last, partial byte
-        out[whole] |= code << (j * width)
+    out = torch.empty(packed_bytes(codes.numel(), width), dtype=torch.uint8, device=codes.device)
+    out[:whole] = gathered_bytes(codes[: whole * per_byte], width)
+    if whole < out.numel():  # the last, partial byte: its missing codes are 0
+        tail = torch.zeros(per_byte, dtype=torch.uint8, device=codes.device)
+        tail[: codes.numel() - whole * per_byte] = codes[whole * per_byte :]
+        out[whole:] = gathered_bytes(tail, width)
     return out
+
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype of a word of this many bytes (:func:`gathered_bytes`)."""
+
+
+def gathered_bytes(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Bytes of ``p = 8 // width`` consecutive codes each (``codes``: uint8, each < 2**width, a
+    multiple of ``p`` of them), code k of a byte at bits ``[k*width, (k+1)*width)``.
+
+    The ``p`` codes of a byte are read as one ``p``-byte word (little-endian: code k at bit ``8k``)
+    and multiplied by ``M = sum_k 2**(8(p-1) - k(8-width))``, which moves code k to bit
+    ``8(p-1) + k*width`` of the top byte. Every term of the product lands code j at bit
+    ``8(p-1) + 8(j-k) + k*width``, a multiple of ``width`` that no other ``(j, k)`` shares, so no
+    two terms overlap and nothing carries; only ``j = k`` lands in the top byte, and the product's
+    wrap modulo ``2**(8p)`` drops only bits above it. (For signs, ``width = 1``, ``M`` is
+    ``0x0102040810204080``.)
+    """
+    per_byte = 8 // width
+    if per_byte == 1:
+        return codes
+    if codes.storage_offset() % per_byte:  # a word view must start on a word
+        codes = codes.clone()
+    multiplier = sum(1 << (8 * (per_byte - 1) - k * (8 - width)) for k in range(per_byte))
+    words = codes.view(_WORD[per_byte])
+    return ((words * multiplier) >> (8 * (per_byte - 1))).to(torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
@@ -88,21 +113,13 @@ def gather_rows(table: torch.Tensor, indices: torch.Tensor, out: torch.Tensor) -
     return out
 
 
-GATHER_BITS = 0x0102040810204080
-"""Multiplier that moves the low bit of each of an int64's 8 bytes into its top byte, byte ``j``'s
-to bit ``56 + j``: byte j's bit lands at ``8j + 56 - 7k`` for the multiplier's term ``k``, which is
-``56 + j`` only for ``k = j``, and all 64 landing places differ, so no carries (the product wraps
-mod 2**64, which keeps the top byte)."""
-
-
 def pack_signs(values: torch.Tensor) -> torch.Tensor:
     """One bit per element, 1 where ``values < 0`` (so 0 counts as positive), 8 per byte: the
-    signs as 0/1 bytes, 8 to an int64, gathered into one byte by a multiply (:data:`GATHER_BITS`)."""
+    signs as 0/1 bytes (zero-padded to a whole byte), gathered 8 at a time by :func:`gathered_bytes`."""
     flat = values.reshape(-1)
     bits = torch.zeros(packed_bytes(flat.numel(), 1) * 8, dtype=torch.bool, device=flat.device)
     torch.lt(flat, 0, out=bits[: flat.numel()])
-    words = bits.view(torch.uint8).view(torch.int64)
-    return ((words * GATHER_BITS) >> 56).to(torch.uint8)
+    return gathered_bytes(bits.view(torch.uint8), 1)
 
 
 def sign_select(packed: torch.Tensor, numel: int, if_negative: torch.Tensor, if_positive: torch.Tensor) -> torch.Tensor:
