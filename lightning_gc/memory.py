@@ -311,6 +311,17 @@ class CompensationMemory:
         ``own`` (bucket-sized) receives this rank's contribution as receivers decode it: the
         velocity before the commit minus the velocity after it.
         """
+        # Without error feedback, momentum (to mask) or ``own``, subtracting what left would only be
+        # undone by the zeroing below: a pass over the bucket saved.
+        if self.error_feedback or own is not None or memory.momentum is not None:
+            self._subtract_sent(memory, encoded, own)
+        if not self.error_feedback:
+            memory.velocity.zero_()
+        self.put_back(memory, memory.aside)
+        memory.aside = []
+
+    def _subtract_sent(self, memory: BucketMemory, encoded: Encoded, own: torch.Tensor | None) -> None:
+        """Remove what ``encoded`` says left from the velocity (and mask momentum); ``own`` gets the difference."""
         if own is not None:
             own.copy_(memory.velocity)
         if encoded.sent_indices is not None:
@@ -321,10 +332,6 @@ class CompensationMemory:
             self.commit_dense(memory, positions, encoded.dense_sent)
         if own is not None:
             own.sub_(memory.velocity)
-        if not self.error_feedback:
-            memory.velocity.zero_()
-        self.put_back(memory, memory.aside)
-        memory.aside = []
 
     def commit_sparse(self, memory: BucketMemory, indices: torch.Tensor, sent: torch.Tensor) -> None:
         """Record that the pairs ``(indices, sent)`` left: ``v[i] -= sent``, and with masking
