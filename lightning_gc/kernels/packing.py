@@ -145,8 +145,8 @@ def set_bits_per_block(packed: torch.Tensor, numel: int, block: int | None) -> t
         per_byte = _byte_set_bits(packed.device).index_select(0, used.int())
         if block is None:
             return per_byte.sum().reshape(1)
-        bits_per_row = block // 8
-        return torch.nn.functional.pad(per_byte, (0, -per_byte.numel() % bits_per_row)).view(-1, bits_per_row).sum(1)
+        bytes_per_row = block // 8
+        return torch.nn.functional.pad(per_byte, (0, -per_byte.numel() % bytes_per_row)).view(-1, bytes_per_row).sum(1)
     bits = unpack_codes(packed, 1, numel)
     return torch.count_nonzero(torch.nn.functional.pad(bits, (0, -numel % block)).view(-1, block), dim=1)
 
@@ -284,5 +284,5 @@ def stochastic_dequantize(
         first_byte = start // per_byte
         run = out[start : start + packed_bytes(count, width) * per_byte]
         gather_rows(table, indices[first_byte : first_byte + run.numel() // per_byte], run.view(-1, per_byte))
-        scale_by_block_(run[:count], steps, numel if chunk_size is None else chunk_size, start)
+        scale_by_block_(run[:count], steps, chunk_size or numel, start)
     return out[:numel]
