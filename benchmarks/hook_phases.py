@@ -23,11 +23,19 @@ and the bucket's total::
 
     taskset -c 0 python -m benchmarks.hook_phases --models resnet18 \
         --codec onebit --codec "onebit exchange=two_phase" --codec "qsgd exchange=two_phase"
+
+``--ops`` counts, for each codec, the torch ops one step of the bucket dispatches (views excluded:
+each other op is about one kernel launch on a GPU, where a launch costs microseconds whatever its
+size), and how many of them the model's small tensors (under :data:`SMALL` elements) account for:
+the same step's count on a bucket of the large tensors only, subtracted. A count, not a time: it
+shows from a CPU what per-tensor work would cost in launches.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import platform
 import statistics
 import time
@@ -35,6 +43,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.compressors import parse_row
 from benchmarks.netbench.models import gradient_shapes
@@ -50,6 +59,8 @@ from lightning_gc.momentum import MomentumSpec
 from lightning_gc.pipeline import Timeline, run_bucket
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+SMALL = 4096
+"""Tensors with fewer elements than this are "small" in ``--ops`` (ResNet-18: its biases and norms)."""
 PHASES = ("screen", "compensate", "encode", "commit", "decode")
 REFERENCES = ("screen: isfinite().all()", "search: row maxima", "search: abs+ge+nonzero")
 
@@ -146,6 +157,60 @@ def measure_codec(
     return {phase: statistics.median(values) for phase, values in times.items()}
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched while it is active, views excluded (they launch no kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's signature)
+        if not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(shapes: list[tuple[int, ...]], codec: tuple[str, dict[str, object]], world_size: int) -> int:
+    """Ops (views excluded) one step of a bucket of ``shapes`` dispatches, after two warm-up steps."""
+    layout = layout_of_shapes(shapes)
+    memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
+    compressor = create(codec[0], **codec[1])
+    grad = torch.empty(layout.numel)
+    bucket = memory.bucket(layout, grad)
+    counter = _OpCounter()
+    for step in range(3):
+        grad.copy_(torch.randn(layout.numel, generator=torch.Generator().manual_seed(step)))
+        with counter if step == 2 else contextlib.nullcontext():
+            run_bucket(
+                compressor, memory, bucket, grad, layout, LocalExchange(world_size), step=step, world_size=world_size
+            ).averaged.wait()
+    return counter.count
+
+
+def count_ops(
+    shapes: list[tuple[int, ...]], codec: tuple[str, dict[str, object]], world_size: int = 2
+) -> tuple[int, int]:
+    """(ops of one step of tensors of ``shapes`` as one bucket, of those the ones its small tensors add)."""
+    every = _ops_per_step(shapes, codec, world_size)
+    large = _ops_per_step([s for s in shapes if math.prod(s) >= SMALL], codec, world_size)
+    return every, every - large
+
+
+def ops_markdown(model: str, counts: dict[str, tuple[int, int]]) -> str:
+    """One row per codec: ops per step, and the share the small tensors take."""
+    shapes = gradient_shapes(model)
+    small = [math.prod(s) for s in shapes if math.prod(s) < SMALL]
+    total = sum(math.prod(s) for s in shapes)
+    lines = [
+        f"| {model} | ops per step | of them for the {len(small)} of {len(shapes)} tensors under {SMALL} elements "
+        f"({100 * sum(small) / total:.2f} % of the elements) |",
+        "|---|---|---|",
+    ]
+    for label, (every, of_small) in counts.items():
+        lines.append(f"| {label} | {every} | {of_small} ({100 * of_small / max(every, 1):.0f} %) |")
+    return "\n".join(lines)
+
+
 def codec_markdown(model: str, results: dict[str, dict[str, float]]) -> str:
     """One row per codec, one column per phase seen (ms), then the total."""
     phases = list(dict.fromkeys(p for timings in results.values() for p in timings if p != "total")) + ["total"]
@@ -180,11 +245,16 @@ def main() -> None:
         help='"NAME KEY=VALUE ...": time this compressor instead (repeatable)',
     )
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--ops", action="store_true", help="with --codec: count ops per step instead of timing")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.codec:
         for model in args.models:
             labels = [" ".join([name, *(f"{k}={v}" for k, v in kwargs.items())]) for name, kwargs in args.codec]
+            if args.ops:
+                shapes = gradient_shapes(model)
+                print(ops_markdown(model, {label: count_ops(shapes, c) for label, c in zip(labels, args.codec)}))
+                continue
             print(
                 codec_markdown(
                     model, {label: measure_codec(model, c, args.repeats) for label, c in zip(labels, args.codec)}
