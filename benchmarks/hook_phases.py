@@ -34,7 +34,6 @@ shows from a CPU what per-tensor work would cost in launches.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import platform
 import statistics
@@ -171,19 +170,15 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _ops_per_step(shapes: list[tuple[int, ...]], codec: tuple[str, dict[str, object]], world_size: int) -> int:
-    """Ops (views excluded) one step of a bucket of ``shapes`` dispatches, after two warm-up steps."""
+    """Ops (views excluded) of one step of a bucket of ``shapes`` (:func:`_timed_steps`' fourth:
+    the first three fill buffers and plans), the gradient's copy into the bucket included."""
     layout = layout_of_shapes(shapes)
     memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
-    compressor = create(codec[0], **codec[1])
-    grad = torch.empty(layout.numel)
-    bucket = memory.bucket(layout, grad)
-    counter = _OpCounter()
-    for step in range(3):
-        grad.copy_(torch.randn(layout.numel, generator=torch.Generator().manual_seed(step)))
-        with counter if step == 2 else contextlib.nullcontext():
-            run_bucket(
-                compressor, memory, bucket, grad, layout, LocalExchange(world_size), step=step, world_size=world_size
-            ).averaged.wait()
+    gradients = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))]
+    steps = _timed_steps(layout, gradients, create(codec[0], **codec[1]), memory, 2, world_size)
+    next(steps)
+    with _OpCounter() as counter:
+        next(steps)
     return counter.count
 
 
@@ -196,9 +191,8 @@ def count_ops(
     return every, every - large
 
 
-def ops_markdown(model: str, counts: dict[str, tuple[int, int]]) -> str:
-    """One row per codec: ops per step, and the share the small tensors take."""
-    shapes = gradient_shapes(model)
+def ops_markdown(model: str, shapes: list[tuple[int, ...]], counts: dict[str, tuple[int, int]]) -> str:
+    """One row per codec: ops per step, and the share the small tensors (of ``model``'s ``shapes``) take."""
     small = [math.prod(s) for s in shapes if math.prod(s) < SMALL]
     total = sum(math.prod(s) for s in shapes)
     lines = [
@@ -253,7 +247,9 @@ def main() -> None:
             labels = [" ".join([name, *(f"{k}={v}" for k, v in kwargs.items())]) for name, kwargs in args.codec]
             if args.ops:
                 shapes = gradient_shapes(model)
-                print(ops_markdown(model, {label: count_ops(shapes, c) for label, c in zip(labels, args.codec)}))
+                print(
+                    ops_markdown(model, shapes, {label: count_ops(shapes, c) for label, c in zip(labels, args.codec)})
+                )
                 continue
             print(
                 codec_markdown(
