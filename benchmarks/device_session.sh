@@ -8,9 +8,11 @@
 #
 #     bash benchmarks/device_session.sh OUT_DIR [BUDGET_S] [SECTION...]      (as root)
 #
-# SECTION as netbench_host.sh takes them; default: hierarchy two_phase delay, in that order (the
-# open targets first). A section starts only if its time limit fits in what is left of BUDGET_S
-# (default 540 s), so the command ends inside the device tool's limit; skipped sections are named.
+# SECTION as netbench_host.sh takes them (NAME or NAME@RATE); default: two_phase@1gbit
+# hierarchy@1gbit delay, in that order. A section starts only if its time limit (40 s per netbench
+# run) fits in what is left of BUDGET_S (default 540 s), so the command ends inside the device
+# tool's limit; skipped sections are named. One call fits about 13 runs: one whole section, or two
+# one-link ones.
 # OUT_DIR gets at most 8 files, as the device tool returns them: gpu.txt and netbench.txt (what
 # each printed), each section's table (<section>-table.md), and session.tar.gz with every log,
 # result and records file. Exit status: the GPU checks' failures plus the sections'.
@@ -26,7 +28,7 @@ OUT=${1:?usage: bash benchmarks/device_session.sh OUT_DIR [BUDGET_S] [SECTION...
 BUDGET=${2:-540}
 shift $(($# < 2 ? $# : 2))
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(hierarchy two_phase delay)
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(two_phase@1gbit hierarchy@1gbit delay)
 here=$(cd "$(dirname "$0")" && pwd)
 scratch=$(mktemp -d)
 mkdir -p "$OUT" "$scratch/gpu" "$scratch/netbench"
