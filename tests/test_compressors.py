@@ -56,6 +56,7 @@ def test_arguments_go_to_the_compressor_or_to_ddp() -> None:
         ({"compressor": "qsgd", "levels": 1}, "`levels` must be an integer in [2, 127], got 1"),
         ({"compressor": "powersgd", "rank": 0}, "`rank` must be an integer >= 1, got 0"),
         ({"compressor": "signsgd", "chunk_size": 4}, "`chunk_size` must be an integer >= 8, got 4"),
+        ({"compressor": "onebit", "min_compress_numel": 0}, "`min_compress_numel` must be an integer >= 1, got 0"),
         ({"compressor": "fft", "bits": 3}, "`bits` must be one of [4, 8, 16], got 3"),
     ],
 )
@@ -188,9 +189,9 @@ def test_signsgd_sends_scaled_signs_per_tensor_or_chunk() -> None:
     layout, _ = _layout_and_params([(33, 3)])
     x = torch.randn(layout.numel)
     x[0] = 0.0
-    decoded, _, _ = _round_trip(create("signsgd"), x, layout, step=0)
+    decoded, _, _ = _round_trip(create("signsgd", min_compress_numel=99), x, layout, step=0)
     torch.testing.assert_close(decoded, torch.where(x < 0, -x.abs().mean(), x.abs().mean()))
-    decoded, _, sent = _round_trip(create("signsgd", chunk_size=16), x, layout, step=0)
+    decoded, _, sent = _round_trip(create("signsgd", chunk_size=16, min_compress_numel=99), x, layout, step=0)
     for start in range(0, 99, 16):  # 6 full chunks and a tail of 3
         part = x[start : start + 16]
         torch.testing.assert_close(
@@ -204,7 +205,7 @@ def test_onebit_rebuilds_each_sign_from_the_mean_of_its_side() -> None:
     x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(3))
     x[5] = 0.0  # zero counts as non-negative
     for chunk in (None, 32):
-        decoded, _, _ = _round_trip(create("onebit", chunk_size=chunk), x, layout, step=0)
+        decoded, _, _ = _round_trip(create("onebit", chunk_size=chunk, min_compress_numel=1), x, layout, step=0)
         size = chunk or layout.numel
         for start in range(0, layout.numel, size):
             part = x[start : start + size]
@@ -335,7 +336,7 @@ def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> 
 
     layout, _ = _layout_and_params([(4, 4)])
     velocity = torch.full((layout.numel,), 40_000.0, dtype=torch.float16)
-    compressor = create(name)
+    compressor = create(name) if name == "bf16" else create(name, min_compress_numel=1)  # quantised, not dense
     out = torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, EncodeContext(layout, step=0, world_size=2, rank=0))
     assert encoded.dense_sent is None or encoded.dense_sent.isfinite().all()
@@ -349,8 +350,33 @@ def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> 
 def test_qsgd_scales_by_a_norm_beyond_float32_without_decoding_nan() -> None:
     layout, _ = _layout_and_params([(2, 2)])
     velocity = torch.tensor([3e19, 3e19, -1.5e19, 0.0])  # ||x||^2 overflows float32
-    out, encoded, _ = _round_trip(create("qsgd"), velocity, layout, 0)
+    out, encoded, _ = _round_trip(create("qsgd", min_compress_numel=1), velocity, layout, 0)
     assert out.isfinite().all() and encoded.dense_sent.isfinite().all()  # not 0 * inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", ["onebit", "signsgd", "qsgd", "terngrad"])
+def test_quantisers_send_one_dimensional_and_small_tensors_exactly(name: str, dtype: torch.dtype) -> None:
+    """Biases and norms (1-D) and tensors under ``min_compress_numel`` travel as float32 values after
+    the codes: decoded exactly, and memory keeps nothing of them. The other tensors are quantised
+    as when every tensor is, and the payload is their codes plus 4 bytes per dense element."""
+    shapes = [(40, 30), (30,), (5, 6), (20, 20), (7,)]
+    layout, _ = _layout_and_params(shapes)
+    x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(4)).to(dtype)
+    compressor = create(name, min_compress_numel=400)  # quantises (40, 30) and (20, 20)
+    out, encoded, sent = _round_trip(compressor, x.clone(), layout, step=3)
+    every_2d, _, _ = _round_trip(create(name, min_compress_numel=1), x.clone(), layout, step=3)
+    for segment, shape in zip(layout.segments, shapes):
+        if len(shape) == 1 or segment.numel < 400:
+            assert torch.equal(segment.of(out), segment.of(x)), shape
+            assert torch.equal(segment.of(encoded.dense_sent), segment.of(x)), shape
+        else:
+            assert torch.equal(segment.of(out), segment.of(every_2d)), shape  # the same codes and seeds
+            assert not torch.equal(segment.of(out), segment.of(x)), shape
+    quantised_only, _ = _layout_and_params([(40, 30), (20, 20)])
+    dense_numel = 30 + 30 + 7
+    assert sent == create(name, min_compress_numel=1).wire_bytes(quantised_only, 4) + 4 * dense_numel
+    assert sent == compressor.wire_bytes(layout, x.element_size())
 
 
 # ------------------------------------------------------------------ plans: rebuilt whenever what they depend on changes
@@ -395,6 +421,7 @@ def _same_as_fresh(used, name: str, velocity: torch.Tensor, layout, world: int, 
         ("topk", {"min_compress_numel": 1024}, {"min_compress_numel": 8}),  # was ignored by the sparse plan
         ("signsgd", {"chunk_size": 16}, {"chunk_size": 64}),  # was ignored by the quantisers' plan
         ("onebit", {"chunk_size": None}, {"chunk_size": 8}),
+        ("qsgd", {"min_compress_numel": 1024}, {"min_compress_numel": 8}),
         ("powersgd", {"rank": 1}, {"rank": 2}),  # was ignored by PowerSGD's plan
         ("powersgd", {"min_compression_rate": 2.0}, {"min_compression_rate": 100.0}),
     ],

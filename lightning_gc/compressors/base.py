@@ -280,6 +280,61 @@ class DensePart:
         out.index_copy_(0, self.positions, mean)
 
 
+@dataclass(frozen=True)
+class DenseBlock:
+    """Whole tensors carried inside a payload as one block of float32 values, from byte ``start``
+    (a multiple of 4): the values of ``segments``, one after the other in segment order.
+
+    Float32 holds every fp16, bf16 and float32 value exactly, so those leave exactly: what
+    receivers decode equals the velocity, and error feedback keeps nothing of them. Encoding is
+    one gather and decoding one scatter-add over all the segments, however many there are (a
+    model's dozens of biases and norms would otherwise cost a few ops each, which on a GPU are
+    kernel launches). The gather's positions are built once per device.
+    """
+
+    segments: tuple[Segment, ...]
+    start: int
+    _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return sum(segment.numel for segment in self.segments)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.numel
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """The bucket positions (int64) of the block's values, in block order."""
+        cached = self._positions.get(device)
+        if cached is None:
+            ranges = [torch.arange(s.start, s.stop, device=device) for s in self.segments]
+            cached = torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64, device=device)
+            self._positions[device] = cached
+        return cached
+
+    def values_in(self, payload: torch.Tensor) -> torch.Tensor:
+        """The block's float32 view inside ``payload`` (uint8)."""
+        return payload[self.start : self.start + self.nbytes].view(torch.float32)
+
+    def encode(self, values: torch.Tensor, payload: torch.Tensor, decoded: torch.Tensor) -> None:
+        """Copy the segments of ``values`` (bucket-sized) into the block of ``payload``, and what
+        receivers will read (the float32 values, in ``decoded``'s dtype) into ``decoded``."""
+        if not self.numel:
+            return
+        block, positions = self.values_in(payload), self.positions(values.device)
+        if values.dtype == torch.float32:
+            torch.index_select(values, 0, positions, out=block)
+        else:
+            block.copy_(values.index_select(0, positions))
+        decoded.index_copy_(0, positions, block.to(decoded.dtype))
+
+    def add_into(self, payload: torch.Tensor, total: torch.Tensor) -> None:
+        """``total[segments] += `` the block's values (``total`` float32, bucket-sized)."""
+        if self.numel:
+            total.index_add_(0, self.positions(total.device), self.values_in(payload))
+
+
 def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor) -> Encoded:
     """The bucket's velocity, sent whole and exactly through one all-reduce in ``out``; the
     compressor's decode finishes it with :func:`decode_whole_bucket`."""

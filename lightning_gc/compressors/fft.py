@@ -36,6 +36,7 @@ import torch
 from lightning_gc.compressors import rangefloat
 from lightning_gc.compressors.base import (
     AdjustableRatio,
+    DenseBlock,
     DensePart,
     EncodeContext,
     Encoded,
@@ -71,7 +72,7 @@ class _SpectraLayout:
     """A payload's spectra (headers, then indices, then codes) and its dense values (float32) after them."""
 
     spectra: tuple[_Spectrum, ...]
-    dense: tuple[tuple[Segment, int], ...]  # (segment, byte offset of its float32 values)
+    dense: DenseBlock  # the dense tensors' (pieces') float32 values, after the codes
     total_k: int
 
 
@@ -140,12 +141,9 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
             spectra.append(_Spectrum(segment, k, index_start, offset, code_bytes))
             index_start += k
             offset += code_bytes
-        placed = []
-        for segment in dense:
-            placed.append((segment, offset))
-            offset += 4 * segment.numel
-        layout = _SpectraLayout(tuple(spectra), tuple(placed), total_k)
-        return ChunkFormat(segments=tuple(segments), nbytes=aligned(offset), layout=layout)
+        block = DenseBlock(tuple(dense), offset)
+        layout = _SpectraLayout(tuple(spectra), block, total_k)
+        return ChunkFormat(segments=tuple(segments), nbytes=aligned(offset + block.nbytes), layout=layout)
 
     def encode_chunk(
         self, values: torch.Tensor, fmt: ChunkFormat, payload: torch.Tensor, decoded: torch.Tensor, seed: int
@@ -167,10 +165,7 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
             spectrum_of_sent[kept] = torch.view_as_complex(rangefloat.decode(codes, head, self.bits).view(-1, 2))
             signal = torch.fft.irfft(spectrum_of_sent, n=x.numel())
             spectrum.segment.of(decoded).copy_(_within(signal, decoded.dtype))  # as receivers clamp it
-        for segment, start in layout.dense:
-            sent = payload[start : start + 4 * segment.numel].view(torch.float32)
-            sent.copy_(segment.of(values))
-            segment.of(decoded).copy_(sent)  # float32 on the wire: memory keeps a wider gradient's rounding
+        layout.dense.encode(values, payload, decoded)  # float32 on the wire: memory keeps a wider gradient's rounding
 
     def add_decoded_chunk(
         self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
@@ -181,8 +176,7 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
             coefficients.index_add_(0, *self._coefficients(payload, layout, position))
             signal = torch.fft.irfft(coefficients, n=spectrum.segment.numel)
             spectrum.segment.of(total).add_(_within(signal, dtype))
-        for segment, start in layout.dense:
-            segment.of(total).add_(payload[start : start + 4 * segment.numel].view(torch.float32))
+        layout.dense.add_into(payload, total)
 
     @staticmethod
     def _views(payload: torch.Tensor, layout: _SpectraLayout) -> tuple[torch.Tensor, torch.Tensor]:
