@@ -1,4 +1,5 @@
-"""Sparse wire formats (int32, Elias--Fano), narrow dense tensors, and ResNet-50's bytes on the wire."""
+"""Sparse wire formats (int32, Elias--Fano), narrow dense tensors, dense blocks inside payloads, and
+ResNet-50's bytes on the wire."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from lightning_gc.compressors import DGCCompressor, TopKCompressor, create
-from lightning_gc.compressors.base import EncodeContext
+from lightning_gc.compressors.base import GATHER_BELOW, DenseBlock, EncodeContext
 from lightning_gc.compressors.wire import (
     INDEX_ENCODINGS,
     EliasFanoIndices,
@@ -18,7 +19,7 @@ from lightning_gc.compressors.wire import (
     elias_fano_bits,
     low_bits,
 )
-from lightning_gc.layout import BucketLayout
+from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
 
@@ -495,3 +496,38 @@ def test_values_beyond_fp16_range_saturate_and_the_excess_stays_in_memory(encodi
         delivered += exchanged[0][0]
     assert delivered[big] == pytest.approx(1e6) and delivered[dense_position] == pytest.approx(-1e6)
     assert all(state.velocity.abs().max() < 1 for state in states)  # nothing left behind, nothing lost
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.float16])
+@pytest.mark.parametrize("values_dtype", [torch.float32, torch.bfloat16])
+def test_a_dense_block_moves_large_tensors_by_copy_and_small_ones_by_one_gather(
+    wire: torch.dtype, values_dtype: torch.dtype
+) -> None:
+    """Large tensors first, then the small ones, each group in segment order; what receivers add
+    is what the decoded values say (exact in float32, saturated and rounded in fp16)."""
+    sizes = [3, GATHER_BELOW, 7, GATHER_BELOW + 5, 1]
+    segments, start = [], 0
+    for order, numel in enumerate(sizes):
+        segments.append(Segment(name=f"p{order}", order=order, start=start, shape=(numel,)))
+        start += numel
+    numel = start
+    block = DenseBlock(tuple(segments[1:]), start=8, dtype=wire)  # the first tensor is not in it
+    assert [s.name for s in block.copied] == ["p1", "p3"] and [s.name for s in block.gathered] == ["p2", "p4"]
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(values_dtype)
+    values[start - 1] = 1e6  # beyond fp16: saturates to its largest finite value
+    payload = torch.zeros(8 + block.nbytes, dtype=torch.uint8)
+    decoded = torch.zeros(numel, dtype=values_dtype)
+    block.encode(values, payload, decoded)
+    in_block = [s.of(values) for s in (*block.copied, *block.gathered)]
+    expected_wire = torch.cat(in_block).float().clamp(-torch.finfo(wire).max, torch.finfo(wire).max).to(wire)
+    assert torch.equal(block.values_in(payload), expected_wire)
+    assert payload[:8].eq(0).all() and not decoded[: sizes[0]].any()  # nothing outside the block
+    positions = torch.cat([torch.arange(s.start, s.stop) for s in (*block.copied, *block.gathered)])
+    assert torch.equal(decoded[positions], expected_wire.to(values_dtype))  # what memory is told left
+    if wire == torch.float32:
+        assert torch.equal(decoded[sizes[0] :], values[sizes[0] :])  # float32 holds bf16 and float32 exactly
+    total = torch.ones(numel)
+    block.add_into(payload, total)
+    expected_total = torch.ones(numel)
+    expected_total[positions] += expected_wire.float()
+    assert torch.equal(total, expected_total)

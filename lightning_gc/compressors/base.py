@@ -280,21 +280,35 @@ class DensePart:
         out.index_copy_(0, self.positions, mean)
 
 
+GATHER_BELOW = 4096
+"""Tensors of a :class:`DenseBlock` with fewer elements move in one gather for all of them; larger
+ones are copied one by one, at full bandwidth (a gather also reads an int64 position per value)."""
+
+
 @dataclass(frozen=True)
 class DenseBlock:
-    """Whole tensors carried inside a payload as one block of float32 values, from byte ``start``
-    (a multiple of 4): the values of ``segments``, one after the other in segment order.
+    """Whole tensors carried inside a payload as one block of values in the wire ``dtype``, from
+    byte ``start`` (a multiple of the dtype's size): first the values of each tensor of at least
+    :data:`GATHER_BELOW` elements, then those of the smaller ones, each group in segment order.
 
-    Float32 holds every fp16, bf16 and float32 value exactly, so those leave exactly: what
-    receivers decode equals the velocity, and error feedback keeps nothing of them. Encoding is
-    one gather and decoding one scatter-add over all the segments, however many there are (a
-    model's dozens of biases and norms would otherwise cost a few ops each, which on a GPU are
-    kernel launches). The gather's positions are built once per device.
+    In float32 (the default) every fp16, bf16 and float32 value leaves exactly: what receivers
+    decode equals the velocity, and error feedback keeps nothing of it. A narrower wire dtype
+    saturates (:func:`saturating_copy_`) and rounds, and the decoded values say so. Each large
+    tensor is one copy; all the small ones together are one gather on encode and one scatter-add on
+    decode, however many there are (a model's dozens of biases and norms would otherwise cost a few
+    ops each, which on a GPU are kernel launches). The gather's positions are built once per device.
     """
 
     segments: tuple[Segment, ...]
     start: int
+    dtype: torch.dtype = torch.float32
+    copied: tuple[Segment, ...] = field(init=False)
+    gathered: tuple[Segment, ...] = field(init=False)
     _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "copied", tuple(s for s in self.segments if s.numel >= GATHER_BELOW))
+        object.__setattr__(self, "gathered", tuple(s for s in self.segments if s.numel < GATHER_BELOW))
 
     @property
     def numel(self) -> int:
@@ -302,37 +316,46 @@ class DenseBlock:
 
     @property
     def nbytes(self) -> int:
-        return 4 * self.numel
+        return self.numel * self.dtype.itemsize
 
     def positions(self, device: torch.device) -> torch.Tensor:
-        """The bucket positions (int64) of the block's values, in block order."""
+        """The bucket positions (int64) of the gathered tensors' values, in block order."""
         cached = self._positions.get(device)
         if cached is None:
-            ranges = [torch.arange(s.start, s.stop, device=device) for s in self.segments]
+            ranges = [torch.arange(s.start, s.stop, device=device) for s in self.gathered]
             cached = torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64, device=device)
             self._positions[device] = cached
         return cached
 
     def values_in(self, payload: torch.Tensor) -> torch.Tensor:
-        """The block's float32 view inside ``payload`` (uint8)."""
-        return payload[self.start : self.start + self.nbytes].view(torch.float32)
+        """The block's view inside ``payload`` (uint8), in the wire dtype."""
+        return payload[self.start : self.start + self.nbytes].view(self.dtype)
 
     def encode(self, values: torch.Tensor, payload: torch.Tensor, decoded: torch.Tensor) -> None:
         """Copy the segments of ``values`` (bucket-sized) into the block of ``payload``, and what
-        receivers will read (the float32 values, in ``decoded``'s dtype) into ``decoded``."""
-        if not self.numel:
+        receivers will read (the wire values, in ``decoded``'s dtype) into ``decoded``."""
+        block, offset = self.values_in(payload), 0
+        for segment in self.copied:
+            wire = block[offset : offset + segment.numel]
+            segment.of(decoded).copy_(saturating_copy_(wire, segment.of(values)))
+            offset += segment.numel
+        if not self.gathered:
             return
-        block, positions = self.values_in(payload), self.positions(values.device)
-        if values.dtype == torch.float32:
-            torch.index_select(values, 0, positions, out=block)
+        tail, positions = block[offset:], self.positions(values.device)
+        if values.dtype == self.dtype:
+            torch.index_select(values, 0, positions, out=tail)
         else:
-            block.copy_(values.index_select(0, positions))
-        decoded.index_copy_(0, positions, block.to(decoded.dtype))
+            saturating_copy_(tail, values.index_select(0, positions))
+        decoded.index_copy_(0, positions, tail.to(decoded.dtype))
 
     def add_into(self, payload: torch.Tensor, total: torch.Tensor) -> None:
-        """``total[segments] += `` the block's values (``total`` float32, bucket-sized)."""
-        if self.numel:
-            total.index_add_(0, self.positions(total.device), self.values_in(payload))
+        """``total[segments] += `` the block's values (``total`` bucket-sized)."""
+        block, offset = self.values_in(payload), 0
+        for segment in self.copied:
+            segment.of(total).add_(block[offset : offset + segment.numel])
+            offset += segment.numel
+        if self.gathered:
+            total.index_add_(0, self.positions(total.device), block[offset:].to(total.dtype))
 
 
 def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor) -> Encoded:

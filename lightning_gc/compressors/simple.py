@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from lightning_gc.compressors.base import (
+    DenseBlock,
     EncodeContext,
     Encoded,
     PlannedCompressor,
@@ -40,30 +41,19 @@ class _DenseChunks(TwoPhaseExchange):
         return dtype
 
     def chunk_format(self, segments: Sequence[Segment], dtype: torch.dtype) -> ChunkFormat:
-        """The segments' values back to back in the wire dtype (``layout``: that dtype)."""
-        wire = self.chunk_wire_dtype(dtype)
-        return ChunkFormat(
-            segments=tuple(segments), nbytes=aligned(sum(s.numel for s in segments) * wire.itemsize), layout=wire
-        )
-
-    def _wire_runs(self, payload: torch.Tensor, fmt: ChunkFormat) -> Iterator[tuple[Segment, torch.Tensor]]:
-        """Each segment with its run of the payload, viewed in the wire dtype."""
-        offset, itemsize = 0, fmt.layout.itemsize
-        for segment in fmt.segments:
-            yield segment, payload[offset : offset + segment.numel * itemsize].view(fmt.layout)
-            offset += segment.numel * itemsize
+        """The segments' values back to back in the wire dtype (``layout``: their :class:`DenseBlock`)."""
+        block = DenseBlock(tuple(segments), 0, self.chunk_wire_dtype(dtype))
+        return ChunkFormat(segments=tuple(segments), nbytes=aligned(block.nbytes), layout=block)
 
     def encode_chunk(
         self, values: torch.Tensor, fmt: ChunkFormat, payload: torch.Tensor, decoded: torch.Tensor, seed: int
     ) -> None:
-        for segment, wire in self._wire_runs(payload, fmt):
-            segment.of(decoded).copy_(saturating_copy_(wire, segment.of(values)))
+        fmt.layout.encode(values, payload, decoded)
 
     def add_decoded_chunk(
         self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
     ) -> None:
-        for segment, wire in self._wire_runs(payload, fmt):
-            segment.of(total).add_(wire)
+        fmt.layout.add_into(payload, total)
 
 
 @register

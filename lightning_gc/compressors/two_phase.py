@@ -188,8 +188,7 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         rows = plan.scattered.view(context.world_size, -1)
         for chunk, fmt in enumerate(plan.formats):
             if chunk == context.rank:  # stays here: enters the mean exactly (_server_round)
-                for piece in fmt.segments:
-                    piece.of(plan.own_decoded).copy_(piece.of(velocity))
+                _copy_pieces(fmt.segments, plan.own_decoded, velocity)
                 continue
             seed = encode_seed(context.step, context.rank, chunk)
             self.encode_chunk(velocity, fmt, rows[chunk, : fmt.nbytes], plan.own_decoded, seed)
@@ -208,23 +207,21 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         error, re-encode, keep what re-encoding dropped; the payload goes to every rank."""
         rank, world_size = context.rank, context.world_size
         fmt = plan.formats[rank]
-        for piece in fmt.segments:
-            piece.of(plan.total).copy_(piece.of(plan.own_decoded))  # this rank's own values, exact
+        _copy_pieces(fmt.segments, plan.total, plan.own_decoded)  # this rank's own values, exact
         for sender, row in enumerate(plan.received.view(world_size, -1)):
             if sender != rank:
                 self.add_decoded_chunk(row[: fmt.nbytes], fmt, plan.total, plan.own_decoded.dtype)
-        for piece in fmt.segments:
-            torch.div(piece.of(plan.total), world_size, out=piece.of(plan.chunk_values))
+        # the mean in float32, then in the velocity's dtype
+        _copy_pieces(fmt.segments, plan.chunk_values, torch._foreach_div(_views(fmt.segments, plan.total), world_size))
         # a parameter no rank used: DDP drops what is decoded for it, so its server error stays out
         fed = [piece for piece in fmt.segments if piece.name not in context.unused]
-        if plan.server is not None:
-            for piece in fed:
-                piece.of(plan.chunk_values).add_(piece.of(plan.server))
+        if plan.server is not None and fed:
+            torch._foreach_add_(_views(fed, plan.chunk_values), _views(fed, plan.server))
         seed = encode_seed(context.step, world_size + rank, rank)
         self.encode_chunk(plan.chunk_values, fmt, plan.server_payload[: fmt.nbytes], plan.chunk_decoded, seed)
-        if plan.server is not None:
-            for piece in fed:
-                torch.sub(piece.of(plan.chunk_values), piece.of(plan.chunk_decoded), out=piece.of(plan.server))
+        if plan.server is not None and fed:
+            errors = torch._foreach_sub(_views(fed, plan.chunk_values), _views(fed, plan.chunk_decoded))
+            _copy_pieces(fed, plan.server, errors)
         plan.owner = rank
         return Encoded(
             gathered=plan.server_payload,
@@ -247,8 +244,7 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         reuse = plan.owner if plan.chunk_decoded.dtype == torch.float32 else -1
         for chunk, (row, fmt) in enumerate(zip(plan.gathered.view(world_size, -1), plan.formats)):
             if chunk == reuse:
-                for piece in fmt.segments:
-                    piece.of(total).copy_(piece.of(plan.chunk_decoded))
+                _copy_pieces(fmt.segments, total, plan.chunk_decoded)
             else:
                 self.add_decoded_chunk(row[: fmt.nbytes], fmt, total, out.dtype)
         if total is not out:
@@ -302,6 +298,19 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
                 )
         self._server.load_state_dict(server)
         self._two_phase_plans.clear()  # plans hold views of the replaced buffers
+
+
+def _views(pieces: Sequence[Segment], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each piece's view of the bucket-sized ``flat``."""
+    return [piece.of(flat) for piece in pieces]
+
+
+def _copy_pieces(pieces: Sequence[Segment], into: torch.Tensor, source: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    """``into[piece] <- source[piece]`` for every piece (``source`` bucket-sized, or one tensor per
+    piece), in one multi-tensor op: on a GPU one launch for a chunk's dozens of pieces."""
+    if pieces:
+        sources = _views(pieces, source) if isinstance(source, torch.Tensor) else list(source)
+        torch._foreach_copy_(_views(pieces, into), sources)
 
 
 def two_phase_compressors() -> list[str]:
