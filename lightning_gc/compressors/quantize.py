@@ -8,10 +8,10 @@ Payload per rank and bucket (all-gathered, the same size on every rank)::
 A quantised tensor has one block of scales, or one per ``chunk_size`` elements where the
 compressor takes ``chunk_size``. Each tensor's codes start on a byte boundary. As in DGC (§3) and
 the other compressors, 1-D tensors (biases, norms) and those under ``min_compress_numel`` elements
-are not quantised: they travel as float32 values in one block (:class:`~lightning_gc.compressors.
-base.DenseBlock`) and leave exactly. They are a small part of the bytes (0.09 % of ResNet-18's
-gradient), but quantised one by one they took half of the codec's ops. Decoding sums every rank's
-values and divides by the world size.
+are not quantised: they leave exactly, as float32 values in one block
+(:class:`~lightning_gc.compressors.base.DenseBlock`). They are a small part of the bytes (0.09 % of
+ResNet-18's gradient), but quantised one by one they took half of the codec's ops. Decoding sums
+every rank's values and divides by the world size.
 
 * ``qsgd`` (Alistarh et al. 2017): ``x -> ||x||_2 * sign(x) * l / s`` with the level ``l`` rounded
   stochastically so that the result is unbiased; ``s`` = ``levels``; the norm is taken per chunk
