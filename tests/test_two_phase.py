@@ -272,6 +272,21 @@ def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
         resumed[0].load_state_dict({"residual": {}})
 
 
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_a_rank_whose_chunk_holds_no_piece_still_takes_part(name: str) -> None:
+    """Four ranks, tensors of 3 and 2 elements: chunk 3 holds nothing (pieces of one element go to
+    chunks 0-2). That rank sends and owns nothing of its own, and every rank decodes the mean."""
+    layout, world_size = make_layout([(3,), (2,)]), 4
+    assert [len(pieces_of(layout, j, world_size)) for j in range(world_size)] == [2, 2, 1, 0]
+    feedback = {"server_feedback": True} if name not in ("fp16", "bf16", "none") else {}
+    compressors = [registry.create(name, exchange="two_phase", **feedback) for _ in range(world_size)]
+    velocities = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+    outs, _, _, _ = simulate(compressors, [v.clone() for v in velocities], layout, step=0)
+    tolerance = {"fp16": 1e-3, "bf16": 1e-2}.get(name, 1e-6)  # the others send 1-D tensors exactly
+    for out in outs:
+        torch.testing.assert_close(out, sum(velocities) / world_size, rtol=tolerance, atol=tolerance)
+
+
 def test_two_phase_bytes_sent_count_what_leaves_in_both_phases() -> None:
     layout, world_size = make_layout(), 4
     compressors = [registry.create("terngrad", exchange="two_phase") for _ in range(world_size)]

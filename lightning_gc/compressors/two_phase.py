@@ -211,8 +211,9 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         for sender, row in enumerate(plan.received.view(world_size, -1)):
             if sender != rank:
                 self.add_decoded_chunk(row[: fmt.nbytes], fmt, plan.total, plan.own_decoded.dtype)
-        # the mean in float32, then in the velocity's dtype
-        _copy_pieces(fmt.segments, plan.chunk_values, torch._foreach_div(_views(fmt.segments, plan.total), world_size))
+        if fmt.segments:  # the mean in float32, then in the velocity's dtype (a chunk may hold no piece)
+            means = torch._foreach_div(_views(fmt.segments, plan.total), world_size)
+            _copy_pieces(fmt.segments, plan.chunk_values, means)
         # a parameter no rank used: DDP drops what is decoded for it, so its server error stays out
         fed = [piece for piece in fmt.segments if piece.name not in context.unused]
         if plan.server is not None and fed:
