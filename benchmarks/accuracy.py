@@ -197,6 +197,12 @@ def cifar10_task(data: Path, epochs: int, train_size: int) -> Task:
                 "resnet20_cifar10_dense",
                 ("seed=1", *ONEBIT, *NOT_FED, *CORRECTED),
             ),
+            # the quantisers send 1-D and small tensors dense by default: which of the two pays
+            Run(
+                "onebit, only 1-D tensors dense, seed 0",
+                "resnet20_cifar10_dense",
+                ("seed=0", *ONEBIT, "strategy.min_compress_numel=1"),
+            ),
         ),
         overrides=shared,
     )
