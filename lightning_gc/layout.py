@@ -16,6 +16,7 @@ shaped like the parameter; ``reshape(-1)`` and ``view_as`` would pair the wrong 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +123,13 @@ class BucketLayout:
     def matches(self, params: list[torch.Tensor]) -> bool:
         """Whether ``params`` are exactly this layout's parameters, in the same order."""
         return len(params) == len(self.param_ids) and all(id(p) == i for p, i in zip(params, self.param_ids))
+
+
+def segment_positions(segments: Sequence[Segment], device: torch.device) -> torch.Tensor:
+    """The bucket positions (int64) of every element of ``segments``, in segment order."""
+    if not segments:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return torch.cat([torch.arange(s.start, s.stop, device=device) for s in segments])
 
 
 def piece_bounds(numel: int, chunk: int, chunks: int) -> tuple[int, int]:

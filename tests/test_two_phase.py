@@ -12,7 +12,7 @@ from conftest import layout_of
 from lightning_gc import GradientCompressionStrategy
 from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.compressors import registry
-from lightning_gc.compressors.base import EncodeContext, Encoded
+from lightning_gc.compressors.base import EncodeContext, Encoded, compressible
 from lightning_gc.compressors.two_phase import EXCHANGES, two_phase_compressors
 from lightning_gc.exchange import traffic_bytes
 from lightning_gc.layout import BucketLayout, Segment
@@ -98,7 +98,7 @@ def test_onebit_two_phase_follows_the_rule_with_worker_and_server_error_feedback
     chunks = [pieces_of(layout, j, world_size) for j in range(world_size)]
     all_pieces = sorted(p for chunk in chunks for p in chunk)
     assert sum(b - a for a, b in all_pieces) == numel and all_pieces[0][0] == 0  # the chunks partition the bucket
-    quantised = [s for s in layout.segments if len(s.shape) > 1 and s.numel >= 64]
+    quantised = [s for s in layout.segments if compressible(s, 64)]
     assert [s.shape for s in quantised] == [(30, 20), (16, 16)]
     all_pieces = sorted(p for j in range(world_size) for p in pieces_of(layout, j, world_size, quantised))
     compressors = [

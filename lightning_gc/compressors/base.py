@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.layout import BucketLayout, Segment, segment_positions
 from lightning_gc.validation import check_range
 
 
@@ -240,8 +240,7 @@ class DensePart:
         the wire dtype of a buffer made here (default: ``like``'s)."""
         if not segments:
             return None
-        positions = torch.cat([torch.arange(s.start, s.stop, device=like.device) for s in segments])
-        return DensePart.over(positions, like, values, dtype)
+        return DensePart.over(segment_positions(segments, like.device), like, values, dtype)
 
     @staticmethod
     def over(
@@ -302,17 +301,15 @@ class DenseBlock:
     segments: tuple[Segment, ...]
     start: int
     dtype: torch.dtype = torch.float32
+    numel: int = field(init=False)
     copied: tuple[Segment, ...] = field(init=False)
     gathered: tuple[Segment, ...] = field(init=False)
     _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", sum(segment.numel for segment in self.segments))
         object.__setattr__(self, "copied", tuple(s for s in self.segments if s.numel >= GATHER_BELOW))
         object.__setattr__(self, "gathered", tuple(s for s in self.segments if s.numel < GATHER_BELOW))
-
-    @property
-    def numel(self) -> int:
-        return sum(segment.numel for segment in self.segments)
 
     @property
     def nbytes(self) -> int:
@@ -322,9 +319,7 @@ class DenseBlock:
         """The bucket positions (int64) of the gathered tensors' values, in block order."""
         cached = self._positions.get(device)
         if cached is None:
-            ranges = [torch.arange(s.start, s.stop, device=device) for s in self.gathered]
-            cached = torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64, device=device)
-            self._positions[device] = cached
+            cached = self._positions[device] = segment_positions(self.gathered, device)
         return cached
 
     def values_in(self, payload: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ import torch
 
 from lightning_gc.compressors.base import DensePart, EncodeContext, Encoded, PeerTransfer
 from lightning_gc.compressors.wire import SparseWireFormat
-from lightning_gc.layout import Segment
+from lightning_gc.layout import Segment, segment_positions
 
 EXCHANGES = ("gather", "global_topk")
 """``exchange`` choices of the sparse compressors: every rank's pairs all-gathered, or the
@@ -203,8 +203,7 @@ class GlobalTopKPlan:
         slots = CandidateSlots.of(compressed, device)
         total = slots.total
         nbytes = wire.payload_bytes(total, universe)
-        dense_positions = [torch.arange(s.start, s.stop, device=device) for s in dense]
-        positions = torch.cat([torch.zeros(total, dtype=torch.int64, device=device), *dense_positions])
+        positions = torch.cat([torch.zeros(total, dtype=torch.int64, device=device), segment_positions(dense, device)])
         return GlobalTopKPlan(
             slots=slots,
             wire=wire,

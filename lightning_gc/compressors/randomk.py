@@ -21,7 +21,7 @@ import torch
 from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.rng import counter_uniform
-from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.layout import BucketLayout, Segment, segment_positions
 from lightning_gc.validation import check_bool, check_int
 
 _SEED_STEP = 1_000_003
@@ -87,7 +87,7 @@ class RandomKCompressor(AdjustableRatio, PlannedCompressor[_RandomKPlan]):
             compressed.append((segment, slots, blocks))
             slots += blocks
         cat = lambda parts, dtype: torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)  # noqa: E731
-        dense_positions = cat([torch.arange(s.start, s.stop, device=device) for s in dense], torch.int64)
+        dense_positions = segment_positions(dense, device)
         return _RandomKPlan(
             compressed=tuple(compressed),
             block_starts=cat(starts, torch.int64),

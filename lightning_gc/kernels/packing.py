@@ -59,8 +59,9 @@ def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
     return out
 
 
-_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""The integer dtype of a word of this many bytes (:func:`gathered_bytes`)."""
+_ONE_ELEMENT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
+"""The dtype whose one element is this many bytes: an integer word for :func:`gathered_bytes` (up
+to 8), a table row copied as one element for :func:`gather_rows`."""
 
 
 def gathered_bytes(codes: torch.Tensor, width: int) -> torch.Tensor:
@@ -81,7 +82,7 @@ def gathered_bytes(codes: torch.Tensor, width: int) -> torch.Tensor:
     if codes.storage_offset() % per_byte:  # a word view must start on a word
         codes = codes.clone()
     multiplier = sum(1 << (8 * (per_byte - 1) - k * (8 - width)) for k in range(per_byte))
-    words = codes.view(_WORD[per_byte])
+    words = codes.view(_ONE_ELEMENT[per_byte])
     return ((words * multiplier) >> (8 * (per_byte - 1))).to(torch.uint8)
 
 
@@ -94,10 +95,6 @@ def unpack_codes(packed: torch.Tensor, width: int, numel: int) -> torch.Tensor:
     return gather_rows(_byte_codes(width, packed.device), used.int(), out).view(-1)[:numel]
 
 
-_ROW_AS_ONE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
-"""The dtype whose one element holds a table row of this many bytes (:func:`gather_rows`)."""
-
-
 def gather_rows(table: torch.Tensor, indices: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[i] = table[indices[i]]`` for a contiguous ``(rows, C)`` table and ``(n, C)`` ``out``;
     returns ``out``.
@@ -106,7 +103,7 @@ def gather_rows(table: torch.Tensor, indices: torch.Tensor, out: torch.Tensor) -
     never computed on): a one-dimensional ``index_select`` of such elements runs about 4x faster on
     a CPU core than one copying short rows of a two-dimensional table.
     """
-    wide = _ROW_AS_ONE.get(table.shape[1] * table.element_size())
+    wide = _ONE_ELEMENT.get(table.shape[1] * table.element_size())
     if wide is None or not out.is_contiguous() or out.storage_offset() % table.shape[1]:
         return torch.index_select(table, 0, indices, out=out)
     torch.index_select(table.view(wide).view(-1), 0, indices, out=out.view(wide).view(-1))
