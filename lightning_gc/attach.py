@@ -167,7 +167,7 @@ def attach(
             :meth:`~AttachedCompression.step`, not directly.
         compressor: a registered name (its arguments in ``kwargs``) or a Compressor object.
         scaler: a ``torch.amp.GradScaler`` for mixed precision (the handle steps through it).
-        devices_per_node: ranks per node, for ``hierarchy="node"``/``"auto"`` (default: torchrun's
+        devices_per_node: ranks per node, for a two-level ``hierarchy`` (default: torchrun's
             ``LOCAL_WORLD_SIZE``); ranks are numbered node by node.
         **kwargs: the compressor's arguments (e.g. ``compress_ratio``) and any
             :class:`~lightning_gc.settings.CompressionSettings` field (``momentum_correction``,

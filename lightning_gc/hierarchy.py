@@ -61,9 +61,11 @@ from lightning_gc.memory import CompensationMemory
 from lightning_gc.pipeline import BucketStep, Timeline, reported, run_bucket, wait
 from lightning_gc.validation import check_choice
 
-HIERARCHIES = ("flat", "node", "auto")
-"""``hierarchy`` choices: one flat exchange over all ranks, two levels (nodes, then devices), or
-two levels when there is more than one node and more than one device per node."""
+HIERARCHIES = ("flat", "node", "node_sparse", "auto")
+"""``hierarchy`` choices: one flat exchange over all ranks; two levels (nodes, then devices) with
+a dense sum within the node; two levels with a sparse reduction within the node
+(:mod:`lightning_gc.hierarchy_sparse`, sparse compressors); or ``"node"`` when there is more than
+one node and more than one device per node."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ def resolve_hierarchy(hierarchy: str, world_size: int, rank: int, devices_per_no
     """The topology of a two-level exchange, or ``None`` for a flat one.
 
     ``devices_per_node``: ranks per node (Lightning's devices; torchrun's ``LOCAL_WORLD_SIZE``);
-    ``None`` reads ``LOCAL_WORLD_SIZE``, and is an error for ``"node"`` when that is unset too."""
+    ``None`` reads ``LOCAL_WORLD_SIZE``, and is an error for ``"node"`` and ``"node_sparse"`` when
+    that is unset too."""
     check_choice("hierarchy", hierarchy, HIERARCHIES)
     if hierarchy == "flat":
         return None
@@ -107,7 +110,7 @@ def resolve_hierarchy(hierarchy: str, world_size: int, rank: int, devices_per_no
         if hierarchy == "auto":
             return None
         raise ValueError(
-            "hierarchy='node' needs the number of devices per node: pass devices_per_node, or launch with "
+            f"hierarchy={hierarchy!r} needs the number of devices per node: pass devices_per_node, or launch with "
             "torchrun (which sets LOCAL_WORLD_SIZE)"
         )
     topology = NodeTopology.of(world_size, rank, devices_per_node)
@@ -115,9 +118,13 @@ def resolve_hierarchy(hierarchy: str, world_size: int, rank: int, devices_per_no
         if hierarchy == "auto":
             return None
         rank_zero_warn(
-            f"lightning_gc: hierarchy='node' on {topology.nodes} node(s) x {topology.per_node} device(s): "
+            f"lightning_gc: hierarchy={hierarchy!r} on {topology.nodes} node(s) x {topology.per_node} device(s): "
             + (
-                "with one node every gradient is averaged exactly within it and nothing is compressed"
+                (
+                    "with one node this is exchange='global_topk' among its devices"
+                    if hierarchy == "node_sparse"
+                    else "with one node every gradient is averaged exactly within it and nothing is compressed"
+                )
                 if topology.nodes == 1
                 else "with one device per node the two levels add nothing to the flat exchange"
             )
@@ -182,6 +189,17 @@ class NodeHierarchy:
         self.node_group = node_groups[topology.node]
         self.cross_exchange = CollectiveExchange(cross_groups[topology.local])
         self._plans: dict[int, tuple[BucketLayout, _ShardPlan]] = {}
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        """What each rank's compression state depends on, recorded in a checkpoint: (nodes,
+        devices per node), since each rank holds its piece of every tensor's residual."""
+        return self.topology.describe()
+
+    @property
+    def seed_view(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """How the memory seeds a momentum handed over (Adam's first moment): :meth:`node_sum_piece`."""
+        return self.node_sum_piece
 
     def node_sum_piece(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a whole parameter's flattened per-rank quantity, in node-sum units

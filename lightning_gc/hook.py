@@ -130,7 +130,7 @@ class CompressionHookState:
         self.hierarchy = hierarchy
         self.defer_rounds = defer_rounds
         self.rounds = RoundQueue()  # buckets whose earlier round is still in flight (defer_rounds)
-        memory.seed_view = None if hierarchy is None else hierarchy.node_sum_piece
+        memory.seed_view = None if hierarchy is None else hierarchy.seed_view
         if self.delay_line is not None:
             # the previous step's exchanges must land before the guard snapshots the compressor
             # state, and a skipped step's own before it is rolled back
@@ -191,8 +191,8 @@ class CompressionHookState:
         if self.delay_line is not None:
             self.delay_line.drain()
         state = {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
-        if self.hierarchy is not None:
-            state["hierarchy"] = self.hierarchy.topology.describe()
+        if self.hierarchy is not None and self.hierarchy.state_shape:
+            state["hierarchy"] = self.hierarchy.state_shape
         if self.delay_line is not None:
             state["delay"] = (self.delay_line.delay, self.delay_line.local_update)
             state["delayed"] = self.delay_line.state_dict()
@@ -209,7 +209,7 @@ class CompressionHookState:
                 "averages it holds belong to other steps; resume with the same delay settings"
             )
         saved_topology = tuple(state.get("hierarchy", ()))
-        topology = () if self.hierarchy is None else self.hierarchy.topology.describe()
+        topology = () if self.hierarchy is None else self.hierarchy.state_shape
         if saved_topology != topology:
             raise IncompatibleCheckpoint(
                 "the checkpoint's compression state was written with (nodes, devices per node)="

@@ -34,7 +34,8 @@ from lightning_gc.checkpoint import IncompatibleCheckpoint, gather_entry, rank_s
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.handover import HandOver, MomentumHandOver, hand_over_for
-from lightning_gc.hierarchy import NodeHierarchy, agreed_topology
+from lightning_gc.hierarchy import agreed_topology
+from lightning_gc.hierarchy_sparse import two_level_exchange
 from lightning_gc.hook import CompressionHookState, compression_hook, refuse_sparse_gradients
 from lightning_gc.layout import shaped_like
 from lightning_gc.momentum import unwrap_optimizer
@@ -96,7 +97,7 @@ class CompressionSession:
             delay=settings.delay,
             local_update=settings.local_update,
             sync_warmup_steps=settings.sync_warmup_steps or 0,  # None: a SparsityWarmup may lengthen it
-            hierarchy=None if topology is None else NodeHierarchy(topology),
+            hierarchy=None if topology is None else two_level_exchange(settings.hierarchy, topology),
         )
         verify_same_setup(self.description(ddp), ddp.process_group)
         self.take_over_pending(ddp)

@@ -19,6 +19,7 @@ from lightning_gc.compressors.base import Compressor
 from lightning_gc.guard import NONFINITE_POLICIES
 from lightning_gc.handover import ADAM_WEIGHTINGS
 from lightning_gc.hierarchy import HIERARCHIES
+from lightning_gc.hierarchy_sparse import check_sparse_hierarchy
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.policy import CompressionPolicy
 from lightning_gc.validation import check_bool, check_choice, check_int, check_range
@@ -99,6 +100,8 @@ class CompressionSettings:
 
     def check_compressor(self, compressor: Compressor) -> None:
         """Raise ``ValueError`` for a setting the compressor cannot honour."""
+        if self.hierarchy == "node_sparse":
+            check_sparse_hierarchy(compressor)
         if self.hierarchy != "flat" and compressor.needs_whole_tensors:
             raise ValueError(
                 f"`hierarchy={self.hierarchy!r}` cuts every tensor into one piece per device of a node, but "

@@ -176,8 +176,12 @@ class GradientCompressionStrategy(DDPStrategy):
             levels (:mod:`lightning_gc.hierarchy`): a dense sum within each node over its fast link,
             the compressed exchange across nodes with every device carrying ``1/devices`` of each
             bucket, then a dense all-gather within the node; residuals stay exact on the device that
-            owns each piece. ``"auto"``: two levels when there is more than one node and more than
-            one device per node. Not with ``local_update`` nor PowerSGD (which needs whole matrices).
+            owns each piece. ``"node_sparse"`` (``topk``, ``dgc``): two levels with nothing dense on
+            any link (:mod:`lightning_gc.hierarchy_sparse`): global top-k within each node, the
+            node's agreed pairs gathered across nodes (``1/devices`` of them per device), every rank
+            keeping its whole residual; for nodes whose link is not much faster than the network.
+            ``"auto"``: ``"node"`` when there is more than one node and more than one device per
+            node. Not with ``local_update`` nor PowerSGD (which needs whole matrices).
         **kwargs: the named compressor's arguments (e.g. ``compress_ratio``), and anything
             :class:`~lightning.pytorch.strategies.DDPStrategy` or ``DistributedDataParallel``
             take (e.g. ``bucket_cap_mb``, ``find_unused_parameters``, ``start_method``,

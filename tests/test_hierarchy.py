@@ -191,7 +191,9 @@ def test_topology_and_settings_are_checked_where_they_are_written(monkeypatch: p
         resolve_hierarchy("node", 8, 0, None)
     with pytest.raises(ValueError, match="devices_per_node=3 does not divide the world size 8"):
         resolve_hierarchy("node", 8, 0, 3)
-    with pytest.raises(ValueError, match=r"`hierarchy` must be one of \['flat', 'node', 'auto'\], got 'nodes'"):
+    with pytest.raises(
+        ValueError, match=r"`hierarchy` must be one of \['flat', 'node', 'node_sparse', 'auto'\], got 'nodes'"
+    ):
         DGCStrategy(hierarchy="nodes")
     with pytest.raises(ValueError, match="does not combine with local_update=True"):
         DGCStrategy(hierarchy="node", delay=1, local_update=True)

@@ -60,7 +60,7 @@ def dtype_name(argument: str, value: str | torch.dtype | None, *, optional: bool
 
 
 @dataclass
-class _SparsePlan:
+class SparsePlan:
     """Sizes and reusable buffers for one bucket layout at one compression ratio."""
 
     layout: BucketLayout
@@ -75,7 +75,7 @@ class _SparsePlan:
     global_topk: GlobalTopKPlan | None  # with exchange="global_topk" on a compressed bucket
 
 
-class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
+class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
     """Shared machinery and arguments of top-k style sparsifiers; subclasses choose the ``k`` indices.
 
     The arguments are declared here once: :class:`~lightning_gc.compressors.simple.TopKCompressor`
@@ -180,31 +180,37 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
             total_k += k
         return compressed, dense, total_k
 
-    def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
+    def wire_bytes(self, layout: BucketLayout, element_size: int, *, exchange: str | None = None) -> int:
         """The pairs' payload and the dense values; with ``exchange="global_topk"`` one merge
         round's message and the all-reduced agreed and dense values (what two ranks send: each
-        doubling of the world size adds one message)."""
+        doubling of the world size adds one message). ``exchange``: default this compressor's."""
         compressed, dense, total_k = self._split(layout)
         if not compressed:
             return layout.numel * element_size
         dense_wire_dtype = self.dense_wire_dtype
         dense_size = element_size if dense_wire_dtype is None else dense_wire_dtype.itemsize
-        summed = sum(s.numel for s in dense) + (total_k if self.exchange == "global_topk" else 0)
+        summed = sum(s.numel for s in dense) + (total_k if (exchange or self.exchange) == "global_topk" else 0)
         return self.wire.payload_bytes(total_k, layout.numel) + summed * dense_size
 
-    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _SparsePlan:
+    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> SparsePlan:
+        return self.plan_with(layout, like, world_size, exchange=self.exchange)
+
+    def plan_with(self, layout: BucketLayout, like: torch.Tensor, world_size: int, *, exchange: str) -> SparsePlan:
+        """A fresh plan of ``layout`` for ``exchange`` (one of :data:`EXCHANGES`), whatever this
+        compressor's own: a two-level exchange agrees positions within a node by global top-k
+        while the compressor gathers across nodes (:mod:`lightning_gc.hierarchy_sparse`)."""
         compressed, dense, total_k = self._split(layout)
         device = like.device
         dense_all = not compressed
         payload_bytes = self.wire.payload_bytes(total_k, layout.numel) if compressed else 0
         global_topk = None
-        if self.exchange == "global_topk" and compressed:
+        if check_choice("exchange", exchange, EXCHANGES) == "global_topk" and compressed:
             global_topk = GlobalTopKPlan.build(compressed, dense, layout.numel, self.wire, like, self.dense_wire_dtype)
             payload_bytes = 0  # the rounds have buffers of their own
         # the global top-k's all-reduce carries the dense tensors with the agreed values
         separate = not dense_all and global_topk is None
         dense_part = DensePart.of(dense, like, dtype=self.dense_wire_dtype) if separate else None
-        return _SparsePlan(
+        return SparsePlan(
             layout=layout,
             selection=SegmentedTopK(
                 starts=tuple(segment.start for segment, _, _ in compressed),
@@ -225,7 +231,12 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
-        plan = self.plan(context, velocity)
+        return self.encode_planned(self.plan(context, velocity), velocity, out, context)
+
+    def encode_planned(
+        self, plan: SparsePlan, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext
+    ) -> Encoded:
+        """:meth:`encode` with ``plan`` (from :meth:`plan_with`), not necessarily this compressor's cached one."""
         if plan.dense_all:
             return encode_whole_bucket(velocity, out)
         self.select_segments(velocity, plan.selection, context.step * _SALT_STEP, plan.sent_indices, plan.sent_values)
@@ -252,7 +263,7 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[_SparsePlan]):
         if isinstance(encoded.context, GlobalTopKPlan):
             encoded.context.decode(out, world_size)
             return
-        plan: _SparsePlan = encoded.context
+        plan: SparsePlan = encoded.context
         out.zero_()
         indices, values = self.wire.unpack(plan.gathered, world_size, plan.total_k, plan.layout.numel)
         kernels.scatter_average_(out, indices, values, world_size)

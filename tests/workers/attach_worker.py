@@ -34,7 +34,8 @@ def build(run: dict) -> tuple:
 
 def train(run: dict, rank: int) -> dict:
     """``run["steps"]`` steps; with ``"resume_after": k``, everything is rebuilt after step ``k``
-    from the state a checkpoint would hold (model, optimizer, ``gc.state_dict()``)."""
+    from the state a checkpoint would hold (model, optimizer, ``gc.state_dict()``), with
+    ``run["resume_kwargs"]`` instead of ``run["kwargs"]`` when given."""
     net, model, optimizer, gc, scaler = build(run)
     generator = torch.Generator().manual_seed(100 + rank)
     weights = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
@@ -46,6 +47,7 @@ def train(run: dict, rank: int) -> dict:
             # delayed exchange still owes to them
             saved = copy.deepcopy((net.state_dict(), optimizer.state_dict(), entry[0]))
             gc.finish()
+            run = {**run, "kwargs": run.get("resume_kwargs", run.get("kwargs", {}))}
             net, model, optimizer, gc, scaler = build(run)
             net.load_state_dict(saved[0])
             optimizer.load_state_dict(saved[1])
