@@ -13,15 +13,18 @@ one bucket with velocity ``v_r`` goes::
        G_k (k per compressed tensor); then one all-reduce of the velocities there and of the dense
        tensors' values (positions D):
            A_k = (1/L) sum_l v_(k,l)[G_k + D] ;   v_(k,l)[G_k + D] <- 0     (memory.commit)
-    2. the node's pairs P_k = (G_k + D, A_k), the same on its L ranks, cut into L equal slices:
-       local rank l all-gathers slice l of P_k among the K ranks of local rank l (slow link)
+    2. the node's pairs P_k = (G_k + D, A_k), the same on its L ranks, each part cut into L equal
+       slices: local rank l all-gathers slice l of P_k among the K ranks of local rank l (slow
+       link); G_k's positions travel with their values, D's values alone (D is every node's)
     3. within node k, all-gather of what step 2 received: every rank holds every node's pairs
     4. out = (1/K) sum_k scatter(P_k)                    (the mean over all N ranks)
 
-Slow-link traffic per node and bucket: one node's pairs, ``T = sum k + |D|`` positions and values,
-whatever ``L`` is (the flat exchange: ``L T``), each local rank carrying ``T / L`` of it so that
-every local rank's link is busy. Fast-link traffic: the merge rounds' ``k`` pairs, the all-reduce
-of ``T`` values and the all-gather of ``K T`` pairs, never the dense bucket.
+Slow-link traffic per node and bucket: one node's pairs, ``sum k`` positions and values and
+``|D|`` values, whatever ``L`` is: one flat rank's payload (the flat exchange sends ``L`` of them),
+each local rank carrying ``1/L`` of it so that every local rank's link is busy. Fast-link traffic:
+the merge rounds' ``k`` pairs, the all-reduce of ``sum k + |D|`` values and the all-gather of ``K``
+nodes' pairs; never the dense bucket, which is written once, in step 4 (step 1 reads the node mean
+where the all-reduce left it).
 
 **Nothing is lost, and memory is the flat exchange's.** Step 1 is global top-k's rule within a
 node: the values applied are the exact node mean of every rank's velocity at ``G_k``, and every
@@ -51,7 +54,8 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from lightning_gc import comm, kernels
-from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlannedCompressor
+from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlannedCompressor, mean_into
+from lightning_gc.compressors.global_topk import GlobalTopKPlan
 from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan
 from lightning_gc.exchange import CollectiveExchange
 from lightning_gc.guard import StepGuard
@@ -118,74 +122,118 @@ class AgreedWithinNode(PlannedCompressor[SparsePlan]):
         return self.sparse.encode_planned(plan, velocity, out, context)
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
-        self.sparse.decode(encoded, out, world_size=world_size)
+        """Nothing for agreed positions (:meth:`node_mean` reads the summed values where they
+        are, instead of the bucket being zeroed and written); a wholly dense bucket's mean."""
+        if not isinstance(encoded.context, GlobalTopKPlan):
+            self.sparse.decode(encoded, out, world_size=world_size)
 
-    def positions(self, layout: BucketLayout) -> torch.Tensor:
-        """The positions the last encode of ``layout`` set (the agreed ones, then the dense
-        tensors'): every position when nothing of the bucket was compressed."""
+    def node_mean(self, layout: BucketLayout, decoded: torch.Tensor, per_node: int) -> NodeMean:
+        """The node's pairs after the last exchange of ``layout`` within the node: the agreed
+        positions with the node mean there, then the dense tensors' positions and means; for a
+        bucket sent wholly dense (decoded into ``decoded``), every position."""
         plan = self.used[layout.index]
-        if plan.global_topk is not None:
-            return plan.global_topk.agreed.positions
-        every = self._every.get(layout.index)
-        if every is None or every.numel() != layout.numel or every.device != plan.sent_indices.device:
-            every = self._every[layout.index] = torch.arange(layout.numel, device=plan.sent_indices.device)
-        return every
+        if plan.global_topk is None:
+            every = self._every.get(layout.index)
+            if every is None or every.numel() != layout.numel or every.device != decoded.device:
+                every = self._every[layout.index] = torch.arange(layout.numel, device=decoded.device)
+            return NodeMean(every, decoded, agreed=0, scaled=True)
+        agreed = plan.global_topk.agreed
+        mean = mean_into(agreed.values if agreed.staging is None else agreed.staging, agreed.values, per_node)
+        return NodeMean(agreed.positions, mean, agreed=plan.global_topk.slots.total, scaled=False)
+
+
+@dataclass(frozen=True)
+class NodeMean:
+    """A node's pairs: ``means[i]`` at bucket position ``positions[i]``; the first ``agreed`` are
+    the agreed positions (new every step), the rest the dense tensors' (fixed for the plan).
+    ``scaled``: the means carry a grad scaler's scale already (a wholly dense bucket's decode)."""
+
+    positions: torch.Tensor
+    means: torch.Tensor
+    agreed: int
+    scaled: bool
+
+
+def _padded(count: int, per_node: int) -> int:
+    """Slots of one local rank's slice of ``count`` values: ``ceil(count / L)``, rounded up to
+    :data:`_ALIGN`."""
+    slots = -(-count // per_node)
+    return -(-slots // _ALIGN) * _ALIGN
 
 
 @dataclass
 class _NodePairs:
-    """One bucket's buffers for steps 2-4: this rank's slice of the node's pairs and what the two
-    all-gathers receive, each a row of ``width`` values (the gradient's dtype) then ``width``
-    int32 positions; slots past the end hold position 0 and value 0 (adding nothing)."""
+    """One bucket's buffers for steps 2-4. A row is this local rank's slice of its node's pairs:
+    ``agreed_width`` values of agreed positions and ``dense_width`` of dense ones (the gradient's
+    dtype), then the agreed positions (int32). The dense positions are the same on every node and
+    step, so they do not travel: :attr:`dense_rows` holds each local rank's. Slots past a slice's
+    end hold position 0 and value 0 (adding nothing)."""
 
-    positions: torch.Tensor  # the node's T positions (step 1's), read every step
-    low: int
-    high: int
-    width: int
+    positions: torch.Tensor  # the node's positions (NodeMean.positions), the plan's buffer
+    dtype: torch.dtype  # of the values: the gradient's
+    agreed: tuple[int, int]  # this rank's slice [low, high) of the agreed positions
+    dense: tuple[int, int]  # and of the dense ones (counted from the first dense position)
+    agreed_width: int
+    dense_width: int
+    dense_rows: torch.Tensor  # int64 L x dense_width: every local rank's dense positions
     mine: torch.Tensor  # uint8 row
     across: torch.Tensor  # uint8, K rows: slice l of every node's pairs
-    everyone: torch.Tensor  # uint8, L x K rows: every node's pairs
+    everyone: torch.Tensor  # uint8, L x K rows (local rank-major): every node's pairs
 
     @staticmethod
-    def build(positions: torch.Tensor, topology: NodeTopology, like: torch.Tensor) -> _NodePairs:
-        total, local, per_node = positions.numel(), topology.local, topology.per_node
-        width = -(-total // per_node)
-        width = -(-width // _ALIGN) * _ALIGN
-        low, high = piece_bounds(total, local, per_node)
-        row = width * (like.element_size() + 4)
-        device = like.device
+    def build(node: NodeMean, topology: NodeTopology, like: torch.Tensor) -> _NodePairs:
+        per_node, local, device = topology.per_node, topology.local, like.device
+        dense_count = node.positions.numel() - node.agreed
+        agreed_width, dense_width = _padded(node.agreed, per_node), _padded(dense_count, per_node)
+        dense_rows = torch.zeros(per_node, dense_width, dtype=torch.int64, device=device)
+        for other in range(per_node):
+            low, high = piece_bounds(dense_count, other, per_node)
+            dense_rows[other, : high - low] = node.positions[node.agreed + low : node.agreed + high]
+        row = (agreed_width + dense_width) * like.element_size() + agreed_width * 4
         return _NodePairs(
-            positions=positions,
-            low=low,
-            high=high,
-            width=width,
+            positions=node.positions,
+            dtype=like.dtype,
+            agreed=piece_bounds(node.agreed, local, per_node),
+            dense=piece_bounds(dense_count, local, per_node),
+            agreed_width=agreed_width,
+            dense_width=dense_width,
+            dense_rows=dense_rows,
             mine=torch.zeros(row, dtype=torch.uint8, device=device),
             across=torch.zeros(topology.nodes * row, dtype=torch.uint8, device=device),
             everyone=torch.zeros(per_node * topology.nodes * row, dtype=torch.uint8, device=device),
         )
 
-    def fits(self, positions: torch.Tensor, like: torch.Tensor) -> bool:
-        return self.positions is positions and self.mine.numel() == self.width * (like.element_size() + 4)
+    def fits(self, node: NodeMean, like: torch.Tensor) -> bool:
+        """Whether these buffers are for ``node``'s positions buffer and ``like``'s dtype."""
+        return self.positions is node.positions and self.dtype == like.dtype
 
-    def _fields(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(values, positions) of ``rows`` (uint8, whole rows), each rows x width."""
-        split = self.width * dtype.itemsize
+    def _fields(self, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(agreed values, dense values, agreed positions) of ``rows`` (uint8, whole rows), each
+        rows x its width."""
         table = rows.view(-1, self.mine.numel())
-        return table[:, :split].view(dtype), table[:, split:].view(torch.int32)
+        values_end = (self.agreed_width + self.dense_width) * dtype.itemsize
+        values = table[:, :values_end].view(dtype)
+        return values[:, : self.agreed_width], values[:, self.agreed_width :], table[:, values_end:].view(torch.int32)
 
-    def stage(self, node_mean: torch.Tensor) -> None:
-        """This rank's slice of the node's pairs into :attr:`mine`."""
-        values, positions = self._fields(self.mine, node_mean.dtype)
-        count = self.high - self.low
-        mine = self.positions[self.low : self.high]
-        positions[0, :count].copy_(mine)
-        torch.index_select(node_mean, 0, mine, out=values[0, :count])
+    def stage(self, node: NodeMean, scale: float | None) -> None:
+        """This rank's slice of the node's pairs into :attr:`mine`, times ``scale`` if given."""
+        agreed_values, dense_values, agreed_positions = self._fields(self.mine, self.dtype)
+        (low, high), (dense_low, dense_high) = self.agreed, self.dense
+        agreed_positions[0, : high - low].copy_(node.positions[low:high])
+        agreed_values[0, : high - low].copy_(node.means[low:high])
+        dense_values[0, : dense_high - dense_low].copy_(node.means[node.agreed + dense_low : node.agreed + dense_high])
+        if scale is not None:
+            agreed_values.mul_(scale)
+            dense_values.mul_(scale)
 
     def scatter_mean(self, out: torch.Tensor, nodes: int) -> None:
         """``out <- (1/K) sum_k scatter(P_k)`` from :attr:`everyone`."""
-        values, positions = self._fields(self.everyone, out.dtype)
+        agreed_values, dense_values, agreed_positions = self._fields(self.everyone, out.dtype)
         out.zero_()
-        kernels.scatter_average_(out, positions.reshape(-1), values.reshape(-1), nodes)
+        kernels.scatter_average_(out, agreed_positions.reshape(-1), agreed_values.reshape(-1), nodes)
+        per_node = self.dense_rows.shape[0]
+        dense_positions = self.dense_rows[:, None, :].expand(per_node, nodes, self.dense_width)
+        kernels.scatter_average_(out, dense_positions.reshape(-1), dense_values.reshape(-1), nodes)
 
 
 class SparseNodeHierarchy(NodeHierarchy):
@@ -212,10 +260,10 @@ class SparseNodeHierarchy(NodeHierarchy):
             agreement = self._agreements[id(compressor)] = AgreedWithinNode(compressor)
         return agreement
 
-    def _node_pairs(self, layout: BucketLayout, positions: torch.Tensor, like: torch.Tensor) -> _NodePairs:
+    def _node_pairs(self, layout: BucketLayout, node: NodeMean, like: torch.Tensor) -> _NodePairs:
         pairs = self._pairs.get(layout.index)
-        if pairs is None or not pairs.fits(positions, like):
-            pairs = self._pairs[layout.index] = _NodePairs.build(positions, self.topology, like)
+        if pairs is None or not pairs.fits(node, like):
+            pairs = self._pairs[layout.index] = _NodePairs.build(node, self.topology, like)
         return pairs
 
     def run(
@@ -280,13 +328,16 @@ class SparseNodeHierarchy(NodeHierarchy):
         wait(node.averaged, failure)
         target = grad if out is None else out
         timeline.start()
-        pairs = self._node_pairs(layout, agreement.positions(layout), target)
-        pairs.stage(target)
+        mean = agreement.node_mean(layout, target, topology.per_node)
+        pairs = self._node_pairs(layout, mean, target)
+        # the decode restores a grad scaler's scale (out is None), which the agreed means do not carry yet
+        pairs.stage(mean, loss_scale if out is None and not mean.scaled else None)
         timeline.mark("stage")
         with reported(failure):
             across = comm.allgather_fixed(pairs.mine, pairs.across, self.cross_exchange.group)
         timeline.mark(EXCHANGE)
-        sent = {"bytes_sent": pairs.mine.numel(), "elements_sent": pairs.high - pairs.low}
+        elements = pairs.agreed[1] - pairs.agreed[0] + pairs.dense[1] - pairs.dense[0]
+        sent = {"bytes_sent": pairs.mine.numel(), "elements_sent": elements}
         if out is None:
             wait(across, failure)
             timeline.mark(EXCHANGE)

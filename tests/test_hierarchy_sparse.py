@@ -12,7 +12,7 @@ from conftest import launch_ranks
 from lightning_gc import DGCStrategy, GradientCompressionStrategy
 from lightning_gc.compressors.registry import create
 from lightning_gc.hierarchy import NodeTopology, resolve_hierarchy
-from lightning_gc.hierarchy_sparse import _NodePairs
+from lightning_gc.hierarchy_sparse import NodeMean, _NodePairs
 from lightning_gc.settings import CompressionSettings
 
 SPARSE_NODE = {"hierarchy": "node_sparse"}
@@ -33,7 +33,7 @@ def test_sparse_node_reduction_equals_ddp_at_ratio_one_keeps_ranks_identical_and
     """At ratio 1 it is DDP (float summation order aside); DGC at 5 % keeps all four ranks
     identical, differs from the flat exchange (k positions per tensor per node) but is as close to
     DDP, sends each node's pairs once across nodes (half per local rank), and keeps every rank's
-    whole residual; a delayed run and local clipping work through it too."""
+    whole residual; a grad scaler changes nothing; a delayed run and local clipping work through it."""
     runs = [
         {"compressor": None, "optimizer": "sgd", "steps": 12},
         _with(DGC, compress_ratio=1.0, **SPARSE_NODE),
@@ -42,10 +42,15 @@ def test_sparse_node_reduction_equals_ddp_at_ratio_one_keeps_ranks_identical_and
         _with(DGC, **SPARSE_NODE, delay=1),
         _with(DGC, **SPARSE_NODE, clip_norm=0.05),
         {"compressor": "topk", "optimizer": "sgd", "steps": 12, "kwargs": {"compress_ratio": 0.05, **SPARSE_NODE}},
+        {**_with(DGC, **SPARSE_NODE), "scaler": True},
+        {**_with(DGC, compress_ratio=1.0, **SPARSE_NODE), "scaler": True},
     ]
     ranks = launch_ranks("attach_worker.py", {"runs": runs}, tmp_path, world_size=4, devices_per_node=2)
-    ddp, dense, flat, node, delayed, clipped, topk = ranks[0]
+    ddp, dense, flat, node, delayed, clipped, topk, scaled, dense_scaled = ranks[0]
     assert _relative_difference(dense["params"], ddp["params"]) < 1e-5
+    # a power-of-two loss scale is exact: with a grad scaler the same parameters, bit for bit
+    assert torch.equal(scaled["params"], node["params"])
+    assert torch.equal(dense_scaled["params"], dense["params"])
     assert not torch.equal(node["params"], flat["params"])
     assert _relative_difference(node["params"], ddp["params"]) < 1.5 * _relative_difference(
         flat["params"], ddp["params"]
@@ -56,12 +61,12 @@ def test_sparse_node_reduction_equals_ddp_at_ratio_one_keeps_ranks_identical_and
     for other in ranks[1:]:
         for ours, theirs in zip(ranks[0], other):
             assert torch.equal(ours["params"], theirs["params"])
-    # each rank: half of its node's T = sum k + dense positions, 8 bytes each (value, int32 position),
-    # rounded up to 4 slots; the flat exchange: k pairs of 8 bytes and 4 bytes per dense value
+    # each rank: half of its node's k agreed pairs (4-byte value, int32 position) and half of the
+    # dense values (positions known), each rounded up to 4 slots; the flat exchange: every rank's k
+    # pairs and its dense values
     k = 205 + 64  # ceil(0.05 * 4096) + ceil(0.05 * 1280)
     dense_values = 128 + 10
-    half = -(-(k + dense_values) // 2)
-    slice_bytes = (-(-half // 4) * 4) * 8
+    slice_bytes = 136 * 8 + 72 * 4  # ceil(269 / 2) -> 136 slots, ceil(138 / 2) -> 72
     assert node["totals"]["bytes_sent"] * (8 * k + 4 * dense_values) == flat["totals"]["bytes_sent"] * slice_bytes
     assert node["memory_numel"] == flat["memory_numel"]  # the whole residual on every rank
 
@@ -109,31 +114,43 @@ def test_two_nodes_of_four_devices_merge_twice_within_the_node(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("total", [1, 7, 10, 13])
-def test_node_pairs_slices_tile_the_node_and_scatter_the_mean_over_nodes(dtype: torch.dtype, total: int) -> None:
-    """Every local rank's slice staged and the two all-gathers emulated by concatenation (cross
-    nodes, then within the node) scatter exactly ``(1/K) sum_k P_k``, for any slice alignment and
-    value width; the padding adds nothing."""
+@pytest.mark.parametrize(("agreed", "dense"), [(1, 0), (7, 3), (10, 1), (13, 6), (0, 9)])
+def test_node_pairs_slices_tile_the_node_and_scatter_the_mean_over_nodes(
+    dtype: torch.dtype, agreed: int, dense: int
+) -> None:
+    """Every local rank's slice staged (scaled by 2) and the two all-gathers emulated by
+    concatenation (across nodes, then within the node) scatter exactly ``(2/K) sum_k P_k``, for
+    any slice alignment and value width: the agreed positions differ by node and travel, the dense
+    ones are every node's and do not; the padding adds nothing."""
     nodes, per_node, numel = 3, 2, 40
-    generator = torch.Generator().manual_seed(total)
-    means = [torch.randn(numel, generator=generator).to(dtype) for _ in range(nodes)]
-    positions = [torch.randperm(numel, generator=generator)[:total] for _ in range(nodes)]
+    generator = torch.Generator().manual_seed(agreed * 100 + dense)
+    dense_positions = torch.arange(numel - dense, numel)
+    node_means = []
+    for _ in range(nodes):
+        positions = torch.cat([torch.randperm(numel - dense, generator=generator)[:agreed], dense_positions])
+        node_means.append(
+            NodeMean(positions, torch.randn(agreed + dense, generator=generator).to(dtype), agreed, False)
+        )
     staged = {}  # (node, local) -> row
     for node in range(nodes):
         for local in range(per_node):
-            topology = NodeTopology(nodes, per_node, node, local)
-            pairs = _NodePairs.build(positions[node], topology, means[node])
-            pairs.stage(means[node])
+            pairs = _NodePairs.build(
+                node_means[node], NodeTopology(nodes, per_node, node, local), node_means[node].means
+            )
+            pairs.stage(node_means[node], 2.0)
             staged[node, local] = pairs.mine.clone()
+    row_bytes = {row.numel() for row in staged.values()}
+    assert len(row_bytes) == 1  # every rank's row the same size, as an all-gather needs
     for local in range(per_node):  # what local rank `local` of node 0 holds after both all-gathers
-        pairs = _NodePairs.build(positions[0], NodeTopology(nodes, per_node, 0, local), means[0])
+        pairs = _NodePairs.build(node_means[0], NodeTopology(nodes, per_node, 0, local), node_means[0].means)
         pairs.everyone.copy_(torch.cat([staged[node, other] for other in range(per_node) for node in range(nodes)]))
         out = torch.full((numel,), 9.0, dtype=dtype)
         pairs.scatter_mean(out, nodes)
-        expected = torch.zeros(numel, dtype=dtype)
-        for node in range(nodes):
-            expected.index_add_(0, positions[node], means[node][positions[node]], alpha=1.0 / nodes)
-        torch.testing.assert_close(out, expected)
+        expected = torch.zeros(numel, dtype=torch.float64)
+        for mean in node_means:
+            expected.index_add_(0, mean.positions, mean.means.double() * 2 / nodes)
+        scale = expected.abs().max().item()  # the rounding of a sum of three is of its terms' size
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=4 * torch.finfo(dtype).eps * scale)
 
 
 def test_sparse_node_reduction_is_refused_for_what_it_cannot_run() -> None:

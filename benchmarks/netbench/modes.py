@@ -16,7 +16,9 @@
   step applies the previous step's average and its own exchange overlaps the next step;
 * ``<gc mode>_node`` -- any ``gc_*`` mode with ``hierarchy="node"`` (:mod:`lightning_gc.hierarchy`):
   dense within a node, compressed across nodes (with ``--devices-per-node`` > 1);
-  ``<gc mode>_delay1_node`` both;
+  ``<gc mode>_delay1_node`` both; ``<gc mode>_nodesparse`` -- ``hierarchy="node_sparse"``
+  (:mod:`lightning_gc.hierarchy_sparse`, DGC and top-k): global top-k within a node, the node's
+  pairs gathered across nodes;
 * ``ideal`` -- one process, no distributed strategy at all (handled by the launcher).
 """
 
@@ -51,8 +53,8 @@ DELAYED = "_delay1"
 """Suffix of a ``gc_*`` mode run with ``delay=1``."""
 
 
-HIERARCHICAL = "_node"
-"""Suffix of a ``gc_*`` mode run with ``hierarchy="node"``."""
+HIERARCHIES = {"_node": "node", "_nodesparse": "node_sparse"}
+"""Suffixes of a ``gc_*`` mode run with a two-level ``hierarchy``."""
 
 
 EXCHANGE_SUFFIXES = {"_2p": "two_phase", "_gtopk": "global_topk"}
@@ -84,18 +86,20 @@ def split_delay(mode: str) -> tuple[str, int]:
 
 
 def split_hierarchy(mode: str) -> tuple[str, str]:
-    """``("gc_dgc", "node")`` for ``"gc_dgc_node"``; ``(mode, "flat")`` for any other mode."""
-    if mode.startswith("gc_") and mode.endswith(HIERARCHICAL):
-        return mode.removesuffix(HIERARCHICAL), "node"
+    """``("gc_dgc", "node")`` for ``"gc_dgc_node"``, ``("gc_dgc", "node_sparse")`` for
+    ``"gc_dgc_nodesparse"``; ``(mode, "flat")`` for any other mode."""
+    for suffix, hierarchy in HIERARCHIES.items():
+        if mode.startswith("gc_") and mode.endswith(suffix):
+            return mode.removesuffix(suffix), hierarchy
     return mode, "flat"
 
 
 def all_modes() -> list[str]:
     """Every mode, references first, then torch's hooks, then ours (one per registered compressor,
-    then each of those with ``delay=1``, then the DGC modes with ``hierarchy="node"``, without and
-    with ``delay=1``, then the quantisers two-phase and DGC by global top-k)."""
+    then each of those with ``delay=1``, then the DGC modes with each two-level ``hierarchy``,
+    without and with ``delay=1``, then the quantisers two-phase and DGC by global top-k)."""
     ours = [*DGC_MODES, *(mode for mode in (f"gc_{name}" for name in available()) if mode not in DGC_MODES)]
-    two_level = [m + suffix + HIERARCHICAL for suffix in ("", DELAYED) for m in DGC_MODES]
+    two_level = [m + delay + level for level in HIERARCHIES for delay in ("", DELAYED) for m in DGC_MODES]
     exchanges = [f"gc_{name}_2p" for name in two_phase_compressors()] + [m + "_gtopk" for m in DGC_MODES]
     return [IDEAL, *TORCH_MODES, *ours, *(mode + DELAYED for mode in ours), *two_level, *exchanges]
 
