@@ -22,6 +22,8 @@ SMALL = h.Cluster(2, 2, 100.0, 1.0, 10.0, 2.0)
         (lambda c: h.global_topk(1000, 10, c), (1 + 1) + (2 + 200 / 10) + 2 * (25 / 100 + 1) + 50 / 10 + 4, 250),
         (lambda c: h.hierarchical_topk(1000, 10, c), 2 * (500 / 100 + 1) + (2 + 100 / 10) + 50 / 10 + 2 * 2, 150),
         (lambda c: h.powersgd(200, c), 2 * (100 / 100 + 1) + 200 / 10 + 2 * 2, 200),  # 28
+        # one merge round of m, 50 B of agreed values all-reduced in the node, m across, K m / L back in the node
+        (lambda c: h.sparse_node_gather(1000, 10, c), (1 + 1) + (50 / 100 + 2) + (100 / 10 + 2) + (100 / 100 + 1), 100),
     ],
 )
 def test_two_node_formulas_match_hand_computed(scheme, seconds, inter):
@@ -36,8 +38,10 @@ def _cluster(nodes: int, per_node: int) -> h.Cluster:
 
 def test_hierarchical_gather_inter_bytes_do_not_grow_with_per_node_flat_gather_does():
     hier = [h.hierarchical_gather(1e8, 500, _cluster(16, n)).inter_bytes_per_node for n in (1, 2, 4, 8, 16)]
+    sparse = [h.sparse_node_gather(1e8, 500, _cluster(16, n)).inter_bytes_per_node for n in (1, 2, 4, 8, 16)]
     flat = [h.flat_gather(1e8, 500, _cluster(16, n)).inter_bytes_per_node for n in (1, 2, 4, 8, 16)]
     assert hier == pytest.approx([hier[0]] * 5)
+    assert sparse == pytest.approx(hier)
     assert all(a < b for a, b in zip(flat, flat[1:]))
 
 
@@ -139,3 +143,14 @@ def test_global_topk_node_bytes_grow_with_log_nodes_where_the_gather_grows_with_
         assert flat < h.flat_gather(1e8, 500, _cluster(nodes, 8)).inter_bytes_per_node
     with pytest.raises(ValueError, match="values"):
         h.global_topk(1e8, 500, _cluster(2, 8), values=1.5)
+
+
+def test_sparse_node_gather_wins_where_the_node_link_is_no_faster_than_the_network():
+    """With an intra-node link as slow as the NIC the dense intra phases dominate the two-level
+    gather, which the sparse node reduction does not have; with NVLink-class links both are far
+    below the flat gather at 32 nodes."""
+    slow = h.Cluster(4, 8, 10e9 / 8, 10e-6, 10e9 / 8, 10e-6)
+    assert h.sparse_node_gather(1e8, 500, slow).seconds < 0.1 * h.hierarchical_gather(1e8, 500, slow).seconds
+    fast = _cluster(32, 8)
+    flat = h.flat_gather(1e8, 500, fast).seconds
+    assert h.sparse_node_gather(1e8, 500, fast).seconds < 0.5 * flat

@@ -19,6 +19,9 @@ node's NIC per step. Every inter term vanishes at ``K = 1``; every intra term at
                           + dense_hierarchical(v m)                 inter log2 K L m + 2(K-1)/K v m
     hierarchical_topk     2 [(L-1)/L M / B_i + (L-1) a_i] + log2 K (a_e + m/B_e)
                           + 2(K-1)/K v m / B_e + 2(K-1) a_e        inter log2 K m + 2(K-1)/K v m
+    sparse_node_gather    log2 L (a_i + m/B_i) + 2(L-1)/L v m/B_i + 2(L-1) a_i
+                          + (K-1) m / B_e + (K-1) a_e
+                          + (L-1) K m/L / B_i + (L-1) a_i          inter (K-1) m
     powersgd(s)           dense_hierarchical with M = s (the summed low-rank factors)
 
 (the global top-k exchange of :mod:`lightning_gc.compressors.global_topk`: ``log2 N``
@@ -200,6 +203,28 @@ def hierarchical_topk(nbytes: float, compression: float, cluster: Cluster, value
     return SchemeTime("hierarchical global top-k", 2 * _intra_phase_s(nbytes, cluster) + inter_s, inter)
 
 
+def sparse_node_gather(nbytes: float, compression: float, cluster: Cluster, values: float = 0.5) -> SchemeTime:
+    """``hierarchy="node_sparse"`` (:mod:`lightning_gc.hierarchy_sparse`): within the node, ``log2 L``
+    merge rounds of ``m`` bytes and a ring all-reduce of the agreed values (``values`` of ``m``);
+    across nodes, local rank ``l`` all-gathers its ``m/L`` slice of the node's pairs among the ``K``
+    nodes (the ``L`` rings share the NIC, which carries ``(K-1) m``, independent of ``L``); within
+    the node, an all-gather of the ``K m/L`` received. Nothing dense moves, so unlike
+    :func:`hierarchical_gather` no term grows with ``M``."""
+    _check(nbytes, compression)
+    check_range("values", values, 0.0, 1.0)
+    k, per_node, m = cluster.nodes, cluster.per_node, nbytes / compression
+    if m == 0:
+        return SchemeTime("sparse node gather", 0.0, 0.0)
+    merge_s = math.ceil(math.log2(per_node)) * (cluster.intra_latency + m / cluster.intra_bandwidth)
+    seconds = (
+        merge_s
+        + ring_allreduce_s(values * m, cluster.intra)
+        + allgather_s(m, cluster.inter)
+        + allgather_s(k * m / per_node, cluster.intra)
+    )
+    return SchemeTime("sparse node gather", seconds, (k - 1) * m)
+
+
 def powersgd(summed_bytes: float, cluster: Cluster) -> SchemeTime:
     """PowerSGD: its low-rank factors (``summed_bytes`` per rank per step, e.g. ``(n + m) r``
     elements per matrix over both power-iteration halves) are summable, so they are all-reduced
@@ -214,6 +239,7 @@ def all_schemes(nbytes: float, compression: float, powersgd_bytes: float, cluste
         dense_hierarchical(nbytes, cluster),
         flat_gather(nbytes, compression, cluster),
         hierarchical_gather(nbytes, compression, cluster),
+        sparse_node_gather(nbytes, compression, cluster),
         global_topk(nbytes, compression, cluster),
         hierarchical_topk(nbytes, compression, cluster),
         powersgd(powersgd_bytes, cluster),
