@@ -37,15 +37,21 @@ Equalities the maths gives: at ``compress_ratio=1`` it is DDP's mean (float summ
 Below 1 the update differs from the flat one (``k`` positions per tensor per node instead of up to
 ``L k``), as global top-k's does from the gather.
 
+Steps 1 and 2 are launched from the bucket's comm hook; step 1 completes there (the merge
+rounds are blocking point-to-point swaps). Step 2 is left in flight and steps 3 and 4 run at the
+next bucket's hook (the comm hook's :class:`~lightning_gc.pipeline.RoundQueue`, as the two-phase
+exchange's second phase does), so the slow-link all-gather travels while backward computes; the
+last bucket's hook finishes every bucket. Every rank launches the same collectives in the same
+order. With a delayed exchange (``delay >= 1``) steps 3 and 4 run instead when the delay line next
+waits for the bucket (:class:`~lightning_gc.pipeline.BucketStep` ``finish``), as in
+:mod:`lightning_gc.hierarchy`.
+
 A bucket whose compressor is not sparse (a dense one chosen by ``compress_when``) goes flat.
-With a delayed exchange (``delay >= 1``) step 2 is left in flight and steps 3 and 4 run when the
-delay line next waits for the bucket (:class:`~lightning_gc.pipeline.BucketStep` ``finish``), as
-in :mod:`lightning_gc.hierarchy`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +68,7 @@ from lightning_gc.guard import StepGuard
 from lightning_gc.hierarchy import NodeHierarchy, NodeTopology
 from lightning_gc.layout import BucketLayout, Segment, piece_bounds
 from lightning_gc.memory import CompensationMemory
-from lightning_gc.pipeline import EXCHANGE, BucketStep, Timeline, reported, run_bucket, wait
+from lightning_gc.pipeline import EXCHANGE, BucketStep, Timeline, reported, run_bucket, settle, wait
 
 _ALIGN = 4  # slots per slice rounded up to this: the values (2, 4 or 8 bytes) then the int32 positions stay aligned
 
@@ -283,8 +289,11 @@ class SparseNodeHierarchy(NodeHierarchy):
         failure: Callable[[Exception], Exception] | None,
         out: torch.Tensor | None = None,
     ) -> BucketStep:
-        """One bucket through steps 1-4; ``averaged`` resolves to ``grad`` (or ``out``, a delayed
-        exchange's slot, left unscaled, after the returned step's ``finish``) holding the mean."""
+        """One bucket through steps 1-4; ``averaged`` resolves to ``grad`` holding the mean once the
+        returned step's ``rounds`` are completed (:func:`lightning_gc.pipeline.complete`; the comm
+        hook's :class:`~lightning_gc.pipeline.RoundQueue` does it at the next bucket's hook, so the
+        cross-node all-gather travels while backward goes on). With ``out`` (a delayed exchange's
+        slot) the mean is left there unscaled, after the returned step's ``finish``."""
         topology = self.topology
         common: dict[str, Any] = {
             "step": step,
@@ -338,10 +347,20 @@ class SparseNodeHierarchy(NodeHierarchy):
         timeline.mark(EXCHANGE)
         elements = pairs.agreed[1] - pairs.agreed[0] + pairs.dense[1] - pairs.dense[0]
         sent = {"bytes_sent": pairs.mine.numel(), "elements_sent": elements}
-        if out is None:
-            wait(across, failure)
-            timeline.mark(EXCHANGE)
-            return BucketStep(averaged=self._spread(pairs, target, timeline, on_decoded, failure), **sent)
+        if out is None:  # steps 3 and 4 at the next bucket's hook: step 2 crosses while backward goes on
+            averaged: Future[torch.Tensor] = Future(devices=[grad.device]) if grad.device.type == "cuda" else Future()
+
+            def later() -> Generator[None, None, None]:
+                yield
+                timeline.start()
+                wait(across, failure)
+                timeline.mark(EXCHANGE)
+                spread = self._spread(pairs, target, timeline, on_decoded, failure)
+                spread.then(lambda done: settle(averaged, done))
+
+            rounds = later()
+            next(rounds)  # to its pause: the caller's next step waits for step 2 and launches step 3
+            return BucketStep(averaged=averaged, rounds=rounds, deferred=True, **sent)
         done: Future[torch.Tensor] = Future()
 
         def finish() -> None:

@@ -233,7 +233,7 @@ def run_bucket(
         decoded = launched.then(decode)
         if sent.deferred:
             placeholder = sent.averaged
-            decoded.then(lambda done: _settle(placeholder, done))
+            decoded.then(lambda done: settle(placeholder, done))
         else:
             sent.averaged = decoded
 
@@ -268,7 +268,7 @@ def _in_flight(encoded: Encoded) -> bool:
     return encoded.summed is not None or encoded.gathered is not None or encoded.scattered is not None
 
 
-def _settle(target: Future[torch.Tensor], done: Future[torch.Tensor]) -> None:
+def settle(target: Future[torch.Tensor], done: Future[torch.Tensor]) -> None:
     """Resolve ``target`` as ``done`` resolved."""
     try:
         target.set_result(done.value())

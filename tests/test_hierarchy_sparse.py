@@ -44,9 +44,14 @@ def test_sparse_node_reduction_equals_ddp_at_ratio_one_keeps_ranks_identical_and
         {"compressor": "topk", "optimizer": "sgd", "steps": 12, "kwargs": {"compress_ratio": 0.05, **SPARSE_NODE}},
         {**_with(DGC, **SPARSE_NODE), "scaler": True},
         {**_with(DGC, compress_ratio=1.0, **SPARSE_NODE), "scaler": True},
+        {**_with(DGC, **SPARSE_NODE), "bucket_cap_mb": 1e-5},  # one bucket per tensor
     ]
     ranks = launch_ranks("attach_worker.py", {"runs": runs}, tmp_path, world_size=4, devices_per_node=2)
-    ddp, dense, flat, node, delayed, clipped, topk, scaled, dense_scaled = ranks[0]
+    ddp, dense, flat, node, delayed, clipped, topk, scaled, dense_scaled, buckets = ranks[0]
+    # one bucket per tensor, each finished at the next one's hook; every choice is per tensor, so the
+    # same update up to float summation order (the biases' buckets are too small to compress: flat)
+    assert buckets["buckets"] == 4 and buckets["deferred"] >= 11 * 2
+    assert _relative_difference(buckets["params"], node["params"]) < 1e-5
     assert _relative_difference(dense["params"], ddp["params"]) < 1e-5
     # a power-of-two loss scale is exact: with a grad scaler the same parameters, bit for bit
     assert torch.equal(scaled["params"], node["params"])

@@ -66,6 +66,8 @@ def train(run: dict, rank: int) -> dict:
         result["totals"] = dict(gc.totals)
         memory = gc.session.hook_state.memory.state_dict()
         result["memory_numel"] = {name: entry["velocity"].numel() for name, entry in memory.items()}
+        result["buckets"] = len(gc.session.hook_state.layouts)
+        result["deferred"] = gc.session.hook_state.rounds.deferred  # runs finished at a later bucket's hook
     return result
 
 
