@@ -8,8 +8,8 @@
 #
 #     bash benchmarks/device_session.sh OUT_DIR [BUDGET_S] [SECTION...]      (as root)
 #
-# SECTION as netbench_host.sh takes them (NAME or NAME@RATE); default: two_phase@1gbit
-# hierarchy@1gbit delay, in that order. A section starts only if its time limit (40 s per netbench
+# SECTION as netbench_host.sh takes them (NAME or NAME@RATE); default: hierarchy@1gbit
+# two_phase@1gbit delay, in that order. A section starts only if its time limit (40 s per netbench
 # run) fits in what is left of BUDGET_S (default 540 s), so the command ends inside the device
 # tool's limit; skipped sections are named. One call fits about 13 runs: one whole section, or two
 # one-link ones.
@@ -28,7 +28,7 @@ OUT=${1:?usage: bash benchmarks/device_session.sh OUT_DIR [BUDGET_S] [SECTION...
 BUDGET=${2:-540}
 shift $(($# < 2 ? $# : 2))
 SECTIONS=("$@")
-[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(two_phase@1gbit hierarchy@1gbit delay)
+[ ${#SECTIONS[@]} -gt 0 ] || SECTIONS=(hierarchy@1gbit two_phase@1gbit delay)
 here=$(cd "$(dirname "$0")" && pwd)
 scratch=$(mktemp -d)
 mkdir -p "$OUT" "$scratch/gpu" "$scratch/netbench"

@@ -6,7 +6,7 @@
 #     bash benchmarks/netbench_host.sh OUT_DIR [CORES] [SECTION...]     (as root)
 #
 # SECTION: delay (gc_fp16 with delay=1 against torch's fp16 hook), two_phase (onebit, gather
-# against two-phase at N = 2), hierarchy (2 nodes x 2 processes, flat against hierarchy="node");
+# against two-phase at N = 2), hierarchy (2 nodes x 2 processes, flat against hierarchy="node" and "node_sparse");
 # NAME@RATE runs one of its links only (e.g. two_phase@100mbit); default: all three, every link.
 # Each section's records.jsonl and table land flat in OUT_DIR (NAME-records.jsonl, NAME_RATE-...); a
 # section that fails does not stop the next. A section's time limit is RUN_S (default 40) seconds
@@ -59,7 +59,7 @@ for wanted in "${SECTIONS[@]}"; do
     case $name in
     delay) section "$wanted" 3 "${rates:-1gbit}" "noop torch_fp16 gc_fp16 gc_fp16_delay1" ;;
     two_phase) section "$wanted" 3 "${rates:-1gbit 100mbit}" "noop gc_onebit gc_onebit_2p" ;;
-    hierarchy) section "$wanted" 2 "${rates:-1gbit 100mbit}" "noop gc_dgc gc_dgc_node" --devices-per-node 2 ;;
+    hierarchy) section "$wanted" 2 "${rates:-1gbit 100mbit}" "noop gc_dgc gc_dgc_node gc_dgc_nodesparse" --devices-per-node 2 ;;
     *) echo "unknown section $wanted (delay, two_phase, hierarchy, each optionally @RATE)"; failed=$((failed + 1)) ;;
     esac
 done
