@@ -31,6 +31,9 @@ from lightning_gc.policy import CompressionPolicy
 from lightning_gc.stats import CompressionStats
 from lightning_gc.validation import check_int
 
+_WHOLE = "whole residuals (hierarchy 'flat' or 'node_sparse')"
+"""How a resume error names the compression state of a rank that holds every tensor's residual whole."""
+
 
 def reaches_wire_ratio(compressor: Compressor, layout: BucketLayout, element_size: int, min_ratio: float) -> bool:
     """Whether ``compressor`` sends at most ``1 / min_ratio`` of the bucket's dense bytes."""
@@ -213,8 +216,8 @@ class CompressionHookState:
         if saved_topology != topology:
             raise IncompatibleCheckpoint(
                 "the checkpoint's compression state was written with (nodes, devices per node)="
-                f"{saved_topology or 'flat'} and this run is {topology or 'flat'}: each rank holds its own piece of "
-                "every tensor's residual; resume with the same hierarchy and devices per node"
+                f"{saved_topology or _WHOLE} and this run is {topology or _WHOLE}: with hierarchy='node' each rank "
+                "holds its own piece of every tensor's residual; resume with the same hierarchy and devices per node"
             )
         self.step = int(state["step"])
         self.memory.load_state_dict(state["memory"])

@@ -10,9 +10,12 @@ import torch
 from conftest import launch_ranks
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy
+from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.compressors.registry import create
-from lightning_gc.hierarchy import NodeTopology, resolve_hierarchy
-from lightning_gc.hierarchy_sparse import NodeMean, _NodePairs
+from lightning_gc.hierarchy import NodeHierarchy, NodeTopology, resolve_hierarchy
+from lightning_gc.hierarchy_sparse import NodeMean, SparseNodeHierarchy, _NodePairs
+from lightning_gc.hook import CompressionHookState
+from lightning_gc.memory import CompensationMemory
 from lightning_gc.settings import CompressionSettings
 
 SPARSE_NODE = {"hierarchy": "node_sparse"}
@@ -175,3 +178,27 @@ def test_sparse_node_reduction_is_refused_for_what_it_cannot_run() -> None:
         GradientCompressionStrategy("qsgd", hierarchy="node_sparse")
     with pytest.warns(UserWarning, match="with one node this is exchange='global_topk' among its devices"):
         assert resolve_hierarchy("node_sparse", 2, 1, 2) == NodeTopology(nodes=1, per_node=2, node=0, local=1)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_sharded_residual_does_not_resume_where_residuals_are_whole() -> None:
+    """A ``hierarchy='node'`` state (each rank a piece of every residual) is refused by a
+    ``node_sparse`` or flat run, naming both layouts; flat and ``node_sparse`` states load into
+    each other."""
+    topology = NodeTopology(1, 1, 0, 0)
+
+    def memory() -> CompensationMemory:
+        return CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
+
+    def hook_state(hierarchy: object) -> CompressionHookState:
+        return CompressionHookState(create("dgc", compress_ratio=0.01), memory(), {}, hierarchy=hierarchy)
+
+    sharded = hook_state(NodeHierarchy(topology)).state_dict()
+    flat = hook_state(None).state_dict()
+    whole = hook_state(SparseNodeHierarchy(topology)).state_dict()
+    assert "hierarchy" not in whole
+    hook_state(SparseNodeHierarchy(topology)).load_state_dict(flat)
+    hook_state(None).load_state_dict(whole)
+    for hierarchy in (SparseNodeHierarchy(topology), None):
+        with pytest.raises(IncompatibleCheckpoint, match=r"=\(1, 1\) and this run is whole residuals"):
+            hook_state(hierarchy).load_state_dict(sharded)
