@@ -306,8 +306,8 @@ class SparseNodeHierarchy(NodeHierarchy):
             "out": out,
         }
         bucket_memory = memory.bucket(layout, grad)
-        if not isinstance(compressor, SparseCompressor):
-            flat = run_bucket(
+        if not isinstance(compressor, SparseCompressor):  # a dense bucket (compress_when): flat
+            return run_bucket(
                 compressor,
                 memory,
                 bucket_memory,
@@ -319,7 +319,6 @@ class SparseNodeHierarchy(NodeHierarchy):
                 on_decoded=on_decoded,
                 **common,
             )
-            return flat
         agreement = self._agreement(compressor)
         memory.clip_local_(grad, layout, topology.world_size, loss_scale)
         node = run_bucket(
