@@ -142,19 +142,21 @@ def test_eight_processes_as_four_nodes_of_two(tmp_path: Path) -> None:
 def test_trainer_on_two_nodes_of_two_devices_takes_the_hierarchy_from_lightning(tmp_path: Path) -> None:
     """``DGCStrategy(hierarchy=...)`` under the Trainer with ``num_nodes=2, devices=2``: ``"auto"``
     is ``"node"`` there (same parameters), every rank ends identical, and each rank sends about half
-    the flat exchange's bytes across nodes."""
+    the flat exchange's bytes across nodes, with ``"node"`` and with ``"node_sparse"``."""
     common = {"model": {"hidden": [64, 64]}, "epochs": 1, "data": {"batch_size": 32}}
     fits = [
         {**common, "strategy": {"kind": "dgc", "compress_ratio": 0.05, "hierarchy": hierarchy}}
-        for hierarchy in ("flat", "node", "auto")
+        for hierarchy in ("flat", "node", "auto", "node_sparse")
     ]
     ranks = launch_ranks("fit_worker.py", {"fits": fits}, tmp_path, world_size=4, devices_per_node=2)
-    flat, node, auto = ranks[0]
+    flat, node, auto, sparse = ranks[0]
     assert torch.equal(auto["params"], node["params"]) and not torch.equal(node["params"], flat["params"])
+    assert not torch.equal(sparse["params"], flat["params"]) and not torch.equal(sparse["params"], node["params"])
     for other in ranks[1:]:
         for ours, theirs in zip(ranks[0], other):
             assert torch.equal(ours["params"], theirs["params"])
-    assert 1.6 < flat["totals"]["bytes_sent"] / node["totals"]["bytes_sent"] < 2.4
+    for two_level in (node, sparse):
+        assert 1.6 < flat["totals"]["bytes_sent"] / two_level["totals"]["bytes_sent"] < 2.4
 
 
 def test_ranks_that_disagree_on_the_topology_fail_alike_instead_of_hanging(tmp_path: Path) -> None:
