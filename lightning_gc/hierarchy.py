@@ -290,7 +290,7 @@ class NodeHierarchy:
             guard.screen(local, shard.layout, bucket_memory, step=step, loss_scaled=loss_scale is not None)
         if out is not None:
             done: Future[torch.Tensor] = Future()
-            finish = self._finisher(plan, averaged, in_flight, out, done, failure)
+            finish = delayed_finisher(in_flight, lambda: self._gather(plan, averaged, out, failure), out, done, failure)
             return BucketStep(averaged=done, bytes_sent=bytes_sent, elements_sent=elements_sent, finish=finish)
         if in_flight is not None:
             wait(in_flight, failure)
@@ -315,30 +315,30 @@ class NodeHierarchy:
         gathered = comm.allgather_fixed(plan.row, plan.rows.view(-1), self.node_group)
         return gathered.then(_scattering_into(into, plan, failure))
 
-    def _finisher(
-        self,
-        plan: _ShardPlan,
-        averaged: torch.Tensor,
-        in_flight: Future[torch.Tensor] | None,
-        slot: torch.Tensor,
-        done: Future[torch.Tensor],
-        failure: Callable[[Exception], Exception] | None,
-    ) -> Callable[[], None]:
-        """What finishes a delayed bucket once its cross-node exchange is ``in_flight``: wait for
-        it, then :meth:`_gather` into ``slot`` and resolve ``done``. It launches a collective, so
-        it runs on the hook's thread, on every rank in bucket order (``BucketStep.finish``)."""
 
-        def finish() -> None:
-            try:
-                if in_flight is not None:
-                    wait(in_flight, failure)
-                wait(self._gather(plan, averaged, slot, failure), failure)
-            except Exception as error:  # whoever waits on `done` next must see it, not hang
-                done.set_exception(error)
-                raise
-            done.set_result(slot)
+def delayed_finisher(
+    in_flight: Future[torch.Tensor] | None,
+    spread: Callable[[], Future[torch.Tensor]],
+    slot: torch.Tensor,
+    done: Future[torch.Tensor],
+    failure: Callable[[Exception], Exception] | None,
+) -> Callable[[], None]:
+    """What finishes a delayed two-level bucket once its cross-node exchange is ``in_flight``: wait
+    for it, then for ``spread()`` (which launches the intra-node all-gather writing the mean into
+    ``slot``), and resolve ``done`` with ``slot``. It launches a collective, so it runs on the hook's
+    thread, on every rank in bucket order (``BucketStep.finish``)."""
 
-        return finish
+    def finish() -> None:
+        try:
+            if in_flight is not None:
+                wait(in_flight, failure)
+            wait(spread(), failure)
+        except Exception as error:  # whoever waits on `done` next must see it, not hang
+            done.set_exception(error)
+            raise
+        done.set_result(slot)
+
+    return finish
 
 
 def _scattering_into(

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ from lightning_gc.compressors.global_topk import GlobalTopKPlan
 from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan
 from lightning_gc.exchange import CollectiveExchange
 from lightning_gc.guard import StepGuard
-from lightning_gc.hierarchy import NodeHierarchy, NodeTopology
+from lightning_gc.hierarchy import NodeHierarchy, NodeTopology, delayed_finisher
 from lightning_gc.layout import BucketLayout, Segment, piece_bounds
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.pipeline import EXCHANGE, BucketStep, Timeline, reported, run_bucket, settle, wait
@@ -361,17 +362,8 @@ class SparseNodeHierarchy(NodeHierarchy):
             next(rounds)  # to its pause: the caller's next step waits for step 2 and launches step 3
             return BucketStep(averaged=averaged, rounds=rounds, deferred=True, **sent)
         done: Future[torch.Tensor] = Future()
-
-        def finish() -> None:
-            try:
-                wait(across, failure)
-                wait(self._spread(pairs, target, timeline, on_decoded, failure), failure)
-            except Exception as error:  # whoever waits on `done` next must see it, not hang
-                done.set_exception(error)
-                raise
-            done.set_result(target)
-
-        return BucketStep(averaged=done, finish=finish, **sent)
+        spread = partial(self._spread, pairs, target, timeline, on_decoded, failure)
+        return BucketStep(averaged=done, finish=delayed_finisher(across, spread, target, done, failure), **sent)
 
     def _spread(
         self,
