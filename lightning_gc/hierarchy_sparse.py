@@ -69,7 +69,7 @@ from lightning_gc.guard import StepGuard
 from lightning_gc.hierarchy import NodeHierarchy, NodeTopology, delayed_finisher
 from lightning_gc.layout import BucketLayout, Segment, piece_bounds
 from lightning_gc.memory import CompensationMemory
-from lightning_gc.pipeline import EXCHANGE, BucketStep, Timeline, reported, run_bucket, settle, wait
+from lightning_gc.pipeline import EXCHANGE, BucketStep, Timeline, pending_like, reported, run_bucket, settle, wait
 
 _ALIGN = 4  # slots per slice rounded up to this: the values (2, 4 or 8 bytes) then the int32 positions stay aligned
 
@@ -348,7 +348,7 @@ class SparseNodeHierarchy(NodeHierarchy):
         elements = pairs.agreed[1] - pairs.agreed[0] + pairs.dense[1] - pairs.dense[0]
         sent = {"bytes_sent": pairs.mine.numel(), "elements_sent": elements}
         if out is None:  # steps 3 and 4 at the next bucket's hook: step 2 crosses while backward goes on
-            averaged: Future[torch.Tensor] = Future(devices=[grad.device]) if grad.device.type == "cuda" else Future()
+            averaged = pending_like(grad)
 
             def later() -> Generator[None, None, None]:
                 yield

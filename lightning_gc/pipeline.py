@@ -242,7 +242,7 @@ def run_bucket(
     if not defer_rounds:
         complete(sent)
     elif sent.rounds is not None:  # resolved later, from the last round's decode
-        sent.averaged = Future(devices=[grad.device]) if grad.device.type == "cuda" else Future()
+        sent.averaged = pending_like(grad)
         sent.deferred = True
     return sent
 
@@ -266,6 +266,12 @@ def _in_flight(encoded: Encoded) -> bool:
     """Whether a launched round leaves collectives in flight: a point-to-point round alone (global
     top-k's merges) completes inside the launch (:func:`lightning_gc.comm.transfer` blocks)."""
     return encoded.summed is not None or encoded.gathered is not None or encoded.scattered is not None
+
+
+def pending_like(tensor: torch.Tensor) -> Future[torch.Tensor]:
+    """An unresolved future that will hold ``tensor``: on CUDA it records ``tensor``'s device, so
+    that DDP's wait on it synchronises with the stream work of whoever resolves it."""
+    return Future(devices=[tensor.device]) if tensor.device.type == "cuda" else Future()
 
 
 def settle(target: Future[torch.Tensor], done: Future[torch.Tensor]) -> None:
