@@ -173,8 +173,9 @@ class _NodePairs:
     """One bucket's buffers for steps 2-4. A row is this local rank's slice of its node's pairs:
     ``agreed_width`` values of agreed positions and ``dense_width`` of dense ones (the gradient's
     dtype), then the agreed positions (int32). The dense positions are the same on every node and
-    step, so they do not travel: :attr:`dense_rows` holds each local rank's. Slots past a slice's
-    end hold position 0 and value 0 (adding nothing)."""
+    step, so they do not travel: :attr:`dense_targets` holds them for every row of
+    :attr:`everyone`, built once. Slots past a slice's end hold position 0 and value 0 (adding
+    nothing)."""
 
     positions: torch.Tensor  # the node's positions (NodeMean.positions), the plan's buffer
     dtype: torch.dtype  # of the values: the gradient's
@@ -182,7 +183,7 @@ class _NodePairs:
     dense: tuple[int, int]  # and of the dense ones (counted from the first dense position)
     agreed_width: int
     dense_width: int
-    dense_rows: torch.Tensor  # int64 L x dense_width: every local rank's dense positions
+    dense_targets: torch.Tensor  # int64, L x K x dense_width flat: the dense positions of each row of `everyone`
     mine: torch.Tensor  # uint8 row
     across: torch.Tensor  # uint8, K rows: slice l of every node's pairs
     everyone: torch.Tensor  # uint8, L x K rows (local rank-major): every node's pairs
@@ -196,6 +197,8 @@ class _NodePairs:
         for other in range(per_node):
             low, high = piece_bounds(dense_count, other, per_node)
             dense_rows[other, : high - low] = node.positions[node.agreed + low : node.agreed + high]
+        nodes = topology.nodes  # the rows of `everyone`: local rank-major, then node
+        dense_targets = dense_rows[:, None, :].expand(per_node, nodes, dense_width).reshape(-1)
         row = (agreed_width + dense_width) * like.element_size() + agreed_width * 4
         return _NodePairs(
             positions=node.positions,
@@ -204,7 +207,7 @@ class _NodePairs:
             dense=piece_bounds(dense_count, local, per_node),
             agreed_width=agreed_width,
             dense_width=dense_width,
-            dense_rows=dense_rows,
+            dense_targets=dense_targets,
             mine=torch.zeros(row, dtype=torch.uint8, device=device),
             across=torch.zeros(topology.nodes * row, dtype=torch.uint8, device=device),
             everyone=torch.zeros(per_node * topology.nodes * row, dtype=torch.uint8, device=device),
@@ -238,9 +241,7 @@ class _NodePairs:
         agreed_values, dense_values, agreed_positions = self._fields(self.everyone, out.dtype)
         out.zero_()
         kernels.scatter_average_(out, agreed_positions.reshape(-1), agreed_values.reshape(-1), nodes)
-        per_node = self.dense_rows.shape[0]
-        dense_positions = self.dense_rows[:, None, :].expand(per_node, nodes, self.dense_width)
-        kernels.scatter_average_(out, dense_positions.reshape(-1), dense_values.reshape(-1), nodes)
+        kernels.scatter_average_(out, self.dense_targets, dense_values.reshape(-1), nodes)
 
 
 class SparseNodeHierarchy(NodeHierarchy):
