@@ -86,8 +86,8 @@ def check_sparse_hierarchy(compressor: Compressor) -> None:
     gathering its pairs (the nodes' pairs are gathered across nodes)."""
     from lightning_gc.compressors.registry import available, compressor_class  # registered after this module
 
-    sparse = sorted(name for name in available() if issubclass(compressor_class(name), SparseCompressor))
     if not isinstance(compressor, SparseCompressor):
+        sparse = sorted(name for name in available() if issubclass(compressor_class(name), SparseCompressor))
         raise ValueError(
             f"`hierarchy='node_sparse'` agrees sparse positions within each node, which compressor "
             f"{compressor.name!r} does not send; use one of {sparse}, or hierarchy='node' (a dense sum within the node)"
@@ -251,7 +251,7 @@ class SparseNodeHierarchy(NodeHierarchy):
         super().__init__(topology)
         self.node_exchange = CollectiveExchange(self.node_group)
         self.flat_exchange = CollectiveExchange(None)
-        self._agreements: dict[int, AgreedWithinNode] = {}
+        self._agreement: AgreedWithinNode | None = None  # of the one sparse compressor the hook runs
         self._pairs: dict[int, _NodePairs] = {}
 
     @property
@@ -262,11 +262,10 @@ class SparseNodeHierarchy(NodeHierarchy):
     def seed_view(self) -> None:
         return None  # a momentum handed over is this rank's own, as in the flat exchange
 
-    def _agreement(self, compressor: SparseCompressor) -> AgreedWithinNode:
-        agreement = self._agreements.get(id(compressor))
-        if agreement is None or agreement.sparse is not compressor:
-            agreement = self._agreements[id(compressor)] = AgreedWithinNode(compressor)
-        return agreement
+    def _agreement_of(self, compressor: SparseCompressor) -> AgreedWithinNode:
+        if self._agreement is None or self._agreement.sparse is not compressor:
+            self._agreement = AgreedWithinNode(compressor)
+        return self._agreement
 
     def _node_pairs(self, layout: BucketLayout, node: NodeMean, like: torch.Tensor) -> _NodePairs:
         pairs = self._pairs.get(layout.index)
@@ -321,7 +320,7 @@ class SparseNodeHierarchy(NodeHierarchy):
                 on_decoded=on_decoded,
                 **common,
             )
-        agreement = self._agreement(compressor)
+        agreement = self._agreement_of(compressor)
         memory.clip_local_(grad, layout, topology.world_size, loss_scale)
         node = run_bucket(
             agreement,
