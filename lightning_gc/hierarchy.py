@@ -190,6 +190,11 @@ class NodeHierarchy:
         self.cross_exchange = CollectiveExchange(cross_groups[topology.local])
         self._plans: dict[int, tuple[BucketLayout, _ShardPlan]] = {}
 
+    def takes(self, compressor: Compressor) -> bool:
+        """Whether a bucket with ``compressor`` goes through the two levels (every one does here);
+        the hook sends the others through its flat exchange."""
+        return True
+
     @property
     def state_shape(self) -> tuple[int, ...]:
         """What each rank's compression state depends on, recorded in a checkpoint: (nodes,

@@ -46,7 +46,8 @@ order. With a delayed exchange (``delay >= 1``) steps 3 and 4 run instead when t
 waits for the bucket (:class:`~lightning_gc.pipeline.BucketStep` ``finish``), as in
 :mod:`lightning_gc.hierarchy`.
 
-A bucket whose compressor is not sparse (a dense one chosen by ``compress_when``) goes flat.
+A bucket whose compressor is not sparse (a dense one chosen by ``compress_when``) goes through
+the comm hook's flat exchange (:meth:`SparseNodeHierarchy.takes`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.futures import Future
 
 from lightning_gc import comm, kernels
@@ -250,9 +250,13 @@ class SparseNodeHierarchy(NodeHierarchy):
     def __init__(self, topology: NodeTopology) -> None:
         super().__init__(topology)
         self.node_exchange = CollectiveExchange(self.node_group)
-        self.flat_exchange = CollectiveExchange(None)
         self._agreement: AgreedWithinNode | None = None  # of the one sparse compressor the hook runs
         self._pairs: dict[int, _NodePairs] = {}
+
+    def takes(self, compressor: Compressor) -> bool:
+        """Sparse compressors only: a dense bucket (chosen by ``compress_when``) goes flat, which
+        keeps the whole-residual memory this exchange keeps too."""
+        return isinstance(compressor, SparseCompressor)
 
     @property
     def state_shape(self) -> tuple[int, ...]:
@@ -295,31 +299,10 @@ class SparseNodeHierarchy(NodeHierarchy):
         hook's :class:`~lightning_gc.pipeline.RoundQueue` does it at the next bucket's hook, so the
         cross-node all-gather travels while backward goes on). With ``out`` (a delayed exchange's
         slot) the mean is left there unscaled, after the returned step's ``finish``."""
+        if not isinstance(compressor, SparseCompressor):
+            raise TypeError(f"hierarchy='node_sparse' takes sparse compressors, got {compressor.name!r}: see takes()")
         topology = self.topology
-        common: dict[str, Any] = {
-            "step": step,
-            "params": params,
-            "absent": absent,
-            "loss_scale": loss_scale,
-            "guard": guard,
-            "timeline": timeline,
-            "failure": failure,
-            "out": out,
-        }
         bucket_memory = memory.bucket(layout, grad)
-        if not isinstance(compressor, SparseCompressor):  # a dense bucket (compress_when): flat
-            return run_bucket(
-                compressor,
-                memory,
-                bucket_memory,
-                grad,
-                layout,
-                self.flat_exchange,
-                world_size=topology.world_size,
-                rank=dist.get_rank(),
-                on_decoded=on_decoded,
-                **common,
-            )
         agreement = self._agreement_of(compressor)
         memory.clip_local_(grad, layout, topology.world_size, loss_scale)
         node = run_bucket(
@@ -329,10 +312,17 @@ class SparseNodeHierarchy(NodeHierarchy):
             grad,
             layout,
             self.node_exchange,
+            step=step,
             world_size=topology.per_node,
             rank=topology.local,
+            params=params,
+            absent=absent,
+            loss_scale=loss_scale,
+            guard=guard,
+            timeline=timeline,
+            failure=failure,
+            out=out,
             clip=False,
-            **common,
         )
         wait(node.averaged, failure)
         target = grad if out is None else out

@@ -320,7 +320,7 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
         "on_decoded": on_decoded,
         "failure": failure,
     }
-    if state.hierarchy is not None:
+    if state.hierarchy is not None and state.hierarchy.takes(compressor):
         sent = state.hierarchy.run(compressor, state.memory, grad, layout, out=out, **pipeline)
     else:
         bucket_memory = state.memory.bucket(layout, grad)
