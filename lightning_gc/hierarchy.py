@@ -259,7 +259,7 @@ class NodeHierarchy:
         memory.clip_local_(grad, layout, topology.world_size, loss_scale)
         for positions, row in zip(plan.positions, plan.rows):
             torch.index_select(grad, 0, positions, out=row[: positions.numel()])  # padding stays 0
-        with reported(failure):
+        with reported(failure), timeline.waiting():
             comm.reduce_scatter_sum(plan.rows.view(-1), plan.row, self.node_group)
         shard = plan.mine
         local = plan.row[: shard.numel]  # this node's sum on shard l
@@ -284,7 +284,7 @@ class NodeHierarchy:
                 loss_scale=loss_scale,
                 guard=guard,
                 timeline=timeline,
-                on_decoded=on_decoded,
+                on_decoded=on_decoded if out is not None else None,  # waiting here, it reports below
                 failure=failure,
                 summed_ranks=topology.per_node,
                 clip=False,
@@ -298,7 +298,10 @@ class NodeHierarchy:
             finish = delayed_finisher(in_flight, lambda: self._gather(plan, averaged, out, failure), out, done, failure)
             return BucketStep(averaged=done, bytes_sent=bytes_sent, elements_sent=elements_sent, finish=finish)
         if in_flight is not None:
-            wait(in_flight, failure)
+            with timeline.waiting():
+                wait(in_flight, failure)
+            if on_decoded is not None:
+                on_decoded(timeline)
         return BucketStep(
             averaged=self._gather(plan, local, grad, failure),
             bytes_sent=bytes_sent,

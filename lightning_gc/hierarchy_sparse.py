@@ -324,7 +324,8 @@ class SparseNodeHierarchy(NodeHierarchy):
             out=out,
             clip=False,
         )
-        wait(node.averaged, failure)
+        with timeline.waiting():
+            wait(node.averaged, failure)
         target = grad if out is None else out
         timeline.start()
         mean = agreement.node_mean(layout, target, topology.per_node)

@@ -11,6 +11,7 @@ happened to bucket the parameters. That makes results identical across DDP's buc
 across a checkpoint resume (which starts again with DDP's initial bucketing).
 """
 
+import time
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from lightning_gc.guard import StepGuard
 from lightning_gc.hierarchy import NodeHierarchy
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.memory import CompensationMemory
-from lightning_gc.pipeline import BucketStep, RoundQueue, Timeline, run_bucket
+from lightning_gc.pipeline import EXCHANGE, BucketStep, RoundQueue, Timeline, run_bucket
 from lightning_gc.policy import CompressionPolicy
 from lightning_gc.stats import CompressionStats
 from lightning_gc.validation import check_int
@@ -299,14 +300,18 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
         if state.delay_line.drains_for(layout):  # it waits for every exchange, the earlier buckets' too
             state.rounds.finish()
         delayed = state.delay_line.bucket(layout, grad)
+        began = time.perf_counter()
         delayed.wait()  # step - 1's exchange of this bucket: compressors reuse their buffers
+        state.stats.add(waited=time.perf_counter() - began)
         write, _ = state.delay_line.slots(step)
         out = delayed.averages[write]
         own = delayed.owns[write] if state.delay_line.local_update else None
     compressor = state.compressor_for(layout, grad.element_size())
     # The callbacks run on the backend's threads and must not hold `state`: it holds the process
     # group, and a thread that drops a group's last reference joins itself in its destructor.
-    on_decoded = lambda timeline, stats=state.stats: stats.add(seconds=timeline.seconds())  # noqa: E731
+    on_decoded = lambda timeline, stats=state.stats: stats.add(  # noqa: E731
+        seconds=timeline.seconds(), waited=timeline.seconds(EXCHANGE)
+    )
     failure = lambda error, rank=state.rank, world_size=state.world_size: exchange_failed(  # noqa: E731
         rank, world_size, layout, step, error
     )

@@ -87,6 +87,23 @@ class Timeline:
             self.phases.append((phase, now - self._last))
         self._last = now
 
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Charge the time spent inside to :data:`EXCHANGE`, outside the clock's run: for a wait on
+        collectives between phases (a node's reduction, a two-level bucket's cross-node exchange).
+        Phases recorded meanwhile (a decode callback on the backend's thread) keep their own time."""
+        if self.sync is not None:
+            self.sync()
+        began, recorded = time.perf_counter(), self._total()
+        yield
+        if self.sync is not None:
+            self.sync()
+        waited = time.perf_counter() - began - (self._total() - recorded)
+        self.phases.append((EXCHANGE, max(0.0, waited)))
+
+    def _total(self) -> float:
+        return sum(s for _, s in self.phases)
+
     def seconds(self, *phases: str) -> float:
         """Total seconds of ``phases`` (all phases but :data:`EXCHANGE` waits when none are named)."""
         return sum(s for name, s in self.phases if (name in phases if phases else name != EXCHANGE))

@@ -16,6 +16,10 @@ class CompressionStats:
 
     ``bytes_sent`` counts every byte this rank hands to a collective (values, indices, padding);
     ``dense_bytes`` is what plain DDP would have handed over for the same buckets.
+    ``compress_seconds`` is the host time of the codec's own work (screen, compensate, encode,
+    commit, decode); ``wait_seconds`` the host time the hook spent blocked on collectives: earlier
+    rounds, merges, a node's reduction, the previous step's delayed exchange. Neither counts DDP's
+    own wait, after backward, for the futures the hook returned.
     """
 
     bytes_sent: int = 0
@@ -23,6 +27,7 @@ class CompressionStats:
     elements_sent: int = 0
     elements_total: int = 0
     compress_seconds: float = 0.0
+    wait_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(
@@ -33,6 +38,7 @@ class CompressionStats:
         elements_sent: int = 0,
         elements_total: int = 0,
         seconds: float = 0.0,
+        waited: float = 0.0,
     ) -> None:
         with self._lock:  # decode callbacks can run on a communication thread
             self.bytes_sent += bytes_sent
@@ -40,6 +46,7 @@ class CompressionStats:
             self.elements_sent += elements_sent
             self.elements_total += elements_total
             self.compress_seconds += seconds
+            self.wait_seconds += waited
 
     def pop_metrics(self) -> dict[str, float] | None:
         """The ``gc/*`` metrics since the last call (``None`` if no bucket was seen), then reset."""
@@ -52,7 +59,8 @@ class CompressionStats:
                 "gc/wire_ratio": self.dense_bytes / max(self.bytes_sent, 1),
                 "gc/density": self.elements_sent / self.elements_total,
                 "gc/compress_s": self.compress_seconds,
+                "gc/wait_s": self.wait_seconds,
             }
             self.bytes_sent = self.dense_bytes = self.elements_sent = self.elements_total = 0
-            self.compress_seconds = 0.0
+            self.compress_seconds = self.wait_seconds = 0.0
             return metrics

@@ -51,6 +51,30 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess[str]:
     return run_torchrun(REPO / "examples" / "torchrun_dgc.py", *args)
 
 
+def test_wait_s_is_the_time_the_hook_blocked_on_a_late_peer(run_ranks) -> None:
+    """``gc/wait_s``: rank 1 sleeps 0.5 s before step 3's backward. The two-phase exchange waits
+    for its first phase inside the (one bucket's) hook, so rank 0 reports the sleep at step 3 and
+    rank 1, the late one, does not; the gathered exchange leaves its wait to DDP after backward, so
+    neither hook reports it; with ``delay=1`` rank 0's hook waits for it at step 4, on step 3's
+    exchange. ``gc/compress_s`` never includes it."""
+    late, seconds = 3, 0.5
+    common = {"optimizer": "sgd", "steps": 6, "late": {"1": [late, seconds]}}
+    runs = [
+        {**common, "compressor": "onebit", "kwargs": {"exchange": "two_phase"}},
+        {**common, "compressor": "onebit"},
+        {**common, "compressor": "onebit", "kwargs": {"delay": 1, "sync_warmup_steps": 0}},
+    ]
+    ranks = run_ranks({"runs": runs}, worker="attach_worker.py")
+    waits = [[[m["gc/wait_s"] for m in run["metrics"]] for run in rank] for rank in ranks]
+    (two_phase, gathered, delayed), (late_two_phase, late_gathered, late_delayed) = waits
+    assert two_phase[late] > 0.8 * seconds and late_two_phase[late] < 0.4 * seconds
+    assert max(gathered) < 0.4 * seconds and max(late_gathered) < 0.4 * seconds
+    assert delayed[late + 1] > 0.6 * seconds and delayed[late] < 0.4 * seconds
+    for rank in ranks:
+        for run in rank:
+            assert all(m["gc/compress_s"] < 0.4 * seconds for m in run["metrics"])
+
+
 def test_the_torchrun_example_checkpoints_and_resumes_exactly(tmp_path: Path) -> None:
     straight = _torchrun("--steps", "40", "--checkpoint-every", "20", "--out", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr[-3000:]

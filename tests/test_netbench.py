@@ -45,6 +45,7 @@ def test_two_nodes_on_loopback_produce_the_record(tmp_path):
     assert record["payload_bytes_per_step"] == wire
     assert record["tx_bytes_per_step"] >= wire
     assert 0 < record["hook_s_per_step"] < record["median_s"]
+    assert 0 <= record["wait_s_per_step"] < record["median_s"]
 
 
 def test_two_nodes_of_two_processes_send_half_the_payload_each_with_the_hierarchy(tmp_path):
@@ -77,7 +78,7 @@ def test_report_ratios_and_predictions():
     assert ddp.prediction_error == pytest.approx((0.6 - 0.88) / 0.88)
     assert rows["noop"].predicted_s is None
     table = report.markdown(list(rows.values()))
-    assert "| 1gbit | m | ddp | 880 | 800–1440 | 18 | 0.25 | 0.12 | 0.000 | – | – | 600 | -32 % |" in table
+    assert "| 1gbit | m | ddp | 880 | 800–1440 | 18 | 0.25 | 0.12 | 0.000 | – | – | – | 600 | -32 % |" in table
 
 
 def test_predicted_modes_keep_what_the_calibration_measured_for_every_exchange(tmp_path) -> None:

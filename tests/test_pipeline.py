@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -80,6 +82,22 @@ def test_timeline_records_every_phase_in_order_and_rounds_as_exchange_waits() ->
     assert names == ["screen", "compensate", "encode", EXCHANGE, "encode", "launch", "decode", "commit after decode"]
     assert seen == [timeline]
     assert timeline.seconds() == pytest.approx(sum(s for n, s in timeline.phases if n != EXCHANGE))
+
+
+def test_a_wait_between_phases_is_exchange_time_less_what_a_callback_recorded_meanwhile() -> None:
+    """``Timeline.waiting``: a decode callback that runs during the wait (on the backend's thread)
+    keeps its own time; the wait is charged only the rest."""
+    timeline = Timeline()
+    timeline.start()
+    timeline.mark("encode")
+    with timeline.waiting():
+        time.sleep(0.02)
+        decoder = threading.Thread(target=lambda: (timeline.start(), time.sleep(0.3), timeline.mark("decode")))
+        decoder.start()
+        decoder.join()
+    assert [name for name, _ in timeline.phases] == ["encode", "decode", EXCHANGE]
+    assert timeline.seconds("decode") >= 0.3 and 0.02 <= timeline.seconds(EXCHANGE) < 0.2
+    assert timeline.seconds() == pytest.approx(timeline.seconds("encode", "decode"))
 
 
 def test_loss_scale_is_taken_out_for_memory_and_put_back_on_the_average() -> None:

@@ -5,7 +5,9 @@ over the timed steps), the min/max single step over all repeats, global samples/
 and ratios to the two references of the same rate and model: ``of floor`` = ``noop`` step /
 step (DDP exchanging nothing), ``of ideal`` = ``ideal`` step / step (one process per node, no
 DDP at all). Throughput ratios, so 1.0 means as fast as the reference. ``hook ms``: host time
-our comm hook spent compensating, encoding and decoding per step (``gc/compress_s``).
+our comm hook spent compensating, encoding and decoding per step (``gc/compress_s``); ``wait
+ms``: host time it spent blocked on collectives (``gc/wait_s``: earlier rounds, merges, a node's
+reduction, a delayed exchange; not DDP's own wait after backward).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Row:
     payload_bytes: float | None
     hook_s: float | None
     predicted_s: float | None
+    wait_s: float | None = None
 
     @property
     def prediction_error(self) -> float | None:
@@ -61,6 +64,7 @@ def summarize(records: Sequence[dict[str, Any]], predicted: dict[tuple[str, str,
         steps = [s for r in group for s in r["step_s"]]
         payloads = [r["payload_bytes_per_step"] for r in group if r["payload_bytes_per_step"] is not None]
         hooks = [r["hook_s_per_step"] for r in group if r.get("hook_s_per_step") is not None]
+        waits = [r["wait_s_per_step"] for r in group if r.get("wait_s_per_step") is not None]
         rows.append(
             Row(
                 rate=rate,
@@ -77,6 +81,7 @@ def summarize(records: Sequence[dict[str, Any]], predicted: dict[tuple[str, str,
                 payload_bytes=statistics.median(payloads) if payloads else None,
                 hook_s=statistics.median(hooks) if hooks else None,
                 predicted_s=predicted.get((rate, model, mode)),
+                wait_s=statistics.median(waits) if waits else None,
             )
         )
     return rows
@@ -89,8 +94,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def markdown(rows: Sequence[Row]) -> str:
     lines = [
         "| link | model | mode | step ms (median) | min–max ms | samples/s | of floor | of ideal "
-        "| MB/step on wire | MB/step payload | hook ms | predicted ms | error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| MB/step on wire | MB/step payload | hook ms | wait ms | predicted ms | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         error = r.prediction_error
@@ -99,6 +104,7 @@ def markdown(rows: Sequence[Row]) -> str:
             f"| {r.samples_per_s:.0f} | {_fmt(r.of_floor, '.2f')} | {_fmt(r.of_ideal, '.2f')} "
             f"| {r.tx_bytes / 1e6:.3f} | {_fmt(None if r.payload_bytes is None else r.payload_bytes / 1e6, '.3f')} "
             f"| {_fmt(None if r.hook_s is None else r.hook_s * 1e3, '.0f')} "
+            f"| {_fmt(None if r.wait_s is None else r.wait_s * 1e3, '.0f')} "
             f"| {_fmt(None if r.predicted_s is None else r.predicted_s * 1e3, '.0f')} "
             f"| {_fmt(None if error is None else error * 100, '+.0f')}{'' if error is None else ' %'} |"
         )

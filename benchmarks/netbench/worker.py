@@ -11,7 +11,9 @@ the namespace's loopback, unshaped. Mode ``ideal`` runs one process without any 
 
 The record (``DIR/rank<r>.json``): per timed step, wall time between the ends of consecutive
 training batches; medians of the bytes the gloo interface transmitted per step (TCP/IP headers
-included) and, for ``lightning_gc`` modes, of the bytes its hook handed to the collectives.
+included) and, for ``lightning_gc`` modes, of the bytes its hook handed to the collectives, of
+its codec's host time (``gc/compress_s``) and of the time it was blocked on collectives
+(``gc/wait_s``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class StepClock(Callback):
         self.sent: list[int] = []
         self.payload: list[float] = []
         self.codec: list[float] = []
+        self.waited: list[float] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.times.append(time.perf_counter())
@@ -57,6 +60,7 @@ class StepClock(Callback):
             self.payload.append(strategy.totals["bytes_sent"])
             if "gc/compress_s" in trainer.callback_metrics:  # host time in the hook this step
                 self.codec.append(float(trainer.callback_metrics["gc/compress_s"]))
+                self.waited.append(float(trainer.callback_metrics["gc/wait_s"]))
 
 
 def diffs(values: list[float] | list[int]) -> list[float]:
@@ -103,6 +107,7 @@ def main() -> None:
     sent = diffs(clock.sent)[args.warmup :]
     payload = diffs(clock.payload)[args.warmup :]
     hook_s = clock.codec[args.warmup + 1 :]  # the timed steps' own entries
+    wait_s = clock.waited[args.warmup + 1 :]
     record = {
         "mode": args.mode,
         "model": args.model,
@@ -117,6 +122,7 @@ def main() -> None:
         "tx_bytes_per_step": statistics.median(sent) if sent else 0.0,
         "payload_bytes_per_step": statistics.median(payload) if payload else None,
         "hook_s_per_step": statistics.median(hook_s) if hook_s else None,
+        "wait_s_per_step": statistics.median(wait_s) if wait_s else None,
         "ifname": ifname,
     }
     args.out.mkdir(parents=True, exist_ok=True)

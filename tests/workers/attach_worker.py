@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,10 +36,13 @@ def build(run: dict) -> tuple:
 def train(run: dict, rank: int) -> dict:
     """``run["steps"]`` steps; with ``"resume_after": k``, everything is rebuilt after step ``k``
     from the state a checkpoint would hold (model, optimizer, ``gc.state_dict()``), with
-    ``run["resume_kwargs"]`` instead of ``run["kwargs"]`` when given."""
+    ``run["resume_kwargs"]`` instead of ``run["kwargs"]`` when given. ``run["late"]``, ``{rank:
+    [step, seconds]}``: that rank sleeps before that step's backward (a straggler)."""
     net, model, optimizer, gc, scaler = build(run)
     generator = torch.Generator().manual_seed(100 + rank)
     weights = torch.randn(32, 10, generator=torch.Generator().manual_seed(7))
+    late_step, late_seconds = run.get("late", {}).get(str(rank), (-1, 0.0))
+    metrics = []
     for step in range(run["steps"]):
         if step == run.get("resume_after"):
             entry = [gc.state_dict()]  # complete on rank 0, which a checkpoint file would hold
@@ -55,15 +59,18 @@ def train(run: dict, rank: int) -> dict:
         x = torch.randn(16, 32, generator=generator)
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), (x @ weights).argmax(1))
+        if step == late_step:
+            time.sleep(late_seconds)
         (loss if scaler is None else scaler.scale(loss)).backward()
         if gc is None:
             optimizer.step()
         else:
-            gc.step()
+            metrics.append(gc.step())
     result = {"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()])}
     if gc is not None:
         gc.finish()
         result["totals"] = dict(gc.totals)
+        result["metrics"] = metrics  # each step's gc/* metrics (None for a step that exchanged nothing)
         memory = gc.session.hook_state.memory.state_dict()
         result["memory_numel"] = {name: entry["velocity"].numel() for name, entry in memory.items()}
         result["buckets"] = len(gc.session.hook_state.layouts)
