@@ -37,14 +37,13 @@ Equalities the maths gives: at ``compress_ratio=1`` it is DDP's mean (float summ
 Below 1 the update differs from the flat one (``k`` positions per tensor per node instead of up to
 ``L k``), as global top-k's does from the gather.
 
-Step 1's merge rounds complete in the bucket's comm hook (blocking point-to-point swaps with
-the node's other ranks) and its all-reduce is left in flight. The next bucket's hook waits for it
-and launches step 2, and the hook after that waits for step 2 and runs steps 3 and 4: the comm
-hook's :class:`~lightning_gc.pipeline.RoundQueue` moves the run on by one round per hook, so
-neither collective holds up backward, and the last bucket's hook finishes every bucket. Every rank
-launches the same collectives in the same order. With a delayed exchange (``delay >= 1``) step 2
-follows step 1 in the bucket's own hook, and steps 3 and 4 run when the delay line next waits for
-the bucket (:class:`~lightning_gc.pipeline.BucketStep` ``finish``), as in
+Steps 1 and 2 are launched from the bucket's comm hook; step 1 completes there (the merge
+rounds are blocking point-to-point swaps). Step 2 is left in flight and steps 3 and 4 run at the
+next bucket's hook (the comm hook's :class:`~lightning_gc.pipeline.RoundQueue`, as the two-phase
+exchange's second phase does), so the slow-link all-gather travels while backward computes; the
+last bucket's hook finishes every bucket. Every rank launches the same collectives in the same
+order. With a delayed exchange (``delay >= 1``) steps 3 and 4 run instead when the delay line next
+waits for the bucket (:class:`~lightning_gc.pipeline.BucketStep` ``finish``), as in
 :mod:`lightning_gc.hierarchy`.
 
 A bucket whose compressor is not sparse (a dense one chosen by ``compress_when``) goes through
@@ -71,15 +70,6 @@ from lightning_gc.hierarchy import NodeHierarchy, NodeTopology, delayed_finisher
 from lightning_gc.layout import BucketLayout, Segment, piece_bounds
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.pipeline import EXCHANGE, BucketStep, Timeline, pending_like, reported, run_bucket, settle, wait
-
-
-@dataclass
-class _CrossSent:
-    """What step 2 staged and sent for one bucket: the node's pairs and the byte counts."""
-
-    pairs: _NodePairs
-    counts: dict[str, int]
-
 
 _ALIGN = 4  # slots per slice rounded up to this: the values (2, 4 or 8 bytes) then the int32 positions stay aligned
 
@@ -305,11 +295,10 @@ class SparseNodeHierarchy(NodeHierarchy):
         out: torch.Tensor | None = None,
     ) -> BucketStep:
         """One bucket through steps 1-4; ``averaged`` resolves to ``grad`` holding the mean once the
-        returned step's two ``rounds`` are run (the comm hook's
-        :class:`~lightning_gc.pipeline.RoundQueue` runs one at each of the next two buckets' hooks,
-        so the node's all-reduce and the cross-node all-gather travel while backward goes on). With
-        ``out`` (a delayed exchange's slot) the mean is left there unscaled, after the returned
-        step's ``finish``."""
+        returned step's ``rounds`` are completed (:func:`lightning_gc.pipeline.complete`; the comm
+        hook's :class:`~lightning_gc.pipeline.RoundQueue` does it at the next bucket's hook, so the
+        cross-node all-gather travels while backward goes on). With ``out`` (a delayed exchange's
+        slot) the mean is left there unscaled, after the returned step's ``finish``."""
         if not isinstance(compressor, SparseCompressor):
             raise TypeError(f"hierarchy='node_sparse' takes sparse compressors, got {compressor.name!r}: see takes()")
         topology = self.topology
@@ -335,56 +324,37 @@ class SparseNodeHierarchy(NodeHierarchy):
             out=out,
             clip=False,
         )
-        if out is not None:  # delayed: the exchange hides behind the next step's compute anyway
-            across, sent = self._cross(agreement, layout, node, out, None, timeline, failure)
-            done: Future[torch.Tensor] = Future()
-            spread = partial(self._spread, sent.pairs, out, timeline, on_decoded, failure)
-            return BucketStep(averaged=done, finish=delayed_finisher(across, spread, out, done, failure), **sent.counts)
-        # steps 2 to 4 at the next two buckets' hooks, so that neither the node's all-reduce nor the
-        # cross-node all-gather holds up backward (the comm hook's RoundQueue moves the run on)
-        averaged = pending_like(grad)
-        later = BucketStep(averaged=averaged, bytes_sent=0, elements_sent=0, deferred=True)
-
-        def rounds() -> Generator[None, None, None]:
-            yield  # the node's all-reduce travels
-            across, sent = self._cross(agreement, layout, node, grad, loss_scale, timeline, failure)
-            later.bytes_sent, later.elements_sent = sent.counts["bytes_sent"], sent.counts["elements_sent"]
-            yield  # the cross-node all-gather travels
-            with timeline.waiting():
-                wait(across, failure)
-            spread = self._spread(sent.pairs, grad, timeline, on_decoded, failure)
-            spread.then(lambda done: settle(averaged, done))
-
-        later.rounds = rounds()
-        next(later.rounds)  # to its first pause
-        return later
-
-    def _cross(
-        self,
-        agreement: AgreedWithinNode,
-        layout: BucketLayout,
-        node: BucketStep,
-        target: torch.Tensor,
-        loss_scale: float | None,
-        timeline: Timeline,
-        failure: Callable[[Exception], Exception] | None,
-    ) -> tuple[Future[torch.Tensor], _CrossSent]:
-        """Step 2 once the node's all-reduce (``node``) is done: stage this rank's slice of the
-        node's pairs and launch its all-gather across nodes."""
         with timeline.waiting():
             wait(node.averaged, failure)
+        target = grad if out is None else out
         timeline.start()
-        mean = agreement.node_mean(layout, target, self.topology.per_node)
+        mean = agreement.node_mean(layout, target, topology.per_node)
         pairs = self._node_pairs(layout, mean, target)
-        # the decode restores a grad scaler's scale (`loss_scale` given only when the mean goes into
-        # the gradient), which the agreed means do not carry yet
-        pairs.stage(mean, loss_scale if not mean.scaled else None)
+        # the decode restores a grad scaler's scale (out is None), which the agreed means do not carry yet
+        pairs.stage(mean, loss_scale if out is None and not mean.scaled else None)
         timeline.mark("stage")
         with reported(failure):
             across = comm.allgather_fixed(pairs.mine, pairs.across, self.cross_exchange.group)
         timeline.mark(EXCHANGE)
         elements = pairs.agreed[1] - pairs.agreed[0] + pairs.dense[1] - pairs.dense[0]
-        return across, _CrossSent(pairs, {"bytes_sent": pairs.mine.numel(), "elements_sent": elements})
+        sent = {"bytes_sent": pairs.mine.numel(), "elements_sent": elements}
+        if out is None:  # steps 3 and 4 at the next bucket's hook: step 2 crosses while backward goes on
+            averaged = pending_like(grad)
+
+            def later() -> Generator[None, None, None]:
+                yield
+                timeline.start()
+                wait(across, failure)
+                timeline.mark(EXCHANGE)
+                spread = self._spread(pairs, target, timeline, on_decoded, failure)
+                spread.then(lambda done: settle(averaged, done))
+
+            rounds = later()
+            next(rounds)  # to its pause: the caller's next step waits for step 2 and launches step 3
+            return BucketStep(averaged=averaged, rounds=rounds, deferred=True, **sent)
+        done: Future[torch.Tensor] = Future()
+        spread = partial(self._spread, pairs, target, timeline, on_decoded, failure)
+        return BucketStep(averaged=done, finish=delayed_finisher(across, spread, target, done, failure), **sent)
 
     def _spread(
         self,

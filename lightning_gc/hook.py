@@ -256,9 +256,9 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> Fu
     try:
         earlier = len(state.rounds)  # earlier buckets' runs waiting for an earlier round (defer_rounds)
         averaged = _compressed(state, bucket)
-        # This bucket's first round is out; now the earlier buckets' next rounds, while it travels
+        # This bucket's first round is out; now the earlier buckets' later rounds, while it travels
         # (every rank launches in this same order). The last bucket's hook has finished them all.
-        state.rounds.advance(earlier)
+        state.rounds.finish(earlier)
         return averaged
     except BaseException as error:  # nothing left to resume in a later step
         state.rounds.abandon(error)

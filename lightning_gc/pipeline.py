@@ -15,12 +15,11 @@ Multi-round compressors (PowerSGD, the two-phase exchange, global top-k's merges
 first round with ``next_round`` set: an earlier round's exchange must complete before the next is
 encoded. By default that happens here, before :func:`run_bucket` returns. With ``defer_rounds`` the
 bucket's run stops after launching an earlier round that leaves collectives in flight and is
-moved on by its caller (:class:`RoundQueue`): each later bucket's hook, once that bucket's first
-round is launched, advances it by one round, so the round travels while backward computes and
-the next bucket encodes instead of blocking them, and the last bucket's hook finishes every run
-(``hierarchy="node_sparse"``'s runs are queued alike). Each rank launches exactly the collectives
-it would waiting at once, in one order shared by every rank (bucket ``b + 1``'s first round, then
-the earlier buckets' next rounds), only later. Every
+finished by its caller (:class:`RoundQueue`): the comm hook finishes it in the next bucket's
+hook, once that bucket's first round is launched, so the round travels while backward computes
+and the next bucket encodes instead of blocking them, and the last bucket's hook finishes every
+run. Each rank launches exactly the collectives it would waiting at once, in one order shared by
+every rank (bucket ``b + 1``'s first round, then bucket ``b``'s later rounds), only later. Every
 bucket's rounds read and write only that bucket's buffers and state, and random rounding is
 salted by step, rank and tensor, so the order changes nothing: the result is the same bit for
 bit. (Point-to-point rounds block in their launch and are not deferred.) Compressors whose
@@ -303,10 +302,10 @@ def settle(target: Future[torch.Tensor], done: Future[torch.Tensor]) -> None:
 class RoundQueue:
     """Buckets whose runs wait for an earlier round in flight (``defer_rounds``), in launch order.
 
-    The comm hook calls :meth:`advance` in every bucket's hook once that bucket's first round is
-    launched, for the runs queued before it, and :meth:`finish` at the end of the last bucket's for
-    all: every rank then launches its collectives in the same order (bucket ``b + 1``'s first
-    round, then the earlier buckets' next rounds), and no run outlives its backward pass."""
+    The comm hook calls :meth:`finish` in every bucket's hook once that bucket's first round is
+    launched, for the runs queued before it, and at the end of the last bucket's for all: every
+    rank then launches its collectives in the same order (bucket ``b + 1``'s first round, then
+    bucket ``b``'s later rounds), and no run outlives its backward pass."""
 
     def __init__(self) -> None:
         self._waiting: deque[tuple[BucketStep, Callable[[BucketStep], None]]] = deque()
@@ -320,44 +319,25 @@ class RoundQueue:
         else:
             self._waiting.append((sent, launched))
 
-    def finish(self) -> None:
-        """Run every waiting run to its last round's launch, oldest first: each rank then launches
-        exactly what it would have launched waiting at once, in an order every rank shares, only
-        later (the last bucket's hook, and whoever must wait for every bucket, call this).
+    def finish(self, count: int | None = None) -> None:
+        """Run the ``count`` oldest waiting runs (all when ``None``) to their last round's launch,
+        oldest first: each rank then launches exactly what it would have launched waiting at once,
+        in an order every rank shares, only later.
 
         An error (a failed earlier round) fails that bucket's future and every later waiting one,
         and is raised here, in the hook, as it would have been in the bucket's own."""
-        self._run(len(self._waiting), complete)
-
-    def advance(self, count: int) -> None:
-        """Move each of the ``count`` oldest waiting runs on by one round, oldest first (the comm
-        hook calls this once its own bucket's first round is out). A run whose last round is then
-        launched leaves the queue; the others keep their places, so a run with ``R`` rounds left
-        ends at the hook ``R`` buckets after its own (or at :meth:`finish`), on every rank alike.
-        Most runs have one round left (PowerSGD's second, the two-phase exchange's second phase);
-        ``hierarchy="node_sparse"``'s have two. Errors as in :meth:`finish`."""
-        self._run(min(count, len(self._waiting)), _step)
-
-    def _run(self, count: int, work: Callable[[BucketStep], None]) -> None:
-        """``work`` on each of the ``count`` oldest runs, oldest first; the unfinished ones stay at
-        the front of the queue, in order."""
-        unfinished = []
-        for _ in range(count):
+        runs = len(self._waiting) if count is None else min(count, len(self._waiting))
+        for _ in range(runs):
             sent, launched = self._waiting.popleft()
+            self.deferred += 1
             try:
-                work(sent)
+                complete(sent)
             except Exception as error:
                 sent.rounds = None
                 sent.averaged.set_exception(error)
-                self._waiting.extendleft(reversed(unfinished))
                 self.abandon(error)
                 raise
-            if sent.rounds is None:
-                self.deferred += 1
-                launched(sent)
-            else:
-                unfinished.append((sent, launched))
-        self._waiting.extendleft(reversed(unfinished))
+            launched(sent)
 
     def abandon(self, error: BaseException) -> None:
         """Fail every waiting run's future with ``error`` (an interrupt as a ``RuntimeError``) and

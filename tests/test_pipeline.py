@@ -226,58 +226,12 @@ def test_a_deferred_run_ends_as_the_run_that_waits_at_once() -> None:
     assert bytes_at_once == bytes_deferred > 0
 
 
-def test_advancing_the_oldest_runs_leaves_the_newer_one_in_flight() -> None:
-    """``advance(count)`` (the comm hook's call once its own bucket's first round is out) moves
-    only the ``count`` oldest waiting runs on, oldest first; a two-phase run has one round left,
-    so that ends it."""
+def test_finishing_the_oldest_runs_leaves_the_newer_one_in_flight() -> None:
+    """``finish(count)`` (the comm hook's call once its own bucket's first round is out) runs only
+    the ``count`` oldest waiting runs to their last launch, oldest first; ``finish()`` the rest."""
     queue, counted = RoundQueue(), []
     runs = _deferred_two_phase_runs(3, LocalExchange(2), queue, counted.append)
-    queue.advance(2)
+    queue.finish(2)
     assert counted == runs[:2] and len(queue) == 1 and runs[2].rounds is not None
-    queue.advance(5)  # more than are waiting: all of them
+    queue.finish(5)  # more than are waiting: all of them
     assert counted == runs and len(queue) == 0 and queue.deferred == 3
-
-
-def _scripted_run(name: str, rounds: int, log: list[str]) -> BucketStep:
-    """A run with ``rounds`` deferred rounds, logging ``name:i`` as round ``i`` is launched."""
-
-    def script():
-        for i in range(1, rounds + 1):
-            yield
-            log.append(f"{name}:{i}")
-
-    sent = BucketStep(averaged=Future(), bytes_sent=0, elements_sent=0, rounds=script())
-    next(sent.rounds)  # its first round is out
-    return sent
-
-
-def test_runs_of_several_rounds_advance_one_round_per_hook_in_bucket_order() -> None:
-    """``node_sparse`` leaves two rounds to later hooks (the cross-node all-gather, then the node's):
-    each hook moves every earlier run on by one round, oldest first, so a run ends two buckets
-    after its own, and every rank launches in this one order; ``finish()`` ends the rest."""
-    queue, log, counted = RoundQueue(), [], []
-    for bucket in "abcd":
-        earlier = len(queue)
-        queue.add(_scripted_run(bucket, 2, log), lambda sent, bucket=bucket: counted.append(bucket))
-        queue.advance(earlier)
-    assert log == ["a:1", "a:2", "b:1", "b:2", "c:1"] and counted == ["a", "b"] and len(queue) == 2
-    queue.finish()
-    assert log[5:] == ["c:2", "d:1", "d:2"] and counted == ["a", "b", "c", "d"] and len(queue) == 0
-
-
-def test_a_failed_round_fails_its_run_and_every_later_one_and_keeps_none_queued() -> None:
-    def failing():
-        yield
-        raise RuntimeError("the peer died")
-
-    broken = BucketStep(averaged=Future(), bytes_sent=0, elements_sent=0, rounds=failing())
-    next(broken.rounds)
-    queue, later = RoundQueue(), _scripted_run("b", 2, [])
-    queue.add(broken, lambda sent: None)
-    queue.add(later, lambda sent: None)
-    with pytest.raises(RuntimeError, match="the peer died"):
-        queue.advance(2)
-    assert len(queue) == 0 and later.rounds is None
-    for run in (broken, later):
-        with pytest.raises(RuntimeError, match="the peer died"):
-            run.averaged.wait()
