@@ -343,9 +343,8 @@ class SparseNodeHierarchy(NodeHierarchy):
 
             def later() -> Generator[None, None, None]:
                 yield
-                timeline.start()
-                wait(across, failure)
-                timeline.mark(EXCHANGE)
+                with timeline.waiting():
+                    wait(across, failure)
                 spread = self._spread(pairs, target, timeline, on_decoded, failure)
                 spread.then(lambda done: settle(averaged, done))
 
