@@ -18,6 +18,7 @@ thread each, a barrier before each timing; the median of rank 0's times is print
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -42,6 +43,12 @@ def _median_ms(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _gather_through_all_to_all(out: torch.Tensor, payload: torch.Tensor, copies: torch.Tensor) -> None:
+    """The all-gather as an all-to-all of ``payload`` copied once per rank into ``copies``."""
+    copies.view(-1, payload.numel()).copy_(payload.view(1, -1).expand(copies.numel() // payload.numel(), -1))
+    dist.all_to_all_single(out, copies)
+
+
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -51,20 +58,16 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     for name in args.dtypes:
         values = torch.randn(args.numel).to(DTYPES[name])
         dist.all_reduce(values)  # connections and buffers set up before timing
-        ms = _median_ms(lambda: dist.all_reduce(values), args.repeats)
+        ms = _median_ms(functools.partial(dist.all_reduce, values), args.repeats)
         lines.append(f"| all-reduce | {name} | {values.numel() * values.element_size() / 1e6:.3f} | {ms:.2f} |")
     for nbytes in args.payload_bytes:
         payload = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
         out = torch.empty(world * nbytes, dtype=torch.uint8)
         copies = torch.empty(world * nbytes, dtype=torch.uint8)
 
-        def through_all_to_all() -> None:
-            copies.view(world, -1).copy_(payload.view(1, -1).expand(world, -1))
-            dist.all_to_all_single(out, copies)
-
-        ring = _median_ms(lambda: all_gather_single(out, payload), args.repeats)
+        ring = _median_ms(functools.partial(all_gather_single, out, payload), args.repeats)
         expected = out.clone()
-        pairs = _median_ms(through_all_to_all, args.repeats)
+        pairs = _median_ms(functools.partial(_gather_through_all_to_all, out, payload, copies), args.repeats)
         assert torch.equal(out, expected), "the all-to-all form gathered something else"
         lines.append(f"| all-gather / through all-to-all | uint8 | {nbytes / 1e6:.3f} | {ring:.2f} / {pairs:.2f} |")
     if rank == 0:

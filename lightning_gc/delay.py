@@ -121,11 +121,27 @@ class DelayLine:
         """(the slot step ``step`` writes, the slot it reads)."""
         return step % (self.delay + 1), (step - self.delay) % (self.delay + 1)
 
-    def hand_over(self, bucket: DelayedBucket, step: int, grad: torch.Tensor, unused: Sequence[Segment] = ()) -> None:
-        """Write what step ``step`` applies into ``grad`` (module docstring); the step's own
+    def hand_over(
+        self,
+        bucket: DelayedBucket,
+        step: int,
+        grad: torch.Tensor,
+        unused: Sequence[Segment] = (),
+        *,
+        writable: bool = False,
+    ) -> torch.Tensor:
+        """What step ``step`` applies (module docstring), as the tensor to hand DDP; the step's own
         exchange must have been launched (its ``own`` slot filled). ``unused``: segments of
-        parameters no rank used in this step, whose part is carried to a later step."""
+        parameters no rank used in this step, whose part is carried to a later step.
+
+        With nothing to add to the average (no ``local_update``, no carry) and ``writable`` false,
+        that is the slot itself: DDP copies a hook's result into the parameters' gradients either
+        way, so copying it into ``grad`` first would copy the bucket twice. The caller must then
+        leave it as it is (a skipped step's retry reads the slot again). Otherwise it is ``grad``,
+        written here, which the caller may change (e.g. scale back by a loss scale)."""
         write, read = self.slots(step)
+        if not (self.local_update or bucket.carries or unused or writable):
+            return bucket.averages[read]
         grad.copy_(bucket.averages[read])
         if self.local_update:
             grad.add_(bucket.owns[write]).sub_(bucket.owns[read])
@@ -137,6 +153,7 @@ class DelayLine:
                 segment.of(carry).copy_(segment.of(grad))
         elif unused:
             raise RuntimeError("parameters without a gradient need DelayLine(carry_unused=True)")
+        return grad
 
     def drain(self) -> None:
         """Wait for every exchange in flight. A two-level bucket's ``finish`` launches an

@@ -359,8 +359,8 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
         return sent.averaged
     assert state.delay_line is not None
     delayed.in_flight, delayed.finish = sent.averaged, sent.finish
-    state.delay_line.hand_over(delayed, step, grad, absent)
-    state.memory.restore_loss_scale(grad, state.grad_scale)
+    applied = state.delay_line.hand_over(delayed, step, grad, absent, writable=state.grad_scale is not None)
+    state.memory.restore_loss_scale(applied, state.grad_scale)
     handed: Future[torch.Tensor] = Future()
-    handed.set_result(grad)
+    handed.set_result(applied)
     return handed

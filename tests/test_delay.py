@@ -64,9 +64,15 @@ def test_hand_over_and_pending_follow_the_rule_and_survive_a_checkpoint(local_up
         bucket.averages[write].copy_(averages[step])  # as the exchange's decode would
         if local_update:
             bucket.owns[write].copy_(owns[step])  # as memory's commit would
-        grad = torch.empty(layout.numel)
-        line.hand_over(bucket, step, grad)
-        handed.append(grad)
+        grad = torch.full((layout.numel,), -1.0)
+        applied = line.hand_over(bucket, step, grad)
+        # nothing to add: the slot itself goes to DDP, which copies it into the gradients anyway
+        assert (applied is bucket.averages[line.slots(step)[1]]) is not local_update
+        assert bool((grad == -1).all()) is not local_update
+        written = line.hand_over(bucket, step, torch.empty(layout.numel), writable=True)
+        torch.testing.assert_close(written, applied)  # a caller that scales the result gets its own copy
+        assert written is not applied or local_update
+        handed.append(applied.clone())  # the read slot is written again by the next step
     expected_1 = averages[0] + ((owns[1] - owns[0]) if local_update else 0)
     torch.testing.assert_close(handed[1], expected_1)
     torch.testing.assert_close(handed[0], owns[0] if local_update else torch.zeros(layout.numel))

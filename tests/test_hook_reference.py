@@ -116,15 +116,17 @@ def test_hook_matches_reference_dgc(
 
 
 @pytest.mark.parametrize(
-    ("delay", "local_update", "sync_warmup_steps"),
-    [(1, False, 0), (1, True, 2), (2, True, 1)],
-    ids=["stale-by-one", "od-sgd-after-warmup", "delay-two-od-sgd"],
+    ("delay", "local_update", "sync_warmup_steps", "gradient_as_bucket_view"),
+    [(1, False, 0, False), (1, False, 0, True), (1, True, 2, False), (2, True, 1, False)],
+    ids=["stale-by-one", "stale-by-one-gradients-as-bucket-views", "od-sgd-after-warmup", "delay-two-od-sgd"],
 )
 def test_delayed_hook_matches_the_stale_and_od_sgd_rules(
-    run_ranks, delay: int, local_update: bool, sync_warmup_steps: int
+    run_ranks, delay: int, local_update: bool, sync_warmup_steps: int, gradient_as_bucket_view: bool
 ) -> None:
     """The hook hands DDP the average of ``delay`` steps ago (plus, with ``local_update``, the
-    rank's own newest minus its own ``delay``-old contribution), several buckets, real gloo."""
+    rank's own newest minus its own ``delay``-old contribution), several buckets, real gloo.
+    Without the local update the hook hands DDP the average's slot itself, which DDP copies into
+    the gradients, or into the bucket they are views of (``gradient_as_bucket_view``)."""
     plan = {
         "kernels": "torch",
         "ratio": 0.05,
@@ -139,6 +141,7 @@ def test_delayed_hook_matches_the_stale_and_od_sgd_rules(
         "delay": delay,
         "local_update": local_update,
         "sync_warmup_steps": sync_warmup_steps,
+        "gradient_as_bucket_view": gradient_as_bucket_view,
     }
     ranks = run_ranks(plan, worker="hook_worker.py")
     expected = reference_dgc(plan)

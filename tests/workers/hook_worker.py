@@ -25,7 +25,11 @@ from test_hook_reference import data_for, make_model  # noqa: E402
 def rank_body(plan: dict, rank: int) -> None:
     os.environ["LIGHTNING_GC_KERNELS"] = plan["kernels"]  # "torch", or "triton" (interpreted on CPU)
     model = make_model()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=plan["bucket_cap_mb"])
+    ddp = DistributedDataParallel(
+        model,
+        bucket_cap_mb=plan["bucket_cap_mb"],
+        gradient_as_bucket_view=plan.get("gradient_as_bucket_view", False),
+    )
     names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
     memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=plan["clip_norm"])
     spec = MomentumSpec(plan["momentum"], plan["nesterov"], plan["weight_decay"])
