@@ -142,9 +142,10 @@ class DelayLine:
         write, read = self.slots(step)
         if not (self.local_update or bucket.carries or unused or writable):
             return bucket.averages[read]
-        grad.copy_(bucket.averages[read])
-        if self.local_update:
-            grad.add_(bucket.owns[write]).sub_(bucket.owns[read])
+        if self.local_update:  # (avg + own_t) - own_{t-d}: the same rounding as adding to a copy, one pass less
+            torch.add(bucket.averages[read], bucket.owns[write], out=grad).sub_(bucket.owns[read])
+        else:
+            grad.copy_(bucket.averages[read])
         if bucket.carries:
             carried, carry = bucket.carries[(step - 1) % 2], bucket.carries[step % 2]
             grad.add_(carried)
