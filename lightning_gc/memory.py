@@ -321,7 +321,14 @@ class CompensationMemory:
         memory.aside = []
 
     def _subtract_sent(self, memory: BucketMemory, encoded: Encoded, own: torch.Tensor | None) -> None:
-        """Remove what ``encoded`` says left from the velocity (and mask momentum); ``own`` gets the difference."""
+        """Remove what ``encoded`` says left from the velocity (and mask momentum); ``own`` gets the
+        difference. When the whole bucket left, that is what left as receivers decode it (or the
+        velocity itself, sent exactly), copied at once rather than subtracted after the commit."""
+        if encoded.dense_all and encoded.sent_indices is None:
+            if own is not None:
+                own.copy_(memory.velocity if encoded.dense_sent is None else encoded.dense_sent)
+            self.commit_dense(memory, None, encoded.dense_sent)
+            return
         if own is not None:
             own.copy_(memory.velocity)
         if encoded.sent_indices is not None:
