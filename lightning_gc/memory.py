@@ -313,22 +313,24 @@ class CompensationMemory:
         """
         # Without error feedback, momentum (to mask) or ``own``, subtracting what left would only be
         # undone by the zeroing below: a pass over the bucket saved.
+        emptied = False
         if self.error_feedback or own is not None or memory.momentum is not None:
-            self._subtract_sent(memory, encoded, own)
-        if not self.error_feedback:
+            emptied = self._subtract_sent(memory, encoded, own)
+        if not self.error_feedback and not emptied:
             memory.velocity.zero_()
         self.put_back(memory, memory.aside)
         memory.aside = []
 
-    def _subtract_sent(self, memory: BucketMemory, encoded: Encoded, own: torch.Tensor | None) -> None:
+    def _subtract_sent(self, memory: BucketMemory, encoded: Encoded, own: torch.Tensor | None) -> bool:
         """Remove what ``encoded`` says left from the velocity (and mask momentum); ``own`` gets the
         difference. When the whole bucket left, that is what left as receivers decode it (or the
-        velocity itself, sent exactly), copied at once rather than subtracted after the commit."""
+        velocity itself, sent exactly), copied at once rather than subtracted after the commit.
+        Returns whether the velocity is now zero (the whole bucket left exactly)."""
         if encoded.dense_all and encoded.sent_indices is None:
             if own is not None:
                 own.copy_(memory.velocity if encoded.dense_sent is None else encoded.dense_sent)
             self.commit_dense(memory, None, encoded.dense_sent)
-            return
+            return encoded.dense_sent is None
         if own is not None:
             own.copy_(memory.velocity)
         if encoded.sent_indices is not None:
@@ -339,6 +341,7 @@ class CompensationMemory:
             self.commit_dense(memory, positions, encoded.dense_sent)
         if own is not None:
             own.sub_(memory.velocity)
+        return False
 
     def commit_sparse(self, memory: BucketMemory, indices: torch.Tensor, sent: torch.Tensor) -> None:
         """Record that the pairs ``(indices, sent)`` left: ``v[i] -= sent``, and with masking

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from lightning_gc.compressors.base import Encoded
 from lightning_gc.layout import BucketLayout
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec
@@ -121,6 +122,33 @@ def test_zero_valued_pairs_are_no_ops_and_duplicates_accumulate(params) -> None:
     half = v[7] / 2
     memory.commit_sparse(state, torch.tensor([7, 7]), torch.stack([half, half]))
     assert state.velocity[7].abs() <= 1e-6 * v[7].abs() and state.momentum[7] == 0
+
+
+@pytest.mark.parametrize("sent", ["whole, exact", "whole, rounded", "sparse"])
+def test_commit_without_error_feedback_drops_the_residual_and_hands_over_what_left(params, sent: str) -> None:
+    """Without error feedback (an unbiased compressor under ``local_update``) the velocity is empty
+    after every commit, and ``own`` is what left as receivers decode it."""
+    ps, names = params
+    memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None, error_feedback=False)
+    layout = _layout(0, ps, names)
+    state = memory.bucket(layout, torch.zeros(layout.numel))
+    for _ in range(2):  # the second step starts from no residual
+        g = torch.randn(layout.numel)
+        v = memory.compensate(state, g.clone(), ps, world_size=2).clone()
+        assert torch.equal(v, g)
+        if sent == "whole, exact":
+            encoded, left = Encoded(bytes_sent=0, elements_sent=v.numel(), dense_all=True), v
+        elif sent == "whole, rounded":
+            left = v.half().float()
+            encoded = Encoded(bytes_sent=0, elements_sent=v.numel(), dense_all=True, dense_sent=left.clone())
+        else:
+            indices = torch.tensor([0, 7, 20])
+            encoded = Encoded(bytes_sent=0, elements_sent=3, sent_indices=indices, sent_values=v[indices].clone())
+            left = torch.zeros_like(v).index_copy_(0, indices, v[indices])
+        own = torch.full_like(v, float("nan"))
+        memory.commit(state, encoded, own)
+        assert torch.equal(state.velocity, torch.zeros_like(v))
+        assert torch.equal(own, left)
 
 
 def test_local_clipping_scales_each_tensor_by_world_size(params) -> None:
