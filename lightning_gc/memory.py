@@ -308,8 +308,9 @@ class CompensationMemory:
         """Record what left this rank for one bucket, as ``encoded`` describes it, then end the
         bucket's step: drop the residual without error feedback, restore set-aside state.
 
-        ``own`` (bucket-sized) receives this rank's contribution as receivers decode it: the
-        velocity before the commit minus the velocity after it.
+        ``own`` (bucket-sized) receives this rank's contribution as receivers decode it: for a
+        whole bucket, ``encoded.dense_sent`` (or the velocity, sent exactly); otherwise the
+        velocity before the commit minus the velocity after it (before any zeroing).
         """
         # Without error feedback, momentum (to mask) or ``own``, subtracting what left would only be
         # undone by the zeroing below: a pass over the bucket saved.
