@@ -189,6 +189,23 @@ def test_none_through_two_phase_is_the_exact_mean() -> None:
     torch.testing.assert_close(outs[0], sum(velocities) / 3, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_owner_sums_a_float32_velocity_where_its_mean_goes(dtype: torch.dtype) -> None:
+    """A float32 bucket's two-phase plan holds no float32 sum buffer of its own (one bucket of
+    memory less): the owner sums its chunk where the mean is re-encoded from, and decode sums
+    into the bucket. Other dtypes sum in a float32 buffer."""
+    layout = make_layout()
+    compressors = [registry.create("onebit", exchange="two_phase") for _ in range(2)]
+    velocities = [torch.randn(layout.numel, dtype=dtype) for _ in range(2)]
+    outs, _, _, second = simulate(compressors, [v.clone() for v in velocities], layout, step=0)
+    plan = second[0].context
+    assert (plan.total.data_ptr() == plan.chunk_values.data_ptr()) is (dtype == torch.float32)
+    assert plan.total.dtype == torch.float32
+    assert outs[0].dtype == dtype and torch.equal(outs[0], outs[1])
+    mean = sum(velocities) / 2
+    assert (outs[0] - mean).norm() / mean.norm() < 3.0
+
+
 @pytest.mark.parametrize("name", ["onebit", "qsgd"])
 def test_two_phase_traffic_per_rank_is_flat_in_the_world_size(name: str) -> None:
     """Bytes on the wire per rank: two-phase within 5 % of 2 (N-1)/N M/c, gather (N-1) M/c."""

@@ -120,7 +120,7 @@ class _TwoPhasePlan:
     server_payload: torch.Tensor  # uint8 P: this rank's re-encoded chunk mean
     gathered: torch.Tensor  # uint8 N x P: every rank's re-encoded chunk mean
     own_decoded: torch.Tensor  # velocity dtype: this rank's values as receivers decode them
-    total: torch.Tensor  # float32: sums of decoded values (the owner's chunk, then the average)
+    total: torch.Tensor  # float32: sums of decoded values (the owner's chunk); chunk_values itself for a float32 velocity
     chunk_values: torch.Tensor  # velocity dtype: s_j on the owner's chunk
     chunk_decoded: torch.Tensor  # velocity dtype: decode(q_j) on the owner's chunk
     server: torch.Tensor | None  # server error e (this rank's chunk; a view of the by-name store); None: no feedback
@@ -211,7 +211,9 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         for sender, row in enumerate(plan.received.view(world_size, -1)):
             if sender != rank:
                 self.add_decoded_chunk(row[: fmt.nbytes], fmt, plan.total, plan.own_decoded.dtype)
-        if fmt.segments:  # the mean in float32, then in the velocity's dtype (a chunk may hold no piece)
+        if fmt.segments and plan.total is plan.chunk_values:  # float32: the sum becomes the mean in place
+            torch._foreach_div_(_views(fmt.segments, plan.total), world_size)
+        elif fmt.segments:  # the mean in float32, then in the velocity's dtype (a chunk may hold no piece)
             means = torch._foreach_div(_views(fmt.segments, plan.total), world_size)
             _copy_pieces(fmt.segments, plan.chunk_values, means)
         # a parameter no rank used: DDP drops what is decoded for it, so its server error stays out
@@ -259,6 +261,9 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         def payload(rows: int) -> torch.Tensor:
             return torch.zeros(rows * row, dtype=torch.uint8, device=like.device)
 
+        chunk_values = like.new_zeros(layout.numel)
+        # a float32 velocity sums where its mean goes, and decode sums into ``out``: no float32 buffer of its own
+        total = chunk_values if like.dtype == torch.float32 else torch.zeros_like(chunk_values, dtype=torch.float32)
         return _TwoPhasePlan(
             formats=formats,
             scattered=payload(world_size),
@@ -266,8 +271,8 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             server_payload=payload(1),
             gathered=payload(world_size),
             own_decoded=like.new_zeros(layout.numel),
-            total=torch.zeros(layout.numel, dtype=torch.float32, device=like.device),
-            chunk_values=like.new_zeros(layout.numel),
+            total=total,
+            chunk_values=chunk_values,
             chunk_decoded=like.new_zeros(layout.numel),
             server=self._server.bind(layout, like, (SERVER,))[SERVER] if self.server_feedback else None,
         )
