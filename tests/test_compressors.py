@@ -347,6 +347,22 @@ def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> 
         assert torch.allclose(out.float(), torch.full((layout.numel,), 40_000.0), rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gathered_quantisers_hold_a_float32_sum_buffer_only_for_narrower_buckets(dtype: torch.dtype) -> None:
+    """A float32 bucket sums every rank's decoded values in the bucket itself: its plan holds no
+    bucket-sized float32 buffer of its own (device memory on a GPU); an fp16 bucket's plan does."""
+    layout, _ = _layout_and_params([(64, 64)])
+    compressor = create("onebit")
+    context = EncodeContext(layout, step=0, world_size=2, rank=0)
+    velocity = torch.randn(layout.numel).to(dtype)
+    compressor.encode(velocity, torch.empty_like(velocity), context)
+    total = compressor.plan(context, velocity).total
+    if dtype == torch.float32:
+        assert total is None
+    else:
+        assert total is not None and total.dtype == torch.float32 and total.numel() == layout.numel
+
+
 def test_qsgd_scales_by_a_norm_beyond_float32_without_decoding_nan() -> None:
     layout, _ = _layout_and_params([(2, 2)])
     velocity = torch.tensor([3e19, 3e19, -1.5e19, 0.0])  # ||x||^2 overflows float32

@@ -82,7 +82,8 @@ class _QuantPlan:
     payload: torch.Tensor
     gathered: torch.Tensor
     decoded: torch.Tensor  # this rank's values as receivers decode them (for error feedback)
-    total: torch.Tensor  # float32 sum of every rank's decoded values (fp16 could overflow before /N)
+    # float32 sum of every rank's decoded values (fp16 could overflow before /N); None: a float32 bucket sums in out
+    total: torch.Tensor | None
 
 
 class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
@@ -181,7 +182,7 @@ class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
             payload=torch.zeros(fmt.nbytes, dtype=torch.uint8, device=like.device),
             gathered=torch.empty(world_size * fmt.nbytes, dtype=torch.uint8, device=like.device),
             decoded=like.new_empty(layout.numel),
-            total=torch.empty(layout.numel, dtype=torch.float32, device=like.device),
+            total=None if like.dtype == torch.float32 else like.new_empty(layout.numel, dtype=torch.float32),
         )
 
     def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
@@ -200,6 +201,7 @@ class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
     def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         plan: _QuantPlan = encoded.context
         total = out if out.dtype == torch.float32 else plan.total
+        assert total is not None, "a float32 bucket's plan sums in out"
         total.zero_()
         for row in plan.gathered.view(world_size, -1):
             self.add_decoded_chunk(row, plan.fmt, total, out.dtype)

@@ -120,7 +120,7 @@ class _TwoPhasePlan:
     server_payload: torch.Tensor  # uint8 P: this rank's re-encoded chunk mean
     gathered: torch.Tensor  # uint8 N x P: every rank's re-encoded chunk mean
     own_decoded: torch.Tensor  # velocity dtype: this rank's values as receivers decode them
-    total: torch.Tensor  # float32: sums of decoded values (the owner's chunk); chunk_values itself for a float32 velocity
+    total: torch.Tensor  # float32: sums of decoded values (the owner's chunk); for a float32 velocity, chunk_values
     chunk_values: torch.Tensor  # velocity dtype: s_j on the owner's chunk
     chunk_decoded: torch.Tensor  # velocity dtype: decode(q_j) on the owner's chunk
     server: torch.Tensor | None  # server error e (this rank's chunk; a view of the by-name store); None: no feedback
