@@ -17,8 +17,8 @@
 # each printed), each section's table (<section>-table.md), and session.tar.gz with every log,
 # result and records file. Exit status: the GPU checks' failures plus the sections'.
 #
-# From this checkout, with the wheels for the packages the machine lacks in .whl/ and ip/tc in
-# .netbin/ (see netbench_host.sh's header):
+# From this checkout, after `bash benchmarks/prepare_device.sh` (here, no device time) has put the
+# wheels of the packages the machine lacks in .whl/ and ip/tc in .netbin/:
 #     run(carry=[".whl", ".netbin"], timeout_s=600, command="python3 -m pip install -q --no-index
 #         --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
 #         export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.netbin:$PATH || exit; bash

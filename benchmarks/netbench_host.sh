@@ -14,11 +14,9 @@
 # plus 30 s for its socket tests. With NETBENCH_DEADLINE (a `date +%s` time) set, a section whose
 # limit would pass it is skipped and named. Exit status: the number of sections that failed.
 #
-# Where the host has no `ip`/`tc` (the GPU machines lent here have neither), build a folder with
-# them next to the checkout's root first and put it on PATH, e.g. from a Debian/Ubuntu host that
-# has iproute2: copy /usr/sbin/ip and /usr/sbin/tc and the libraries `ldd` names (not libc, libm,
-# ld-linux), and wrap each binary as `exec /lib64/ld-linux-x86-64.so.2 --library-path LIB BIN "$@"`
-# so that the processes `ip netns exec` starts do not inherit the libraries.
+# Where the host has no `ip`/`tc` (the GPU machines lent here have neither), put a folder with
+# them on PATH: `bash benchmarks/prepare_device.sh`, on a Debian/Ubuntu host that has iproute2,
+# builds .netbin/ (each binary with its libraries, wrapped to run through the host's loader).
 set -u
 OUT=${1:?usage: bash benchmarks/netbench_host.sh OUT_DIR [CORES] [SECTION...]}
 CORES=${2:-4}
