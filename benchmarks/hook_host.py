@@ -61,6 +61,9 @@ def _rank(
     os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    rank_zero_only.rank = rank  # as Lightning's strategies do: the library's warnings once, from rank 0
     import lightning_gc
     from lightning_gc import session
 
