@@ -40,8 +40,8 @@ class FlatState:
                     source = previous[kind]
                     if source.numel() != view.numel():
                         raise RuntimeError(
-                            f"compression state for {segment.name!r} has {source.numel()} elements, "
-                            f"the parameter has {view.numel()}"
+                            f"compression state {kind!r} for {segment.name!r} has {source.numel()} elements, "
+                            f"this run keeps {view.numel()} for it (a checkpoint of another model or version?)"
                         )
                     view.copy_(source.reshape(-1))
                 views[kind] = view

@@ -162,6 +162,19 @@ def chunk_segments(layout: BucketLayout, chunk: int, chunks: int) -> tuple[Segme
     return tuple(pieces)
 
 
+def packed_layout(layout: BucketLayout, pieces: Sequence[Segment]) -> BucketLayout:
+    """``pieces`` of ``layout`` (e.g. a :func:`chunk_segments` chunk) packed back to back from 0, as
+    the layout of a contiguous buffer of their own: same index, names, orders and shapes, so seeds,
+    state by name and payload formats built from it are those of the pieces in the bucket."""
+    segments, start = [], 0
+    for piece in pieces:
+        segments.append(
+            Segment(name=piece.name, order=piece.order, start=start, shape=piece.shape, whole_shape=piece.whole_shape)
+        )
+        start += piece.numel
+    return BucketLayout(index=layout.index, segments=tuple(segments), param_ids=layout.param_ids)
+
+
 @dataclass(frozen=True)
 class Shard:
     """One chunk of a bucket (:func:`chunk_segments`) gathered into a contiguous buffer of its own.
@@ -179,23 +192,9 @@ class Shard:
     @staticmethod
     def build(layout: BucketLayout, chunk: int, chunks: int, device: torch.device) -> Shard:
         where = {segment.name: i for i, segment in enumerate(layout.segments)}
-        segments, sources, ranges, start = [], [], [], 0
-        for piece in chunk_segments(layout, chunk, chunks):
-            source = where[piece.name]
-            segments.append(
-                Segment(
-                    name=piece.name, order=piece.order, start=start, shape=piece.shape, whole_shape=piece.whole_shape
-                )
-            )
-            sources.append((source, piece.start - layout.segments[source].start))
-            ranges.append(torch.arange(piece.start, piece.stop))
-            start += piece.numel
-        positions = torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64)
-        return Shard(
-            layout=BucketLayout(index=layout.index, segments=tuple(segments), param_ids=layout.param_ids),
-            positions=positions.to(device),
-            sources=tuple(sources),
-        )
+        pieces = chunk_segments(layout, chunk, chunks)
+        sources = tuple((where[p.name], p.start - layout.segments[where[p.name]].start) for p in pieces)
+        return Shard(layout=packed_layout(layout, pieces), positions=segment_positions(pieces, device), sources=sources)
 
     @property
     def numel(self) -> int:

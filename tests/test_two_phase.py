@@ -15,7 +15,7 @@ from lightning_gc.compressors import registry
 from lightning_gc.compressors.base import EncodeContext, Encoded, compressible
 from lightning_gc.compressors.two_phase import EXCHANGES, two_phase_compressors
 from lightning_gc.exchange import traffic_bytes
-from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.layout import BucketLayout, Segment, chunk_segments, packed_layout
 
 SHAPES = [(30, 20), (50,), (7, 9), (100,), (16, 16)]
 ALL_2D = {"min_compress_numel": 1}  # quantise every tensor of SHAPES with more than one dimension
@@ -131,12 +131,15 @@ def test_onebit_two_phase_follows_the_rule_with_worker_and_server_error_feedback
     if not server_feedback:
         assert all(c.state_dict() == {} for c in compressors)  # nothing to keep, nothing in a checkpoint
         return
-    state = [c.state_dict()["server"] for c in compressors]  # each rank keeps the error of the chunk it owns
-    rebuilt = torch.zeros(numel)
+    # each rank keeps the error of the chunk it owns, and only that: one piece of each tensor by name
+    state = [c.state_dict()["server"] for c in compressors]
+    rebuilt = torch.full((numel,), math.nan)
     for rank, chunk in enumerate(chunks):
-        flat = torch.cat([state[rank][s.name]["server"].reshape(-1) for s in layout.segments])
-        for a, b in chunk:
-            rebuilt[a:b] = flat[a:b]
+        owned = [s for s in layout.segments if any(s.start <= a < s.stop for a, _ in chunk)]
+        assert sorted(state[rank]) == sorted(s.name for s in owned)
+        for s, (a, b) in zip(owned, chunk):
+            assert state[rank][s.name]["server"].shape == (b - a,)
+            rebuilt[a:b] = state[rank][s.name]["server"]
     torch.testing.assert_close(rebuilt, server_error, rtol=1e-5, atol=1e-6)
 
 
@@ -190,20 +193,61 @@ def test_none_through_two_phase_is_the_exact_mean() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_owner_sums_a_float32_velocity_where_its_mean_goes(dtype: torch.dtype) -> None:
-    """A float32 bucket's two-phase plan holds no float32 sum buffer of its own (one bucket of
-    memory less): the owner sums its chunk where the mean is re-encoded from, and decode sums
-    into the bucket. Other dtypes sum in a float32 buffer."""
-    layout = make_layout()
-    compressors = [registry.create("onebit", exchange="two_phase") for _ in range(2)]
-    velocities = [torch.randn(layout.numel, dtype=dtype) for _ in range(2)]
+def test_the_owner_keeps_its_chunk_in_runs_of_the_chunk_size(dtype: torch.dtype) -> None:
+    """What the owner computes on its chunk (sum, mean, re-encoded mean, server error) lives in
+    runs of its chunk's size, 1/N of the bucket; a float32 chunk sums where its mean goes and decode
+    sums into ``out``, so the only bucket-sized buffer is this rank's decoded contribution (which
+    the memory needs whole). Other dtypes sum in float32 buffers of their own."""
+    layout, world_size = make_layout(), 3
+    compressors = [
+        registry.create("onebit", exchange="two_phase", server_feedback=True, min_compress_numel=64)
+        for _ in range(world_size)
+    ]
+    velocities = [torch.randn(layout.numel, dtype=dtype) for _ in range(world_size)]
     outs, _, _, second = simulate(compressors, [v.clone() for v in velocities], layout, step=0)
-    plan = second[0].context
-    assert (plan.total.data_ptr() == plan.chunk_values.data_ptr()) is (dtype == torch.float32)
-    assert plan.total.dtype == torch.float32
-    assert outs[0].dtype == dtype and torch.equal(outs[0], outs[1])
-    mean = sum(velocities) / 2
+    for rank, encoded in enumerate(second):
+        plan = encoded.context
+        chunk = sum(b - a for a, b in pieces_of(layout, rank, world_size))
+        assert 0 < chunk < layout.numel / 2
+        for run in (plan.owned_values, plan.owned_decoded, plan.owned_total, plan.server):
+            assert run.shape == (chunk,)
+        assert plan.own_decoded.shape == (layout.numel,)
+        assert (plan.owned_total.data_ptr() == plan.owned_values.data_ptr()) is (dtype == torch.float32)
+        assert plan.owned_total.dtype == torch.float32
+        if dtype == torch.float32:
+            assert plan.decode_total is None
+        else:
+            assert plan.decode_total.dtype == torch.float32 and plan.decode_total.shape == (layout.numel,)
+    assert outs[0].dtype == dtype and all(torch.equal(outs[0], out) for out in outs)
+    mean = sum(velocities) / world_size
     assert (outs[0] - mean).norm() / mean.norm() < 3.0
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_a_chunk_encodes_alike_at_its_bucket_positions_and_packed(name: str) -> None:
+    """The codec contract the owner's runs rest on: a chunk's payload depends on its pieces' names,
+    orders and shapes, not on where they start, and decodes to the same values either way."""
+    quantised_above = {} if name in ("bf16", "fp16", "none") else {"min_compress_numel": 64}  # (7, 9) dense
+    layout, compressor = make_layout(), registry.create(name, exchange="two_phase", **quantised_above)
+    values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(5))
+    for chunk in range(3):
+        pieces = chunk_segments(layout, chunk, 3)
+        packed = packed_layout(layout, pieces)
+        at_bucket, in_run = (
+            compressor.chunk_format(pieces, torch.float32),
+            compressor.chunk_format(packed.segments, torch.float32),
+        )
+        assert at_bucket.nbytes == in_run.nbytes
+        run = torch.cat([piece.of(values) for piece in pieces])
+        payloads = [torch.zeros(at_bucket.nbytes, dtype=torch.uint8) for _ in range(2)]
+        decoded_bucket, decoded_run = torch.zeros(layout.numel), torch.zeros(packed.numel)
+        compressor.encode_chunk(values, at_bucket, payloads[0], decoded_bucket, seed=11)
+        compressor.encode_chunk(run, in_run, payloads[1], decoded_run, seed=11)
+        assert torch.equal(payloads[0], payloads[1])
+        assert torch.equal(torch.cat([piece.of(decoded_bucket) for piece in pieces]), decoded_run)
+        total = torch.zeros(packed.numel)
+        compressor.add_decoded_chunk(payloads[0], in_run, total, torch.float32)
+        assert torch.equal(total, decoded_run)
 
 
 @pytest.mark.parametrize("name", ["onebit", "qsgd"])
@@ -287,6 +331,13 @@ def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
     assert torch.equal(a[0], b[0])
     with pytest.raises(ValueError, match="server"):
         resumed[0].load_state_dict({"residual": {}})
+    # a rank keeps only its piece of each tensor: a whole tensor's error (the form before the
+    # owner kept runs of its chunk) is refused by name when the bucket is bound, not misread
+    whole = {"exchange": "two_phase", "server": {"p0": {"server": torch.zeros(600)}}}
+    stale = registry.create("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D)
+    stale.load_state_dict(whole)
+    with pytest.raises(RuntimeError, match=r"'server' for 'p0' has 600 elements, this run keeps 300"):
+        stale.encode(velocities[0], torch.empty_like(velocities[0]), EncodeContext(layout, 2, world_size, 0))
 
 
 @pytest.mark.parametrize("name", ACCEPTED)

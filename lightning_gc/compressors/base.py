@@ -470,18 +470,20 @@ class PlanKey:
     layout_id: int
     settings: tuple[tuple[str, Any], ...]
     world_size: int
+    rank: int | None
     device: torch.device
     dtype: torch.dtype
 
     @staticmethod
-    def of(compressor: Compressor, context: EncodeContext, like: torch.Tensor) -> PlanKey:
+    def of(compressor: Compressor, context: EncodeContext, like: torch.Tensor, *, by_rank: bool = False) -> PlanKey:
         """The key of ``compressor``'s plan for ``context`` and values like ``like``: its settings
-        are every argument in its :meth:`~Compressor.config`."""
+        are every argument in its :meth:`~Compressor.config`; the rank only ``by_rank``."""
         return PlanKey(
             layout=context.layout,
             layout_id=id(context.layout),
             settings=tuple(compressor.config().items()),
             world_size=context.world_size,
+            rank=context.rank if by_rank else None,
             device=like.device,
             dtype=like.dtype,
         )
@@ -489,9 +491,11 @@ class PlanKey:
 
 class PlanCache(Generic[PlanT]):
     """One plan per bucket index, rebuilt whenever its :class:`PlanKey` changed (see
-    :class:`PlannedCompressor`; the two-phase exchange keeps a second cache of its own plans)."""
+    :class:`PlannedCompressor`; the two-phase exchange keeps a second cache of its own plans, which
+    depend on the rank: ``by_rank``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, by_rank: bool = False) -> None:
+        self.by_rank = by_rank
         self._plans: dict[int, tuple[PlanKey, PlanT]] = {}
 
     def get(
@@ -501,8 +505,9 @@ class PlanCache(Generic[PlanT]):
         like: torch.Tensor,
         build: Callable[[BucketLayout, torch.Tensor, int], PlanT],
     ) -> PlanT:
-        """The cached plan for ``context.layout`` and ``like``, or ``build(layout, like, world_size)``."""
-        key = PlanKey.of(compressor, context, like)
+        """The cached plan for ``context.layout`` and ``like``, or ``build(layout, like, world_size)``
+        (a builder that needs the rank takes it from ``context`` in a cache ``by_rank``)."""
+        key = PlanKey.of(compressor, context, like, by_rank=self.by_rank)
         cached = self._plans.get(context.layout.index)
         if cached is not None and cached[0] == key:
             return cached[1]

@@ -23,17 +23,22 @@ again in phase 2: it kept ``decode(q_j)`` for the server error. Server error fee
 what re-encoding the mean dropped
 (``server_feedback``; by default on for ``fft`` only, see
 :attr:`TwoPhaseExchange.server_feedback_default`). It lives on the rank that owns the chunk,
-stored by parameter name like the memory's residuals (:class:`~lightning_gc.flatstate.FlatState`:
-it survives DDP's bucket rebuild) and returned by
-:meth:`~lightning_gc.compressors.base.Compressor.state_dict`, so checkpoints hold it per rank and a
-resume is exact. (DeepSpeed resets both buffers on load.) A resume with another world size is
-refused by the checkpoint, as for every per-rank state.
+and only for that chunk (``1/N`` of the bucket): this rank's piece of each tensor, stored by
+parameter name like the memory's residuals (:class:`~lightning_gc.flatstate.FlatState`: it survives
+DDP's bucket rebuild) and returned by :meth:`~lightning_gc.compressors.base.Compressor.state_dict`,
+so checkpoints hold it per rank and a resume is exact. (DeepSpeed resets both buffers on load.) A
+resume with another world size is refused by the checkpoint, as for every per-rank state.
 
 Bytes per rank: phase 1 sends ``N-1`` rows of one chunk's payload ``P ~ M/(cN)`` (its own stays),
 phase 2 one row: ``N P ~ M/c`` reported as sent, as the gathered form reports its payload. On the
 wire (:func:`~lightning_gc.exchange.traffic_bytes`) phase 2's row goes to ``N-1`` peers:
 ``2 (N-1)/N M/c`` in all, flat in ``N``, against ``(N-1) M/c`` for the gathered form. Every chunk's payload is padded to
 the largest, ``P``; scales are per piece (``N`` times a per-tensor codec's, a few bytes each).
+
+Memory: what the owner computes on its chunk (sum, mean, re-encoded mean, server error) lives in
+runs of the chunk's size, its pieces packed back to back (:func:`~lightning_gc.layout.packed_layout`;
+its payload format is the chunk's, byte for byte). The bucket-sized buffers are this rank's decoded
+contribution (the memory's error feedback needs it whole) and, below float32, decode's float32 sums.
 
 The cost: the first phase must arrive before the owner averages; the comm hook waits for it at
 the next bucket's hook, after launching that bucket's first phase (as for PowerSGD's first round:
@@ -59,7 +64,7 @@ from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache, aligned
 from lightning_gc.compressors.registry import available, compressor_class
 from lightning_gc.flatstate import FlatState
-from lightning_gc.layout import BucketLayout, Segment, chunk_segments
+from lightning_gc.layout import BucketLayout, Segment, chunk_segments, packed_layout
 from lightning_gc.validation import check_bool, check_choice
 
 EXCHANGES = ("gather", "two_phase", "auto")
@@ -97,34 +102,40 @@ class ChunkCodec(ABC):
     def encode_chunk(
         self, values: torch.Tensor, fmt: ChunkFormat, payload: torch.Tensor, decoded: torch.Tensor, seed: int
     ) -> None:
-        """Encode ``fmt``'s segments of ``values`` (bucket-sized) into ``payload`` (uint8,
-        ``fmt.nbytes``) and write what receivers will decode into the same segments of ``decoded``;
-        ``seed`` (plus each tensor's order) salts random rounding."""
+        """Encode ``fmt``'s segments of ``values`` (the flat run they address: a bucket, or a chunk
+        packed by :func:`~lightning_gc.layout.packed_layout`) into ``payload`` (uint8, ``fmt.nbytes``)
+        and write what receivers will decode into the same segments of ``decoded``; ``seed`` (plus
+        each tensor's order) salts random rounding. The payload depends on the segments' names,
+        orders and shapes, never on their starts: a chunk encodes alike at bucket positions and packed."""
 
     @abstractmethod
     def add_decoded_chunk(
         self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
     ) -> None:
-        """``total += decode(payload)`` on ``fmt``'s segments (``total`` float32, bucket-sized), each
-        value clamped to ``dtype``'s finite range."""
+        """``total += decode(payload)`` on ``fmt``'s segments (``total`` float32, the run they
+        address), each value clamped to ``dtype``'s finite range."""
 
 
 @dataclass
 class _TwoPhasePlan:
-    """One bucket's two-phase formats and buffers (built once per layout, world size, dtype);
-    every buffer but the payloads is bucket-sized and addressed by the chunks' segments."""
+    """One bucket's two-phase formats and buffers at one rank (built once per layout, world size,
+    rank, dtype). Only ``own_decoded`` (and, below float32, ``decode_total``) is bucket-sized: what
+    the owner computes on its chunk lives in runs of the chunk's size (``owned``: ``1/N`` of the
+    bucket), addressed by ``owned_format``, whose payload is ``formats[rank]``'s byte for byte."""
 
-    formats: tuple[ChunkFormat, ...]  # chunk j's pieces and payload format
+    formats: tuple[ChunkFormat, ...]  # chunk j's pieces at their bucket positions, and its payload format
+    owned_format: ChunkFormat  # this rank's chunk, its pieces packed back to back in a run
     scattered: torch.Tensor  # uint8 N x P: row j for rank j
     received: torch.Tensor  # uint8 N x P: row i from rank i
     server_payload: torch.Tensor  # uint8 P: this rank's re-encoded chunk mean
     gathered: torch.Tensor  # uint8 N x P: every rank's re-encoded chunk mean
-    own_decoded: torch.Tensor  # velocity dtype: this rank's values as receivers decode them
-    total: torch.Tensor  # float32: sums of decoded values (the owner's chunk); for a float32 velocity, chunk_values
-    chunk_values: torch.Tensor  # velocity dtype: s_j on the owner's chunk
-    chunk_decoded: torch.Tensor  # velocity dtype: decode(q_j) on the owner's chunk
-    server: torch.Tensor | None  # server error e (this rank's chunk; a view of the by-name store); None: no feedback
-    owner: int = -1  # the chunk this rank re-encoded (chunk_decoded holds its decoded mean); -1: none yet
+    own_decoded: torch.Tensor  # velocity dtype, bucket-sized: this rank's values as receivers decode them
+    owned_total: torch.Tensor  # float32 run: the sum, then the mean, of the chunk; for a float32 velocity, owned_values
+    owned_values: torch.Tensor  # velocity dtype run: s_j
+    owned_decoded: torch.Tensor  # velocity dtype run: decode(q_j)
+    decode_total: torch.Tensor | None  # float32, bucket-sized: decode's sums below float32; None: they sum in out
+    server: torch.Tensor | None  # velocity dtype run: server error e_j (views of the by-name store); None: no feedback
+    owner: int = -1  # the chunk this rank re-encoded (owned_decoded holds its decoded mean); -1: none yet
 
 
 class TwoPhaseExchange(ChunkCodec, Compressor):
@@ -166,7 +177,7 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
                     f"what re-encoding its mean dropped), got exchange={self.exchange!r}"
                 )
         self._server = FlatState((SERVER,))
-        self._two_phase_plans: PlanCache[_TwoPhasePlan] = PlanCache()
+        self._two_phase_plans: PlanCache[_TwoPhasePlan] = PlanCache(by_rank=True)
 
     def two_phase_at(self, world_size: int) -> bool:
         """Whether ``world_size`` ranks use the two-phase form."""
@@ -184,7 +195,9 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         if not self.two_phase_at(context.world_size):
             return self.encode_one_phase(velocity, out, context)
-        plan = self._two_phase_plans.get(self, context, velocity, self._build_two_phase_plan)
+        plan = self._two_phase_plans.get(
+            self, context, velocity, lambda layout, like, n: self._build_two_phase_plan(layout, like, n, context.rank)
+        )
         rows = plan.scattered.view(context.world_size, -1)
         for chunk, fmt in enumerate(plan.formats):
             if chunk == context.rank:  # stays here: enters the mean exactly (_server_round)
@@ -206,24 +219,22 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         """Phase 2 at rank ``r`` once every rank's chunk ``r`` arrived: average, add the server
         error, re-encode, keep what re-encoding dropped; the payload goes to every rank."""
         rank, world_size = context.rank, context.world_size
-        fmt = plan.formats[rank]
-        _copy_pieces(fmt.segments, plan.total, plan.own_decoded)  # this rank's own values, exact
+        fmt, owned = plan.formats[rank], plan.owned_format
+        _copy_pieces(owned.segments, plan.owned_total, _views(fmt.segments, plan.own_decoded))  # own values, exact
         for sender, row in enumerate(plan.received.view(world_size, -1)):
             if sender != rank:
-                self.add_decoded_chunk(row[: fmt.nbytes], fmt, plan.total, plan.own_decoded.dtype)
-        if fmt.segments and plan.total is plan.chunk_values:  # float32: the sum becomes the mean in place
-            torch._foreach_div_(_views(fmt.segments, plan.total), world_size)
-        elif fmt.segments:  # the mean in float32, then in the velocity's dtype (a chunk may hold no piece)
-            means = torch._foreach_div(_views(fmt.segments, plan.total), world_size)
-            _copy_pieces(fmt.segments, plan.chunk_values, means)
+                self.add_decoded_chunk(row[: fmt.nbytes], owned, plan.owned_total, plan.own_decoded.dtype)
+        plan.owned_total.div_(world_size)  # the mean in float32, then in the velocity's dtype
+        if plan.owned_total is not plan.owned_values:
+            plan.owned_values.copy_(plan.owned_total)
         # a parameter no rank used: DDP drops what is decoded for it, so its server error stays out
-        fed = [piece for piece in fmt.segments if piece.name not in context.unused]
+        fed = [piece for piece in owned.segments if piece.name not in context.unused]
         if plan.server is not None and fed:
-            torch._foreach_add_(_views(fed, plan.chunk_values), _views(fed, plan.server))
+            torch._foreach_add_(_views(fed, plan.owned_values), _views(fed, plan.server))
         seed = encode_seed(context.step, world_size + rank, rank)
-        self.encode_chunk(plan.chunk_values, fmt, plan.server_payload[: fmt.nbytes], plan.chunk_decoded, seed)
+        self.encode_chunk(plan.owned_values, owned, plan.server_payload[: fmt.nbytes], plan.owned_decoded, seed)
         if plan.server is not None and fed:
-            errors = torch._foreach_sub(_views(fed, plan.chunk_values), _views(fed, plan.chunk_decoded))
+            errors = torch._foreach_sub(_views(fed, plan.owned_values), _views(fed, plan.owned_decoded))
             _copy_pieces(fed, plan.server, errors)
         plan.owner = rank
         return Encoded(
@@ -240,41 +251,46 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         plan = encoded.context
         if not isinstance(plan, _TwoPhasePlan):
             return self.decode_one_phase(encoded, out, world_size=world_size)
-        total = out if out.dtype == torch.float32 else plan.total  # sums in float32 (fp16 could overflow)
+        total = out if plan.decode_total is None else plan.decode_total  # sums in float32 (fp16 could overflow)
         total.zero_()
         # the chunk this rank re-encoded is decoded already, bit for bit what its row decodes to in
         # float32 (the codec's contract); in fp16 those values were rounded, so decode the row again
-        reuse = plan.owner if plan.chunk_decoded.dtype == torch.float32 else -1
+        reuse = plan.owner if plan.owned_decoded.dtype == torch.float32 else -1
         for chunk, (row, fmt) in enumerate(zip(plan.gathered.view(world_size, -1), plan.formats)):
             if chunk == reuse:
-                _copy_pieces(fmt.segments, total, plan.chunk_decoded)
+                _copy_pieces(fmt.segments, total, _views(plan.owned_format.segments, plan.owned_decoded))
             else:
                 self.add_decoded_chunk(row[: fmt.nbytes], fmt, total, out.dtype)
         if total is not out:
             out.copy_(total)
 
     # ------------------------------------------------------------------ plan and state
-    def _build_two_phase_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _TwoPhasePlan:
-        formats = tuple(self.chunk_format(chunk_segments(layout, j, world_size), like.dtype) for j in range(world_size))
+    def _build_two_phase_plan(
+        self, layout: BucketLayout, like: torch.Tensor, world_size: int, rank: int
+    ) -> _TwoPhasePlan:
+        chunks = [chunk_segments(layout, j, world_size) for j in range(world_size)]
+        formats = tuple(self.chunk_format(pieces, like.dtype) for pieces in chunks)
+        owned = packed_layout(layout, chunks[rank])  # the owner's run: its format's payload is formats[rank]'s
         row = aligned(max(1, *(f.nbytes for f in formats)))  # collectives of empty rows are not portable
 
         def payload(rows: int) -> torch.Tensor:
             return torch.zeros(rows * row, dtype=torch.uint8, device=like.device)
 
-        chunk_values = like.new_zeros(layout.numel)
-        # a float32 velocity sums where its mean goes, and decode sums into ``out``: no float32 buffer of its own
-        total = chunk_values if like.dtype == torch.float32 else torch.zeros_like(chunk_values, dtype=torch.float32)
+        owned_values = like.new_zeros(owned.numel)
+        float32 = like.dtype == torch.float32  # the chunk's sum becomes its mean in place; decode sums in out
         return _TwoPhasePlan(
             formats=formats,
+            owned_format=self.chunk_format(owned.segments, like.dtype),
             scattered=payload(world_size),
             received=payload(world_size),
             server_payload=payload(1),
             gathered=payload(world_size),
             own_decoded=like.new_zeros(layout.numel),
-            total=total,
-            chunk_values=chunk_values,
-            chunk_decoded=like.new_zeros(layout.numel),
-            server=self._server.bind(layout, like, (SERVER,))[SERVER] if self.server_feedback else None,
+            owned_total=owned_values if float32 else owned_values.new_zeros(owned.numel, dtype=torch.float32),
+            owned_values=owned_values,
+            owned_decoded=like.new_zeros(owned.numel),
+            decode_total=None if float32 else like.new_zeros(layout.numel, dtype=torch.float32),
+            server=self._server.bind(owned, like, (SERVER,))[SERVER] if self.server_feedback else None,
         )
 
     def state_dict(self) -> dict[str, Any]:
