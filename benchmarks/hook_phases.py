@@ -87,7 +87,7 @@ def _search_by_mask(
     return torch.nonzero(torch.ge(magnitude, threshold, out=mask))
 
 
-def _timed_steps(
+def bucket_steps(
     layout: BucketLayout,
     gradients: list[torch.Tensor],
     compressor: Compressor,
@@ -127,7 +127,7 @@ def measure(model: str, repeats: int, ratio: float, world_size: int = 2) -> dict
     magnitude, mask = torch.empty(largest.numel), torch.empty(largest.numel, dtype=torch.bool)
     scratch = selection.SelectionScratch()
     times: dict[str, list[float]] = {name: [] for name in PHASES + REFERENCES}
-    steps = _timed_steps(layout, real_gradients(model), compressor, memory, repeats, world_size, guard)
+    steps = bucket_steps(layout, real_gradients(model), compressor, memory, repeats, world_size, guard)
     for gradient, timeline, _, bucket in steps:
         sample = {phase: timeline.seconds(phase) for phase in PHASES}
         sample["screen: isfinite().all()"] = _timed(_screen_by_isfinite, gradient)
@@ -148,7 +148,7 @@ def measure_codec(
     layout = layout_of_shapes(gradient_shapes(model))
     memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
     times: dict[str, list[float]] = {}
-    steps = _timed_steps(layout, real_gradients(model), create(codec[0], **codec[1]), memory, repeats, world_size)
+    steps = bucket_steps(layout, real_gradients(model), create(codec[0], **codec[1]), memory, repeats, world_size)
     for _, timeline, seconds, _ in steps:
         for phase in dict.fromkeys(name for name, _ in timeline.phases):
             times.setdefault(phase, []).append(timeline.seconds(phase))
@@ -170,12 +170,12 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _ops_per_step(shapes: list[tuple[int, ...]], codec: tuple[str, dict[str, object]], world_size: int) -> int:
-    """Ops (views excluded) of one step of a bucket of ``shapes`` (:func:`_timed_steps`' fourth:
+    """Ops (views excluded) of one step of a bucket of ``shapes`` (:func:`bucket_steps`' fourth:
     the first three fill buffers and plans), the gradient's copy into the bucket included."""
     layout = layout_of_shapes(shapes)
     memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
     gradients = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))]
-    steps = _timed_steps(layout, gradients, create(codec[0], **codec[1]), memory, 2, world_size)
+    steps = bucket_steps(layout, gradients, create(codec[0], **codec[1]), memory, 2, world_size)
     next(steps)
     with _OpCounter() as counter:
         next(steps)
