@@ -363,6 +363,37 @@ def test_gathered_quantisers_hold_a_float32_sum_buffer_only_for_narrower_buckets
         assert total is not None and total.dtype == torch.float32 and total.numel() == layout.numel
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", ["onebit", "signsgd", "qsgd", "terngrad"])
+def test_gathered_quantisers_average_every_row_alike_on_every_rank(name: str, dtype: torch.dtype) -> None:
+    """Each rank adds its own row from what it kept at encode (no second decode), in its place in
+    the sum: every rank's average is bit for bit the mean of every row decoded, summed in rank
+    order in float32, with signed zeros kept."""
+    layout, _ = _layout_and_params([(40, 30), (30,), (20, 20)])
+    world_size, generator = 3, torch.Generator().manual_seed(6)
+    compressors = [create(name, min_compress_numel=400) for _ in range(world_size)]
+    velocities = [(torch.randn(layout.numel, generator=generator) * 1e3).to(dtype) for _ in range(world_size)]
+    encoded = [
+        c.encode(v, torch.empty_like(v), EncodeContext(layout, step=2, world_size=world_size, rank=r))
+        for r, (c, v) in enumerate(zip(compressors, velocities))
+    ]
+    rows = torch.cat([e.gathered for e in encoded])
+    expected = torch.zeros(layout.numel)
+    for row in rows.view(world_size, -1):
+        compressors[0].add_decoded_chunk(
+            row,
+            compressors[0].plan(EncodeContext(layout, step=2, world_size=world_size), velocities[0]).fmt,
+            expected,
+            dtype,
+        )
+    expected = (expected / world_size).to(dtype)
+    for compressor, e, v in zip(compressors, encoded, velocities):
+        e.gathered_out.copy_(rows)
+        out = torch.empty_like(v)
+        compressor.decode(e, out, world_size=world_size)
+        assert torch.equal(out, expected) and torch.equal(out.signbit(), expected.signbit())
+
+
 def test_qsgd_scales_by_a_norm_beyond_float32_without_decoding_nan() -> None:
     layout, _ = _layout_and_params([(2, 2)])
     velocity = torch.tensor([3e19, 3e19, -1.5e19, 0.0])  # ||x||^2 overflows float32

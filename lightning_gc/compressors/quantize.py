@@ -84,6 +84,7 @@ class _QuantPlan:
     decoded: torch.Tensor  # this rank's values as receivers decode them (for error feedback)
     # float32 sum of every rank's decoded values (fp16 could overflow before /N); None: a float32 bucket sums in out
     total: torch.Tensor | None
+    rank: int = -1  # the rank that encoded into this plan last (its row of gathered decodes to ``decoded``)
 
 
 class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
@@ -188,6 +189,7 @@ class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
     def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         plan = self.plan(context, velocity)
         self.encode_chunk(velocity, plan.fmt, plan.payload, plan.decoded, encode_seed(context.step, context.rank))
+        plan.rank = context.rank
         return Encoded(
             gathered=plan.payload,
             gathered_out=plan.gathered,
@@ -203,8 +205,14 @@ class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
         total = out if out.dtype == torch.float32 else plan.total
         assert total is not None, "a float32 bucket's plan sums in out"
         total.zero_()
-        for row in plan.gathered.view(world_size, -1):
-            self.add_decoded_chunk(row, plan.fmt, total, out.dtype)
+        # this rank's own row is decoded already, bit for bit in float32 (the codec's contract): add
+        # it in its place, so every rank sums in the same order; in fp16 ``decoded`` was rounded
+        own = plan.rank if plan.decoded.dtype == torch.float32 else -1
+        for sender, row in enumerate(plan.gathered.view(world_size, -1)):
+            if sender == own:
+                total.add_(plan.decoded)
+            else:
+                self.add_decoded_chunk(row, plan.fmt, total, out.dtype)
         mean_into(out, total, world_size)
 
     def _decoded(self, codes: torch.Tensor, scales: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
