@@ -17,8 +17,10 @@ mean and the dense parts, ``d``: unpacking one payload and adding it), and that 
 at large ``N``: 16 qsgd payloads of 2**23 elements take 1.3 s per step on a 2-core CPU, 128 take
 10 s. A world of more than :data:`TIMED_RANKS` ranks is therefore first timed with that many
 payloads; when decoding all ``N`` would take longer than :data:`SCALE_ABOVE_S` over the timed
-steps, its decode is scaled by ``N / TIMED_RANKS`` instead: exact for ``d``, an over-estimate by
-``c (N / TIMED_RANKS - 1)``, which is small where this applies because ``d`` dominates there
+steps, its decode is scaled by ``N / TIMED_RANKS`` instead (``(N - 1) / (TIMED_RANKS - 1)`` for a
+codec that adds its own row from what encode kept: ``Compressor.decodes_own_row``): exact for
+``d``, an over-estimate by about ``c (N / TIMED_RANKS - 1)``, which is small where this applies
+because ``d`` dominates there
 (qsgd and onebit at ``N = 16``: within 7 % of timing all 16). Cheap decodes, where ``c`` may
 dominate (DGC at 0.1 %: 2.5 ms for 16 payloads, of which scaling would make 7.5), are timed at
 ``N``; the threshold is a time, so on a loaded machine more decodes pass it (the perfmodel CLI
@@ -153,8 +155,9 @@ def time_codec(
     cost = _time_at(compressor, shapes, timed_ranks, device, repeats, momentum, gradients)
     if timed_ranks == world_size:
         return cost
+    own = 0 if compressor.decodes_own_row else 1  # a row added from what encode kept costs no decode
     scaled = dataclasses.replace(
-        cost, decode_s=cost.decode_s * world_size / timed_ranks, decode_timed_ranks=timed_ranks
+        cost, decode_s=cost.decode_s * (world_size - own) / (timed_ranks - own), decode_timed_ranks=timed_ranks
     )
     # only an all-gather's decode grows with N (an all-reduced payload is decoded once), and only a
     # plain one's: two-phase chunks and merge rounds depend on N otherwise
@@ -215,7 +218,7 @@ def _time_at(
     )
 
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 """Bumped when :class:`~lightning_gc.perfmodel.CodecCost` gains a field or codecs get faster: older
 entries are timed anew (version 2: point-to-point bytes and rounds; 3: decodes scaled from fewer
 payloads; 4: the quantisers' CPU paths 2.6-3.7x faster and two-phase's own chunk left exact)."""

@@ -1,10 +1,11 @@
 """Per-parameter state kept *by parameter name* but *stored flat per bucket*.
 
 For each bucket layout, every kind of state (``"velocity"``, ``"momentum"``, ...) is one contiguous
-buffer of the bucket's size, so an update over the bucket is a few vectorised passes; each
-parameter's entry is a view into it. When DDP rebuilds its buckets (after its first iteration, and
-again after a resume), the new buffers are filled from the old views by name, so no state is lost
-or misattributed. Checkpoints hold standalone per-name tensors and are independent of bucketing.
+buffer of the bound layout's size (a bucket, or a packed chunk of one), so an update over the
+bucket is a few vectorised passes; each parameter's entry is a view into it. When DDP rebuilds
+its buckets (after its first iteration, and again after a resume), the new buffers are filled
+from the old views by name, so no state is lost or misattributed. Checkpoints hold standalone
+per-name tensors and are independent of bucketing.
 
 Invariant: for every parameter name and kind, at most one live view exists, and it is the one in
 the buffer of the parameter's current bucket.

@@ -331,11 +331,14 @@ def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
     assert torch.equal(a[0], b[0])
     with pytest.raises(ValueError, match="server"):
         resumed[0].load_state_dict({"residual": {}})
-    # a rank keeps only its piece of each tensor: a whole tensor's error (the form before the
-    # owner kept runs of its chunk) is refused by name when the bucket is bound, not misread
-    whole = {"exchange": "two_phase", "server": {"p0": {"server": torch.zeros(600)}}}
+    # a rank keeps only its piece of each tensor: the form before (whole tensors, no form named) is
+    # refused at load, on every rank, not misread; a piece of the wrong size is refused by name
     stale = registry.create("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D)
-    stale.load_state_dict(whole)
+    with pytest.raises(IncompatibleCheckpoint, match="as whole tensors"):
+        stale.load_state_dict({"exchange": "two_phase", "server": {"p0": {"server": torch.zeros(600)}}})
+    stale.load_state_dict(
+        {"exchange": "two_phase", "server_form": "pieces", "server": {"p0": {"server": torch.ones(600)}}}
+    )
     with pytest.raises(RuntimeError, match=r"'server' for 'p0' has 600 elements, this run keeps 300"):
         stale.encode(velocities[0], torch.empty_like(velocities[0]), EncodeContext(layout, 2, world_size, 0))
 
@@ -353,6 +356,12 @@ def test_a_rank_whose_chunk_holds_no_piece_still_takes_part(name: str) -> None:
     tolerance = {"fp16": 1e-3, "bf16": 1e-2}.get(name, 1e-6)  # the others send 1-D tensors exactly
     for out in outs:
         torch.testing.assert_close(out, sum(velocities) / world_size, rtol=tolerance, atol=tolerance)
+    if feedback:  # every rank, the one that owns nothing too, refuses a resume that drops the errors
+        for compressor in compressors:
+            with pytest.raises(IncompatibleCheckpoint, match="server_feedback=True"):
+                registry.create(name, exchange="two_phase", server_feedback=False).load_state_dict(
+                    compressor.state_dict()
+                )
 
 
 def test_two_phase_bytes_sent_count_what_leaves_in_both_phases() -> None:
@@ -505,7 +514,7 @@ def test_the_server_error_of_a_parameter_no_rank_used_is_kept() -> None:
         encoded.next_round()
     after = [c.state_dict()["server"]["p2"]["server"] for c in compressors]
     assert all(torch.equal(a, b) for a, b in zip(after, before))
-    assert not all(torch.equal(c.state_dict()["server"]["p0"]["server"], torch.zeros(600)) for c in compressors)
+    assert not all(not c.state_dict()["server"]["p0"]["server"].any() for c in compressors)
 
 
 def test_fft_two_phase_transforms_each_piece_and_is_near_exact_when_it_keeps_every_bin() -> None:

@@ -411,6 +411,9 @@ class Compressor(ABC):
     commits_after_decode: ClassVar[bool] = False
     """Whether what this rank sent is known only from the average (its :class:`Encoded` sets
     ``commit_after_decode``, e.g. PowerSGD's residual ``M - P Q^T``)."""
+    decodes_own_row: ClassVar[bool] = True
+    """Whether a gathered decode decodes this rank's own row too (``N`` rows); ``False``: it adds
+    the row from what encode kept (float32 buckets), ``N - 1`` decodes (calibration scales by it)."""
     needs_whole_tensors: ClassVar[bool] = False
     """Whether encoding needs each tensor whole, in its shape (PowerSGD's matrices), so that it
     cannot work on the 1-D pieces a hierarchical exchange cuts (:mod:`lightning_gc.hierarchy`)."""

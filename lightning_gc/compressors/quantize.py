@@ -81,7 +81,7 @@ class _QuantPlan:
     fmt: ChunkFormat  # the whole bucket's payload format
     payload: torch.Tensor
     gathered: torch.Tensor
-    decoded: torch.Tensor  # this rank's values as receivers decode them (for error feedback)
+    decoded: torch.Tensor  # this rank's values as receivers decode them (error feedback; decode adds its own row)
     # float32 sum of every rank's decoded values (fp16 could overflow before /N); None: a float32 bucket sums in out
     total: torch.Tensor | None
     rank: int = -1  # the rank that encoded into this plan last (its row of gathered decodes to ``decoded``)
@@ -99,6 +99,7 @@ class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
 
     code_bits: int
     scales_per_block: int = 1
+    decodes_own_row = False  # decode_one_phase adds a float32 bucket's own row from ``decoded``
 
     def __init__(
         self, chunk_size: int | None, min_compress_numel: int, exchange: str, server_feedback: bool | None

@@ -70,7 +70,10 @@ from lightning_gc.validation import check_bool, check_choice
 EXCHANGES = ("gather", "two_phase", "auto")
 """``exchange`` choices: the gathered payload (every rank's), the two-phase compressed all-reduce,
 or two-phase from three ranks on."""
-SERVER, EXCHANGE = "server", "exchange"
+SERVER, EXCHANGE, SERVER_FORM = "server", "exchange", "server_form"
+PIECES = "pieces"
+"""``SERVER_FORM`` of a checkpoint whose server errors are each rank's piece of each tensor (the
+form before it held whole tensors, and named no form)."""
 _SEED_STEP, _SEED_SENDER, _SEED_CHUNK = 1_000_003, 7_919, 104_729
 
 
@@ -177,6 +180,7 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
                     f"what re-encoding its mean dropped), got exchange={self.exchange!r}"
                 )
         self._server = FlatState((SERVER,))
+        self._server_used = False  # a two-phase plan with server feedback was built: state to save
         self._two_phase_plans: PlanCache[_TwoPhasePlan] = PlanCache(by_rank=True)
 
     def two_phase_at(self, world_size: int) -> bool:
@@ -290,26 +294,46 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             owned_values=owned_values,
             owned_decoded=like.new_zeros(owned.numel),
             decode_total=None if float32 else like.new_zeros(layout.numel, dtype=torch.float32),
-            server=self._server.bind(owned, like, (SERVER,))[SERVER] if self.server_feedback else None,
+            server=self._bind_server(owned, like),
         )
 
+    def _bind_server(self, owned: BucketLayout, like: torch.Tensor) -> torch.Tensor | None:
+        """The server error run of the owner's chunk ``owned`` (``None`` without the feedback)."""
+        if not self.server_feedback:
+            return None
+        self._server_used = True
+        return self._server.bind(owned, like, (SERVER,))[SERVER]
+
     def state_dict(self) -> dict[str, Any]:
-        """The server errors by parameter name and the ``exchange`` that uses them (empty until
-        a two-phase step with ``server_feedback`` ran)."""
+        """The server errors by parameter name (this rank's piece of each tensor), the ``exchange``
+        that uses them and their form (empty until a two-phase step with ``server_feedback`` ran).
+        Every rank that ran one names the exchange, also one whose chunk holds no piece, so that
+        every rank refuses a resume that would drop the errors."""
         server = self._server.state_dict()
-        return {SERVER: server, EXCHANGE: self.exchange} if server else {}
+        if not (server or self._server_used):
+            return {}
+        return {SERVER: server, EXCHANGE: self.exchange, SERVER_FORM: PIECES}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output. A server error is someone's pending correction:
         a run that would not add it (no ``server_feedback``, or another ``exchange``, which may not
         run the two-phase form at this world size) is refused rather than dropping it."""
-        unknown = sorted(set(state) - {SERVER, EXCHANGE})
+        unknown = sorted(set(state) - {SERVER, EXCHANGE, SERVER_FORM})
         if unknown:
-            raise ValueError(f"compressor {self.name!r} keeps only {[SERVER, EXCHANGE]} state, got entries {unknown}")
+            raise ValueError(
+                f"compressor {self.name!r} keeps only {[SERVER, EXCHANGE, SERVER_FORM]} state, got entries {unknown}"
+            )
         server, saved = state.get(SERVER, {}), state.get(EXCHANGE)
-        # every rank saves the same entries, so every rank refuses; older checkpoints held zeros
-        # without the feedback and did not name the exchange
-        if saved is not None or any(t.any() for entry in server.values() for t in entry.values()):
+        # every rank that ran the feedback names the exchange, so every rank refuses alike; older
+        # checkpoints held zeros without the feedback and did not name the exchange
+        holds = saved is not None or any(t.any() for entry in server.values() for t in entry.values())
+        if holds and state.get(SERVER_FORM) != PIECES:
+            raise IncompatibleCheckpoint(
+                f"compressor {self.name!r}: the checkpoint holds the server error feedback as whole tensors, "
+                f"the form before each rank kept only its piece of each tensor; this version cannot read it "
+                f"(resume with the version that wrote it, or start from the model weights alone)"
+            )
+        if holds:
             saved = saved or self.exchange
             if not self.server_feedback or saved != self.exchange:
                 raise IncompatibleCheckpoint(
@@ -319,17 +343,18 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
                     f"exchange={saved!r}, server_feedback=True"
                 )
         self._server.load_state_dict(server)
+        self._server_used = saved is not None
         self._two_phase_plans.clear()  # plans hold views of the replaced buffers
 
 
 def _views(pieces: Sequence[Segment], flat: torch.Tensor) -> list[torch.Tensor]:
-    """Each piece's view of the bucket-sized ``flat``."""
+    """Each piece's view of ``flat`` (the run the pieces address: a bucket, or a packed chunk)."""
     return [piece.of(flat) for piece in pieces]
 
 
 def _copy_pieces(pieces: Sequence[Segment], into: torch.Tensor, source: torch.Tensor | Sequence[torch.Tensor]) -> None:
-    """``into[piece] <- source[piece]`` for every piece (``source`` bucket-sized, or one tensor per
-    piece), in one multi-tensor op: on a GPU one launch for a chunk's dozens of pieces."""
+    """``into[piece] <- source[piece]`` for every piece (``source`` the run they address, or one
+    tensor per piece), in one multi-tensor op: on a GPU one launch for a chunk's dozens of pieces."""
     if pieces:
         sources = _views(pieces, source) if isinstance(source, torch.Tensor) else list(source)
         torch._foreach_copy_(_views(pieces, into), sources)
