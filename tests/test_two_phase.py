@@ -197,7 +197,8 @@ def test_the_owner_keeps_its_chunk_in_runs_of_the_chunk_size(dtype: torch.dtype)
     """What the owner computes on its chunk (sum, mean, re-encoded mean, server error) lives in
     runs of its chunk's size, 1/N of the bucket; a float32 chunk sums where its mean goes and decode
     sums into ``out``, so the only bucket-sized buffer is this rank's decoded contribution (which
-    the memory needs whole). Other dtypes sum in float32 buffers of their own."""
+    the memory needs whole). Other dtypes sum in float32 buffers of their own. Phase 2's rows
+    land in phase 1's received rows (read whole before it), never in the rows being sent."""
     layout, world_size = make_layout(), 3
     compressors = [
         registry.create("onebit", exchange="two_phase", server_feedback=True, min_compress_numel=64)
@@ -212,6 +213,7 @@ def test_the_owner_keeps_its_chunk_in_runs_of_the_chunk_size(dtype: torch.dtype)
         for run in (plan.owned_values, plan.owned_decoded, plan.owned_total, plan.server):
             assert run.shape == (chunk,)
         assert plan.own_decoded.shape == (layout.numel,)
+        assert plan.gathered.data_ptr() == plan.received.data_ptr() != plan.scattered.data_ptr()
         assert (plan.owned_total.data_ptr() == plan.owned_values.data_ptr()) is (dtype == torch.float32)
         assert plan.owned_total.dtype == torch.float32
         if dtype == torch.float32:

@@ -124,14 +124,19 @@ class _TwoPhasePlan:
     """One bucket's two-phase formats and buffers at one rank (built once per layout, world size,
     rank, dtype). Only ``own_decoded`` (and, below float32, ``decode_total``) is bucket-sized: what
     the owner computes on its chunk lives in runs of the chunk's size (``owned``: ``1/N`` of the
-    bucket), addressed by ``owned_format``, whose payload is ``formats[rank]``'s byte for byte."""
+    bucket), addressed by ``owned_format``, whose payload is ``formats[rank]``'s byte for byte.
+
+    ``gathered`` is ``received``: phase 1's rows are read whole by :meth:`TwoPhaseExchange._server_round`
+    before phase 2 is launched, and the all-gather is ordered after those reads (on the host for
+    gloo; on NCCL the collective's stream waits for the current stream at launch). Phase 1's rows
+    are not ``scattered``, whose sends a point-to-point all-to-all may still be reading."""
 
     formats: tuple[ChunkFormat, ...]  # chunk j's pieces at their bucket positions, and its payload format
     owned_format: ChunkFormat  # this rank's chunk, its pieces packed back to back in a run
     scattered: torch.Tensor  # uint8 N x P: row j for rank j
     received: torch.Tensor  # uint8 N x P: row i from rank i
     server_payload: torch.Tensor  # uint8 P: this rank's re-encoded chunk mean
-    gathered: torch.Tensor  # uint8 N x P: every rank's re-encoded chunk mean
+    gathered: torch.Tensor  # uint8 N x P: every rank's re-encoded chunk mean; ``received``'s memory
     own_decoded: torch.Tensor  # velocity dtype, bucket-sized: this rank's values as receivers decode them
     owned_total: torch.Tensor  # float32 run: the sum, then the mean, of the chunk; for a float32 velocity, owned_values
     owned_values: torch.Tensor  # velocity dtype run: s_j
@@ -280,15 +285,16 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         def payload(rows: int) -> torch.Tensor:
             return torch.zeros(rows * row, dtype=torch.uint8, device=like.device)
 
+        received = payload(world_size)
         owned_values = like.new_zeros(owned.numel)
         float32 = like.dtype == torch.float32  # the chunk's sum becomes its mean in place; decode sums in out
         return _TwoPhasePlan(
             formats=formats,
             owned_format=self.chunk_format(owned.segments, like.dtype),
             scattered=payload(world_size),
-            received=payload(world_size),
+            received=received,
             server_payload=payload(1),
-            gathered=payload(world_size),
+            gathered=received,  # phase 2 lands where phase 1 did, once the owner has summed it
             own_decoded=like.new_zeros(layout.numel),
             owned_total=owned_values if float32 else owned_values.new_zeros(owned.numel, dtype=torch.float32),
             owned_values=owned_values,
