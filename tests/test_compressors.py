@@ -347,17 +347,18 @@ def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> 
         assert torch.allclose(out.float(), torch.full((layout.numel,), 40_000.0), rtol=1e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_gathered_quantisers_hold_a_float32_sum_buffer_only_for_narrower_buckets(dtype: torch.dtype) -> None:
-    """A float32 bucket sums every rank's decoded values in the bucket itself: its plan holds no
-    bucket-sized float32 buffer of its own (device memory on a GPU); an fp16 bucket's plan does."""
+    """A float32 or float64 bucket sums every rank's decoded values in the bucket itself, in its own
+    precision: its plan holds no bucket-sized sum buffer of its own (device memory on a GPU); an
+    fp16 bucket's plan holds a float32 one."""
     layout, _ = _layout_and_params([(64, 64)])
     compressor = create("onebit")
     context = EncodeContext(layout, step=0, world_size=2, rank=0)
     velocity = torch.randn(layout.numel).to(dtype)
     compressor.encode(velocity, torch.empty_like(velocity), context)
     total = compressor.plan(context, velocity).total
-    if dtype == torch.float32:
+    if dtype != torch.float16:
         assert total is None
     else:
         assert total is not None and total.dtype == torch.float32 and total.numel() == layout.numel

@@ -189,15 +189,16 @@ def test_none_through_two_phase_is_the_exact_mean() -> None:
     compressors = [registry.create("none", exchange="two_phase") for _ in range(3)]
     velocities = [torch.randn(layout.numel, dtype=torch.float64) for _ in range(3)]
     outs, _, _, _ = simulate(compressors, [v.clone() for v in velocities], layout, step=0)
-    torch.testing.assert_close(outs[0], sum(velocities) / 3, rtol=1e-6, atol=1e-7)
+    # in float64's precision: the owner sums a float64 chunk in float64, not float32
+    torch.testing.assert_close(outs[0], sum(velocities) / 3, rtol=1e-13, atol=1e-15)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_the_owner_keeps_its_chunk_in_runs_of_the_chunk_size(dtype: torch.dtype) -> None:
     """What the owner computes on its chunk (sum, mean, re-encoded mean, server error) lives in
-    runs of its chunk's size, 1/N of the bucket; a float32 chunk sums where its mean goes and decode
-    sums into ``out``, so the only bucket-sized buffer is this rank's decoded contribution (which
-    the memory needs whole). Other dtypes sum in float32 buffers of their own. Phase 2's rows
+    runs of its chunk's size, 1/N of the bucket; a float32 or float64 chunk sums where its mean
+    goes and decode sums into ``out``, so the only bucket-sized buffer is this rank's decoded
+    contribution (which the memory needs whole). float16 sums in float32 buffers of its own. Phase 2's rows
     land in phase 1's received rows (read whole before it), never in the rows being sent."""
     layout, world_size = make_layout(), 3
     compressors = [
@@ -214,9 +215,10 @@ def test_the_owner_keeps_its_chunk_in_runs_of_the_chunk_size(dtype: torch.dtype)
             assert run.shape == (chunk,)
         assert plan.own_decoded.shape == (layout.numel,)
         assert plan.gathered.data_ptr() == plan.received.data_ptr() != plan.scattered.data_ptr()
-        assert (plan.owned_total.data_ptr() == plan.owned_values.data_ptr()) is (dtype == torch.float32)
-        assert plan.owned_total.dtype == torch.float32
-        if dtype == torch.float32:
+        in_place = dtype != torch.float16
+        assert (plan.owned_total.data_ptr() == plan.owned_values.data_ptr()) is in_place
+        assert plan.owned_total.dtype == (dtype if in_place else torch.float32)
+        if in_place:
             assert plan.decode_total is None
         else:
             assert plan.decode_total.dtype == torch.float32 and plan.decode_total.shape == (layout.numel,)
@@ -285,8 +287,9 @@ def test_auto_uses_two_phase_from_three_ranks_and_gather_is_unchanged() -> None:
         assert auto.two_phase_at(world_size) is two_phase
         assert registry.create("qsgd", exchange="two_phase").two_phase_at(world_size) is (world_size > 1)
     # off unless asked, but for fft: its re-encoded mean keeps a few bins, the feedback the rest
-    assert [name for name in ACCEPTED if registry.create(name).server_feedback] == ["fft"]
-    assert not registry.create("fft", server_feedback=False).server_feedback
+    assert [name for name in ACCEPTED if registry.create(name, exchange="two_phase").server_feedback] == ["fft"]
+    assert not registry.create("fft").server_feedback  # gathered: no chunk owner to keep it
+    assert not registry.create("fft", exchange="two_phase", server_feedback=False).server_feedback
     assert registry.create("qsgd", exchange="auto", server_feedback=True).server_feedback
     a = auto.encode(velocity.clone(), torch.empty_like(velocity), EncodeContext(layout, 2, 2, 1))
     b = gather.encode(velocity.clone(), torch.empty_like(velocity), EncodeContext(layout, 2, 2, 1))
@@ -343,6 +346,28 @@ def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
     )
     with pytest.raises(RuntimeError, match=r"'server' for 'p0' has 600 elements, this run keeps 300"):
         stale.encode(velocities[0], torch.empty_like(velocities[0]), EncodeContext(layout, 2, world_size, 0))
+    # older checkpoints held zeros, whole, where the feedback was off: no one's correction, so a run
+    # takes them as nothing; what it saves then (and its step guard's snapshot) loads back
+    zeros = {"server": {"p0": {"server": torch.zeros(600)}}}
+    for feedback in (False, True):
+        kept = registry.create("signsgd", exchange="two_phase", server_feedback=feedback, **ALL_2D)
+        kept.load_state_dict(zeros)
+        kept.encode(velocities[0], torch.empty_like(velocities[0]), EncodeContext(layout, 2, world_size, 0))
+        assert (kept.state_dict() == {}) is (not feedback)
+        registry.create("signsgd", exchange="two_phase", server_feedback=feedback, **ALL_2D).load_state_dict(
+            kept.state_dict()
+        )
+        kept.load_state_dict(kept.state_dict())
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_a_compressor_rebuilt_from_its_config_is_configured_alike(name: str) -> None:
+    """``create(**config())`` round-trips for every exchange; a codec whose server feedback is on
+    by default (fft) has it off in the gathered form, which has no chunk owner to keep it."""
+    for exchange in EXCHANGES:
+        config = registry.create(name, exchange=exchange).config()
+        assert registry.create(**config).config() == config
+        assert config["server_feedback"] is (exchange != "gather" and name == "fft")
 
 
 @pytest.mark.parametrize("name", ACCEPTED)

@@ -202,6 +202,13 @@ def widened_for_commit(wire: torch.Tensor, velocity: torch.Tensor, scratch: torc
     return scratch[: wire.numel()].copy_(wire)
 
 
+def summing_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the ranks' decoded values are summed in for a bucket of ``dtype``: float32 for
+    the narrower floats (their sum over ranks could overflow before it is divided), the bucket's
+    own dtype from float32 up (a float64 bucket keeps float64's precision)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def mean_into(out: torch.Tensor, summed: torch.Tensor, world_size: int) -> torch.Tensor:
     """``out <- summed / world_size``, divided in the wider of the two dtypes: a sum over ranks
     that ``out``'s dtype cannot hold (fp16: 2 x 40000) can still have a mean that it can.

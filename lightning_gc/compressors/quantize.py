@@ -51,6 +51,7 @@ from lightning_gc.compressors.base import (
     aligned,
     mean_into,
     split_segments,
+    summing_dtype,
 )
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange, encode_seed
@@ -82,7 +83,7 @@ class _QuantPlan:
     payload: torch.Tensor
     gathered: torch.Tensor
     decoded: torch.Tensor  # this rank's values as receivers decode them (error feedback; decode adds its own row)
-    # float32 sum of every rank's decoded values (fp16 could overflow before /N); None: a float32 bucket sums in out
+    # float32 sum of every rank's decoded values (fp16 could overflow before /N); None: from float32 up, out sums
     total: torch.Tensor | None
     rank: int = -1  # the rank that encoded into this plan last (its row of gathered decodes to ``decoded``)
 
@@ -179,12 +180,13 @@ class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
 
     def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _QuantPlan:
         fmt = self.chunk_format(layout.segments)
+        summing = summing_dtype(like.dtype)
         return _QuantPlan(
             fmt=fmt,
             payload=torch.zeros(fmt.nbytes, dtype=torch.uint8, device=like.device),
             gathered=torch.empty(world_size * fmt.nbytes, dtype=torch.uint8, device=like.device),
             decoded=like.new_empty(layout.numel),
-            total=None if like.dtype == torch.float32 else like.new_empty(layout.numel, dtype=torch.float32),
+            total=None if summing == like.dtype else like.new_empty(layout.numel, dtype=summing),
         )
 
     def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
@@ -203,8 +205,7 @@ class _BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
 
     def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         plan: _QuantPlan = encoded.context
-        total = out if out.dtype == torch.float32 else plan.total
-        assert total is not None, "a float32 bucket's plan sums in out"
+        total = out if plan.total is None else plan.total  # float32 and float64 buckets sum in out
         total.zero_()
         # this rank's own row is decoded already, bit for bit in float32 (the codec's contract): add
         # it in its place, so every rank sums in the same order; in fp16 ``decoded`` was rounded

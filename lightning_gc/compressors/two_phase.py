@@ -61,7 +61,7 @@ from typing import Any, ClassVar
 import torch
 
 from lightning_gc.checkpoint import IncompatibleCheckpoint
-from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache, aligned
+from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache, aligned, summing_dtype
 from lightning_gc.compressors.registry import available, compressor_class
 from lightning_gc.flatstate import FlatState
 from lightning_gc.layout import BucketLayout, Segment, chunk_segments, packed_layout
@@ -115,8 +115,8 @@ class ChunkCodec(ABC):
     def add_decoded_chunk(
         self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
     ) -> None:
-        """``total += decode(payload)`` on ``fmt``'s segments (``total`` float32, the run they
-        address), each value clamped to ``dtype``'s finite range."""
+        """``total += decode(payload)`` on ``fmt``'s segments (``total`` in :func:`summing_dtype`
+        of ``dtype``, the run they address), each value clamped to ``dtype``'s finite range."""
 
 
 @dataclass
@@ -138,7 +138,7 @@ class _TwoPhasePlan:
     server_payload: torch.Tensor  # uint8 P: this rank's re-encoded chunk mean
     gathered: torch.Tensor  # uint8 N x P: every rank's re-encoded chunk mean; ``received``'s memory
     own_decoded: torch.Tensor  # velocity dtype, bucket-sized: this rank's values as receivers decode them
-    owned_total: torch.Tensor  # float32 run: the sum, then the mean, of the chunk; for a float32 velocity, owned_values
+    owned_total: torch.Tensor  # summing-dtype run: the sum, then the mean, of the chunk; from float32 up, owned_values
     owned_values: torch.Tensor  # velocity dtype run: s_j
     owned_decoded: torch.Tensor  # velocity dtype run: decode(q_j)
     decode_total: torch.Tensor | None  # float32, bucket-sized: decode's sums below float32; None: they sum in out
@@ -175,8 +175,8 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         codec's :attr:`server_feedback_default`. ``True`` needs a two-phase ``exchange``.
         """
         self.exchange = check_choice("exchange", exchange, EXCHANGES)
-        if server_feedback is None:
-            self.server_feedback = self.server_feedback_default
+        if server_feedback is None:  # the codec's default where a two-phase form can run
+            self.server_feedback = self.server_feedback_default and self.exchange != "gather"
         else:
             self.server_feedback = check_bool("server_feedback", server_feedback)
             if self.server_feedback and self.exchange == "gather":
@@ -233,7 +233,7 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         for sender, row in enumerate(plan.received.view(world_size, -1)):
             if sender != rank:
                 self.add_decoded_chunk(row[: fmt.nbytes], owned, plan.owned_total, plan.own_decoded.dtype)
-        plan.owned_total.div_(world_size)  # the mean in float32, then in the velocity's dtype
+        plan.owned_total.div_(world_size)  # the mean in the summing dtype, then in the velocity's
         if plan.owned_total is not plan.owned_values:
             plan.owned_values.copy_(plan.owned_total)
         # a parameter no rank used: DDP drops what is decoded for it, so its server error stays out
@@ -260,7 +260,7 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         plan = encoded.context
         if not isinstance(plan, _TwoPhasePlan):
             return self.decode_one_phase(encoded, out, world_size=world_size)
-        total = out if plan.decode_total is None else plan.decode_total  # sums in float32 (fp16 could overflow)
+        total = out if plan.decode_total is None else plan.decode_total  # fp16 sums in float32: it could overflow
         total.zero_()
         # the chunk this rank re-encoded is decoded already, bit for bit what its row decodes to in
         # float32 (the codec's contract); in fp16 those values were rounded, so decode the row again
@@ -287,7 +287,8 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
 
         received = payload(world_size)
         owned_values = like.new_zeros(owned.numel)
-        float32 = like.dtype == torch.float32  # the chunk's sum becomes its mean in place; decode sums in out
+        # float32 and wider: the chunk's sum becomes its mean in place, and decode sums in out
+        in_place = summing_dtype(like.dtype) == like.dtype
         return _TwoPhasePlan(
             formats=formats,
             owned_format=self.chunk_format(owned.segments, like.dtype),
@@ -296,10 +297,10 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             server_payload=payload(1),
             gathered=received,  # phase 2 lands where phase 1 did, once the owner has summed it
             own_decoded=like.new_zeros(layout.numel),
-            owned_total=owned_values if float32 else owned_values.new_zeros(owned.numel, dtype=torch.float32),
+            owned_total=owned_values if in_place else owned_values.new_zeros(owned.numel, dtype=torch.float32),
             owned_values=owned_values,
             owned_decoded=like.new_zeros(owned.numel),
-            decode_total=None if float32 else like.new_zeros(layout.numel, dtype=torch.float32),
+            decode_total=None if in_place else like.new_zeros(layout.numel, dtype=torch.float32),
             server=self._bind_server(owned, like),
         )
 
@@ -348,7 +349,8 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
                     f"server_feedback={self.server_feedback!r}, which would drop it; resume with "
                     f"exchange={saved!r}, server_feedback=True"
                 )
-        self._server.load_state_dict(server)
+        # older checkpoints' zeros are no one's correction, and not in the form this version saves
+        self._server.load_state_dict(server if holds else {})
         self._server_used = saved is not None
         self._two_phase_plans.clear()  # plans hold views of the replaced buffers
 
