@@ -218,10 +218,11 @@ def _time_at(
     )
 
 
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 """Bumped when :class:`~lightning_gc.perfmodel.CodecCost` gains a field or codecs get faster: older
 entries are timed anew (version 2: point-to-point bytes and rounds; 3: decodes scaled from fewer
-payloads; 4: the quantisers' CPU paths 2.6-3.7x faster and two-phase's own chunk left exact)."""
+payloads; 4: the quantisers' CPU paths 2.6-3.7x faster and two-phase's own chunk left exact; 5: the
+gathered quantisers' own row not decoded; 6: two-phase rounds decode rows of their chunks' formats)."""
 
 
 def _cache_key(

@@ -91,7 +91,8 @@ class LocalExchange(Exchange):
     """A stand-in without collectives, for timing and benchmarks: a world of ``world_size`` ranks
     that all send what this rank sends (the all-reduce sums ``world_size`` equal payloads, the
     all-gather repeats this one, the all-to-all hands every rank row ``rank`` of this one's, a
-    point-to-point round receives this one's message). Completes at once. Counts the bytes each
+    point-to-point round receives this one's message; a round with a ``stand_in`` fills its
+    receive buffers itself). Completes at once. Counts the bytes each
     kind of collective payload would hand to its collective over all rounds (``summed_bytes``,
     ``gathered_bytes``, ``scattered_bytes``), its point-to-point rounds and the payload bytes they
     move, one per round (``peer_messages``, ``peer_bytes``), and the bytes each rank would put on
@@ -120,6 +121,9 @@ class LocalExchange(Exchange):
             encoded.peer.into.copy_(encoded.peer.payload)
         if encoded.summed is not None:
             encoded.summed.mul_(self.world_size)
+        if encoded.stand_in is not None:
+            encoded.stand_in()
+            return _resolved(encoded)
         if encoded.gathered is not None:
             assert encoded.gathered_out is not None
             rows = encoded.gathered_out.view(self.world_size, -1)

@@ -10,11 +10,12 @@ import torch
 from conftest import layout_of
 
 from lightning_gc import GradientCompressionStrategy
+from lightning_gc.calibration import time_codec
 from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.compressors import registry
 from lightning_gc.compressors.base import EncodeContext, Encoded, compressible
 from lightning_gc.compressors.two_phase import EXCHANGES, two_phase_compressors
-from lightning_gc.exchange import traffic_bytes
+from lightning_gc.exchange import LocalExchange, traffic_bytes
 from lightning_gc.layout import BucketLayout, Segment, chunk_segments, packed_layout
 
 SHAPES = [(30, 20), (50,), (7, 9), (100,), (16, 16)]
@@ -578,3 +579,37 @@ def test_fft_two_phase_transforms_each_piece_and_is_near_exact_when_it_keeps_eve
             sparse[0].decode(encoded[0], out, world_size=world_size)
         errors[exchange] = ((out - mean).norm() / mean.norm()).item()
     assert 0 < errors["two_phase"] < 1.5 * errors["gather"], errors
+
+
+def local_round_trip(compressor, velocity: torch.Tensor, layout: BucketLayout, world_size: int, rank: int):
+    """One bucket through :class:`LocalExchange` (no collectives: every rank holds ``velocity``)."""
+    exchange, out = LocalExchange(world_size, rank), torch.empty_like(velocity)
+    encoded = compressor.encode(velocity, out, EncodeContext(layout, 0, world_size, rank))
+    while encoded.next_round is not None:
+        exchange.launch(encoded).wait()
+        encoded = encoded.next_round()
+    exchange.launch(encoded).wait()
+    compressor.decode(encoded, out, world_size=world_size)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_the_local_stand_in_sends_what_ranks_holding_this_velocity_would(world_size: int) -> None:
+    """Calibration and the benchmarks run the two-phase rounds through :class:`LocalExchange`, a
+    world of ranks that hold this rank's velocity: each row must be a message of its own chunk's
+    format, so the average is that velocity (exactly with `none`, to the codec's rounding with a
+    near-exact fft), at every rank, and fft's timing runs on chunks of unequal sizes. A copy of
+    this rank's own payload in every row gave zeros for chunks this rank keeps exact, and made fft
+    read one chunk's bins with another's format (an index error)."""
+    shapes = [(10, 1024), (1000,), (7, 1001)]  # tensors that split into unequal pieces
+    layout = make_layout(shapes)
+    velocity = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    near_exact = {"compress_ratio": 1.0, "bits": 16, "min_compress_numel": 2}
+    for rank in range(world_size):
+        out = local_round_trip(registry.create("none", exchange="two_phase"), velocity, layout, world_size, rank)
+        torch.testing.assert_close(out, velocity, rtol=1e-6, atol=1e-7)
+        fft = registry.create("fft", exchange="two_phase", **near_exact)
+        out = local_round_trip(fft, velocity, layout, world_size, rank)
+        assert (out - velocity).norm() / velocity.norm() < 1e-3
+    cost = time_codec(registry.create("fft", exchange="two_phase", compress_ratio=0.5), shapes, world_size=world_size)
+    assert cost.two_phase_bytes > 0 and cost.decode_s > 0

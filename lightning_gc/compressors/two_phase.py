@@ -222,7 +222,18 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             elements_sent=velocity.numel(),
             context=plan,
             next_round=lambda: self._server_round(plan, context),
+            stand_in=lambda: self._stand_in_chunks(plan, velocity, context),
         )
+
+    def _stand_in_chunks(self, plan: _TwoPhasePlan, velocity: torch.Tensor, context: EncodeContext) -> None:
+        """Phase 1 without collectives: every rank sends this rank its chunk of ``velocity``, encoded
+        as this rank would have encoded it (it keeps its own chunk exact, so no row of ``scattered``
+        holds it); the owner's run buffers, free until :meth:`_server_round`, are the scratch."""
+        owned, rows = plan.owned_format, plan.received.view(context.world_size, -1)
+        _copy_pieces(owned.segments, plan.owned_values, _views(plan.formats[context.rank].segments, velocity))
+        seed = encode_seed(context.step, context.rank, context.rank)
+        self.encode_chunk(plan.owned_values, owned, rows[0, : owned.nbytes], plan.owned_decoded, seed)
+        rows[1:].copy_(rows[0].expand_as(rows[1:]))
 
     def _server_round(self, plan: _TwoPhasePlan, context: EncodeContext) -> Encoded:
         """Phase 2 at rank ``r`` once every rank's chunk ``r`` arrived: average, add the server
@@ -254,7 +265,16 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             bytes_sent=plan.server_payload.numel(),
             elements_sent=0,  # counted with phase 1: the same values, averaged
             context=plan,
+            stand_in=lambda: self._stand_in_means(plan, rank, world_size),
         )
+
+    @staticmethod
+    def _stand_in_means(plan: _TwoPhasePlan, rank: int, world_size: int) -> None:
+        """Phase 2 without collectives: rank ``j``'s re-encoded mean of chunk ``j`` stands in as
+        what this rank sent it in phase 1 (chunk ``j``'s format); this rank's own, as re-encoded."""
+        rows = plan.gathered.view(world_size, -1)
+        rows.copy_(plan.scattered.view(world_size, -1))
+        rows[rank].copy_(plan.server_payload)
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         plan = encoded.context
