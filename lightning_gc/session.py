@@ -79,7 +79,8 @@ class CompressionSession:
     ) -> None:
         """Build the hook state for ``ddp``, check every rank agrees on the set-up, take over state
         from :meth:`resume`, and register the comm hook. ``find_unused_parameters``: what DDP was
-        told (parameters without a gradient are then expected). ``devices_per_node``: ranks per
+        told (parameters without a gradient are then expected, as they are under DDP's
+        ``static_graph``, which ``ddp`` says itself). ``devices_per_node``: ranks per
         node, for a two-level ``hierarchy`` (``None``: torchrun's ``LOCAL_WORLD_SIZE``)."""
         refuse_sparse_gradients(ddp.module)
         names = {id(p): (name, order) for order, (name, p) in enumerate(ddp.module.named_parameters())}
@@ -93,7 +94,8 @@ class CompressionSession:
             min_wire_ratio=settings.min_wire_ratio,
             pays=agreed(settings.compress_when, ddp.process_group),
             nonfinite=settings.nonfinite,
-            find_unused_parameters=find_unused_parameters,
+            # a static graph may leave parameters unused too (the same ones every step)
+            find_unused_parameters=find_unused_parameters or bool(getattr(ddp, "static_graph", False)),
             delay=settings.delay,
             local_update=settings.local_update,
             sync_warmup_steps=settings.sync_warmup_steps or 0,  # None: a SparsityWarmup may lengthen it

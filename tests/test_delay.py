@@ -238,8 +238,23 @@ def test_an_average_owed_to_a_parameter_unused_in_a_later_step_is_applied_later(
 
     expected = -lr * sum((side_input(0, t) + side_input(1, t)) / 2 for t in range(steps) if t % 3 == 0)
     for rank in ranks:
-        for run, side in zip(runs, rank):
-            torch.testing.assert_close(side, expected, rtol=1e-5, atol=1e-6, msg=str(run))
+        for run, trained in zip(runs, rank):
+            torch.testing.assert_close(trained[:16], expected, rtol=1e-5, atol=1e-6, msg=str(run))
+
+
+def test_a_static_graph_may_leave_a_parameter_unused_under_delay(run_ranks) -> None:
+    """DDP's ``static_graph=True`` lets a parameter go unused (the same one every step) and leaves
+    its gradient alone, as ``find_unused_parameters`` does: the delayed hand-over carries for it
+    there too (it raised for want of a carry), and trains exactly as under ``find_unused_parameters``."""
+    never = {"side_every": None}
+    runs = [
+        {"settings": {"delay": 1}, "ddp": {"static_graph": True}, **never},
+        {"settings": {"delay": 1}, "ddp": {"find_unused_parameters": True}, **never},
+    ]
+    ranks = run_ranks({"runs": runs, "lr": 0.1, "steps": 6}, worker="delay_unused_worker.py")
+    for static, found in ranks:
+        assert torch.equal(static, found) and not static[:16].any()
+    assert torch.equal(ranks[0][0], ranks[1][0])
 
 
 def _heavy_ball_grows(step: float, momentum: float, delay: int, iterations: int = 4000) -> bool:

@@ -5,7 +5,8 @@ The model's ``side`` parameter enters the loss linearly, ``(side * z).sum()`` wi
 (rank, step), and only on steps where ``step % 3 == 0``: its averaged gradient does not depend on
 how stale the other parameters are, so its final value is known exactly. A run may make one step's
 gradient non-finite on rank 0 (``nan_at``) with ``nonfinite="skip"``: a skipped step that does not
-use ``side`` leaves its final value unchanged.
+use ``side`` leaves its final value unchanged. A run may pass its own DDP arguments (``ddp``) and
+use ``side`` every ``side_every`` steps (``None``: never).
 """
 
 from __future__ import annotations
@@ -36,20 +37,22 @@ def side_input(rank: int, step: int) -> torch.Tensor:
 
 
 def train(run: dict, plan: dict, rank: int) -> torch.Tensor:
+    """``side`` then the ``main`` layer's weight and bias, flat, after training."""
     model = Model()
-    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    ddp = DistributedDataParallel(model, **run.get("ddp", {"find_unused_parameters": True}))
     optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])
     gc = lightning_gc.attach(ddp, optimizer, "none", **run["settings"])
     for step in range(plan["steps"]):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
         if step == run.get("nan_at") and rank == 0:
             x[0, 0] = float("nan")  # a non-finite gradient on one rank: the step is skipped on every rank
-        z = side_input(rank, step) if step % 3 == 0 else None
+        every = run.get("side_every", 3)
+        z = side_input(rank, step) if every is not None and step % every == 0 else None
         optimizer.zero_grad()
         ddp(x, z).backward()
         gc.step()
     gc.finish()
-    return model.side.detach().clone()
+    return torch.cat([model.side.detach(), model.main.weight.detach().flatten(), model.main.bias.detach()])
 
 
 def rank_body(plan: dict, rank: int) -> None:
