@@ -43,12 +43,14 @@ from dataclasses import dataclass, field
 import torch
 from torch.futures import Future
 
+from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.flatstate import FlatState
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_bool, check_int
 
 CARRY_KINDS = ("carry.0", "carry.1")
 """The state kinds of averages carried past steps that did not use their parameter (by step parity)."""
+_NONE = torch.zeros(0)
 
 
 @dataclass
@@ -194,6 +196,19 @@ class DelayLine:
         return self._state.state_dict()
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Restore :meth:`state_dict`'s output. Carries saved by a run that expected unused
+        parameters are taken only by a line that carries too, unless they are all zero (nothing
+        owed): a line without carries would drop what they owe."""
+        if not self._carry_kinds:
+            owed = sorted(name for name, entry in state.items() for kind in CARRY_KINDS if entry.get(kind, _NONE).any())
+            if owed:
+                raise IncompatibleCheckpoint(
+                    f"the checkpoint carries delayed averages owed to parameters unused when they were due "
+                    f"({', '.join(owed[:5])}{', ...' if len(owed) > 5 else ''}), written with "
+                    "find_unused_parameters=True or static_graph=True; this run has neither and would drop them: "
+                    "resume with find_unused_parameters=True"
+                )
+            state = {name: {k: t for k, t in entry.items() if k not in CARRY_KINDS} for name, entry in state.items()}
         self.drain()
         self._state.load_state_dict(state)
         self._buckets.clear()

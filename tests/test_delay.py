@@ -18,8 +18,9 @@ from torch.nn.parallel import DistributedDataParallel
 import lightning_gc
 from lightning_gc.attach import AttachedCompression
 from lightning_gc.calibration import layout_of_shapes
+from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.compressors import create
-from lightning_gc.delay import DelayLine
+from lightning_gc.delay import CARRY_KINDS, DelayLine
 from lightning_gc.exchange import Exchange
 from lightning_gc.hook import CompressionHookState
 from lightning_gc.layout import BucketLayout
@@ -302,3 +303,25 @@ def test_a_delay_of_momentum_sgd_without_the_local_update_warns_with_the_factor(
         hand_over.check([plain], local_update=False, delay=1)  # no momentum: 2x, as any stale SGD
         unit = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=1.0)
         hand_over.check([unit], local_update=False, delay=1)  # no bound to state (and no error)
+
+
+def test_a_carry_is_resumed_only_by_a_run_that_would_apply_it() -> None:
+    """A checkpoint of a run that expected unused parameters holds their carries: a run without
+    ``find_unused_parameters`` takes them when nothing is owed (dropped) and refuses them, naming
+    the parameters and the setting, when something is."""
+    layout = layout_of_shapes([(6, 5), (4,)])
+    carrying = DelayLine(1, carry_unused=True)
+    bucket = carrying.bucket(layout, torch.zeros(layout.numel))
+    plain = DelayLine(1)
+    plain.load_state_dict(carrying.state_dict())  # all zero: nothing owed
+    assert plain.state_dict() and not any(
+        kind in CARRY_KINDS for entry in plain.state_dict().values() for kind in entry
+    )
+    bucket.carries[1][30:].fill_(0.5)  # t1's carry
+    with pytest.raises(
+        IncompatibleCheckpoint, match=r"owed to parameters unused when they were due \(t1\).*find_unused"
+    ):
+        DelayLine(1).load_state_dict(carrying.state_dict())
+    resumed = DelayLine(1, carry_unused=True)
+    resumed.load_state_dict(carrying.state_dict())
+    assert torch.equal(resumed.state_dict()["t1"]["carry.1"], torch.full((4,), 0.5))
