@@ -30,6 +30,7 @@ from lightning_gc.memory import CompensationMemory
 from lightning_gc.pipeline import EXCHANGE, BucketStep, RoundQueue, Timeline, run_bucket
 from lightning_gc.policy import CompressionPolicy
 from lightning_gc.stats import CompressionStats
+from lightning_gc.usage import GradientUsage
 from lightning_gc.validation import check_int
 
 _WHOLE = "whole residuals (hierarchy 'flat' or 'node_sparse')"
@@ -108,6 +109,7 @@ class CompressionHookState:
     ) -> None:
         self.compressor = compressor
         self.find_unused_parameters = find_unused_parameters
+        self.usage: GradientUsage | None = None  # set by whoever knows the model (the session)
         self.min_wire_ratio = min_wire_ratio
         self.pays = pays
         self.grad_scale: float | None = None
@@ -145,12 +147,18 @@ class CompressionHookState:
         self.layouts: dict[int, BucketLayout] = {}
         self.layouts_built = 0
 
-    def unused_everywhere(
-        self, layout: BucketLayout, params: list[torch.Tensor], device: torch.device
-    ) -> list[Segment]:
-        """The segments of ``layout`` whose parameter got a gradient on no rank. DDP zeroes the
-        bucket's slot of a parameter unused here, so one used elsewhere needs nothing more."""
-        used_here = [param.grad is not None for param in params]
+    def used_here(self, params: list[torch.Tensor]) -> list[bool]:
+        """Whether each of a bucket's ``params`` got a gradient on this rank in this synchronised
+        step: as :attr:`usage` saw it (autograd, as DDP sees it), which then forgets them; without
+        one, whether its ``grad`` is set. Asked once per bucket and step."""
+        if self.usage is not None:
+            return self.usage.take(params)
+        return [param.grad is not None for param in params]
+
+    def unused_everywhere(self, layout: BucketLayout, used_here: list[bool], device: torch.device) -> list[Segment]:
+        """The segments of ``layout`` whose parameter got a gradient on no rank (``used_here``:
+        :meth:`used_here`'s answer). DDP zeroes the bucket's slot of a parameter unused here, so
+        one used elsewhere needs nothing more."""
         if not self.find_unused_parameters:
             return [segment for segment, used in zip(layout.segments, used_here) if not used]
         counts = torch.tensor(used_here, dtype=torch.int32, device=device)
@@ -287,11 +295,12 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
     if grad.layout != torch.strided:  # a sparse gradient from a functional call refuse_sparse_gradients cannot see
         names = [state.names[id(p)][0] for p in bucket.parameters()]
         raise RuntimeError(f"gradient compression works on dense gradients; {names} got a {grad.layout} gradient")
+    params = bucket.parameters()
+    used_here = state.used_here(params)  # also in exact steps: every synchronised step starts afresh
     if state.step < state.exact_steps:
         return exact_average(state, bucket)
     layout = state.layout_for(bucket)
-    params = bucket.parameters()
-    absent = state.unused_everywhere(layout, params, grad.device)
+    absent = state.unused_everywhere(layout, used_here, grad.device)
     step = state.step
     delayed = None
     out = own = None

@@ -41,6 +41,7 @@ from lightning_gc.layout import shaped_like
 from lightning_gc.momentum import unwrap_optimizer
 from lightning_gc.policy import agreed
 from lightning_gc.settings import CompressionSettings
+from lightning_gc.usage import GradientUsage
 
 
 class CompressionSession:
@@ -101,9 +102,17 @@ class CompressionSession:
             sync_warmup_steps=settings.sync_warmup_steps or 0,  # None: a SparsityWarmup may lengthen it
             hierarchy=None if topology is None else two_level_exchange(settings.hierarchy, topology),
         )
+        self.release_usage()  # a model attached again (a second fit) is watched once
+        self.hook_state.usage = GradientUsage(ddp.module.parameters())
         verify_same_setup(self.description(ddp), ddp.process_group)
         self.take_over_pending(ddp)
         ddp.register_comm_hook(self.hook_state, compression_hook)
+
+    def release_usage(self) -> None:
+        """Take the hook state's gradient-usage hooks off the model's parameters."""
+        if self.hook_state is not None and self.hook_state.usage is not None:
+            self.hook_state.usage.remove()
+            self.hook_state.usage = None
 
     def take_over_pending(self, ddp: DistributedDataParallel) -> None:
         """Load the state :meth:`resume` took from a checkpoint into the hook state (and, saved
@@ -203,6 +212,7 @@ class CompressionSession:
                 self._take_rank_zeros_parameters(ddp)
         finally:
             self.hand_over.release()
+            self.release_usage()
 
     def _apply_owed(self, ddp: DistributedDataParallel, optimizers: Sequence[Any]) -> None:
         line = None if self.hook_state is None else self.hook_state.delay_line

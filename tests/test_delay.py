@@ -223,8 +223,9 @@ def test_an_average_owed_to_a_parameter_unused_in_a_later_step_is_applied_later(
     in the step that would apply its delayed average, and DDP leaves such a parameter's gradient
     alone. The average is carried to the next step that uses it (or to the end of training), so
     nothing is lost: the parameter ends exactly at ``-lr * sum of its averaged gradients``, with
-    ``delay`` 1 and 2, with OD-SGD's local update, and across a skipped step (which must not
-    carry twice)."""
+    ``delay`` 1 and 2, with OD-SGD's local update, across a skipped step (which must not carry
+    twice), and with gradients zeroed in place (an unused parameter's ``grad`` is then a zero
+    tensor: unused is what autograd says, as for DDP, not ``grad is None``)."""
     lr, steps = 0.1, 10
     runs = [
         {"settings": {"delay": 1}},
@@ -232,6 +233,9 @@ def test_an_average_owed_to_a_parameter_unused_in_a_later_step_is_applied_later(
         {"settings": {"delay": 1, "local_update": True}},
         # step 4 (which does not use it) carries step 3's average for it, and is skipped and retried
         {"settings": {"delay": 1, "nonfinite": "skip"}, "nan_at": 4},
+        # gradients zeroed in place: unused, `side` keeps a zero grad (not None), as DDP sees it unused
+        {"settings": {"delay": 1}, "set_to_none": False},
+        {"settings": {"delay": 2, "local_update": True}, "set_to_none": False},
     ]
     ranks = run_ranks({"runs": runs, "lr": lr, "steps": steps}, worker="delay_unused_worker.py")
     sys.path.insert(0, str(Path(__file__).parent / "workers"))

@@ -6,7 +6,8 @@ The model's ``side`` parameter enters the loss linearly, ``(side * z).sum()`` wi
 how stale the other parameters are, so its final value is known exactly. A run may make one step's
 gradient non-finite on rank 0 (``nan_at``) with ``nonfinite="skip"``: a skipped step that does not
 use ``side`` leaves its final value unchanged. A run may pass its own DDP arguments (``ddp``) and
-use ``side`` every ``side_every`` steps (``None``: never).
+use ``side`` every ``side_every`` steps (``None``: never), and zero gradients in place
+(``set_to_none``: False), which leaves an unused parameter a zero ``grad``, not ``None``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def train(run: dict, plan: dict, rank: int) -> torch.Tensor:
             x[0, 0] = float("nan")  # a non-finite gradient on one rank: the step is skipped on every rank
         every = run.get("side_every", 3)
         z = side_input(rank, step) if every is not None and step % every == 0 else None
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=run.get("set_to_none", True))
         ddp(x, z).backward()
         gc.step()
     gc.finish()
