@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -112,6 +113,20 @@ def _strategy_argument_names() -> set[str]:
 
 class _SkippedStep(Exception):
     """Raised inside the optimizer closure to skip ``optimizer.step`` on every rank."""
+
+
+class _OwedAveragesFirst(Callback):
+    """The Trainer's first callback, put there by the strategy: at the end of training, what a
+    delay still owes lands before any other callback reads the weights. Lightning calls the
+    callbacks' ``on_train_end`` before the strategy's, and ``StochasticWeightAveraging`` or
+    ``WeightAveraging`` swap their averaged weights in there: applied after them, the owed
+    averages would move the averaged weights."""
+
+    def __init__(self, strategy: GradientCompressionStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.finish_training()
 
 
 class GradientCompressionStrategy(DDPStrategy):
@@ -238,6 +253,7 @@ class GradientCompressionStrategy(DDPStrategy):
             hierarchy=hierarchy,
         )
         self.session = CompressionSession(compressor, settings, owner=type(self).__name__)
+        self._training_finished = False  # this fit's owed averages applied (finish_training)
         if "timeout" in kwargs:
             kwargs["timeout"] = check_timeout("timeout", kwargs["timeout"])
         super().__init__(**kwargs)
@@ -312,6 +328,9 @@ class GradientCompressionStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self.session.start_fit(self.optimizers)
+            self._training_finished = False
+            if not any(isinstance(c, _OwedAveragesFirst) and c.strategy is self for c in trainer.callbacks):
+                trainer.callbacks.insert(0, _OwedAveragesFirst(self))
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
@@ -348,9 +367,16 @@ class GradientCompressionStrategy(DDPStrategy):
             return
         module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
+    def finish_training(self) -> None:
+        """Apply what a delay still owes, once per fit (see :meth:`CompressionSession.finish`):
+        from the first callback's ``on_train_end``, or else from the strategy's."""
+        if not self._training_finished:
+            self._training_finished = True
+            assert isinstance(self.model, DistributedDataParallel)
+            self.session.finish(self.model, self.optimizers)
+
     def on_train_end(self) -> None:
-        assert isinstance(self.model, DistributedDataParallel)
-        self.session.finish(self.model, self.optimizers)
+        self.finish_training()
         super().on_train_end()
         # Lightning shuts NCCL groups down at exit but leaves gloo's to interpreter finalization,
         # where its worker threads can abort a finished run (see lightning_gc.teardown). Only after

@@ -454,8 +454,9 @@ def test_dgc_compressor_checkpoint_holds_no_state() -> None:
 def test_delayed_training_learns_and_ends_with_the_same_parameters_on_every_rank(
     tmp_path: Path, local_update: bool
 ) -> None:
-    """Each step applies the average of the step before; what is owed at the end is applied then.
-    With OD-SGD's local update the ranks differ during training by their own latest terms only."""
+    """Each step applies the average of the step before; what is owed at the end is applied then,
+    before the callbacks' ``on_train_end``. With OD-SGD's local update the ranks differ during
+    training by their own latest terms only."""
     strategy = {"kind": "dgc", "compress_ratio": 0.01, "delay": 1, "local_update": local_update}
     rank0, rank1 = launch_ranks(
         "fit_worker.py", {"fits": [{"strategy": strategy, "model": SMALL, "epochs": 3}]}, tmp_path / "delayed"
@@ -471,6 +472,8 @@ def test_delayed_training_learns_and_ends_with_the_same_parameters_on_every_rank
     else:
         assert torch.equal(*during) and torch.equal(ours["params"], theirs["params"])
     assert not torch.equal(ours["params"], during[0])  # the owed average was applied after the last step
+    # ... before any callback's on_train_end reads the weights (weight averaging swaps its own in there)
+    assert torch.equal(ours["train_end_params"], ours["params"])
 
 
 def test_delay_settings_are_checked_at_construction_and_local_update_needs_sgd(tmp_path: Path) -> None:

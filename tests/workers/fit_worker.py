@@ -55,15 +55,20 @@ def flat_parameters(module: torch.nn.Module) -> torch.Tensor:
 
 
 class EpochRecorder(Callback):
-    """Parameters and logged metrics at the end of every training epoch."""
+    """Parameters and logged metrics at the end of every training epoch, and the parameters a
+    callback sees at the end of training."""
 
     def __init__(self) -> None:
         self.params: list[torch.Tensor] = []
         self.metrics: list[dict[str, float]] = []
+        self.at_train_end: torch.Tensor | None = None
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.params.append(flat_parameters(pl_module))
         self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.at_train_end = flat_parameters(pl_module)  # what a callback sees there (e.g. weight averaging)
 
 
 class FaultInjector(Callback):
@@ -297,6 +302,7 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
     result |= {
         "params": flat_parameters(model),
         "epoch_params": recorder.params,
+        "train_end_params": recorder.at_train_end,
         "epoch_metrics": recorder.metrics,
         "global_step": trainer.global_step,
     }
