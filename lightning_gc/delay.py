@@ -50,7 +50,6 @@ from lightning_gc.validation import check_bool, check_int
 
 CARRY_KINDS = ("carry.0", "carry.1")
 """The state kinds of averages carried past steps that did not use their parameter (by step parity)."""
-_NONE = torch.zeros(0)
 
 
 @dataclass
@@ -200,7 +199,9 @@ class DelayLine:
         parameters are taken only by a line that carries too, unless they are all zero (nothing
         owed): a line without carries would drop what they owe."""
         if not self._carry_kinds:
-            owed = sorted(name for name, entry in state.items() for kind in CARRY_KINDS if entry.get(kind, _NONE).any())
+            owed = sorted(
+                name for name, entry in state.items() if any(t.any() for k, t in entry.items() if k in CARRY_KINDS)
+            )
             if owed:
                 raise IncompatibleCheckpoint(
                     f"the checkpoint carries delayed averages owed to parameters unused when they were due "

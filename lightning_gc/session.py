@@ -103,7 +103,8 @@ class CompressionSession:
             hierarchy=None if topology is None else two_level_exchange(settings.hierarchy, topology),
         )
         self.release_usage()  # a model attached again (a second fit) is watched once
-        self.hook_state.usage = GradientUsage(ddp.module.parameters())
+        if self.hook_state.find_unused_parameters:  # else DDP refuses unused parameters: no hook per backward
+            self.hook_state.usage = GradientUsage(ddp.module.parameters())
         verify_same_setup(self.description(ddp), ddp.process_group)
         self.take_over_pending(ddp)
         ddp.register_comm_hook(self.hook_state, compression_hook)

@@ -307,8 +307,8 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
 
         received = payload(world_size)
         owned_values = like.new_zeros(owned.numel)
-        # float32 and wider: the chunk's sum becomes its mean in place, and decode sums in out
-        in_place = summing_dtype(like.dtype) == like.dtype
+        summing = summing_dtype(like.dtype)  # float32 and wider: the chunk's sum becomes its mean in place,
+        in_place = summing == like.dtype  # and decode sums in out
         return _TwoPhasePlan(
             formats=formats,
             owned_format=self.chunk_format(owned.segments, like.dtype),
@@ -317,10 +317,10 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             server_payload=payload(1),
             gathered=received,  # phase 2 lands where phase 1 did, once the owner has summed it
             own_decoded=like.new_zeros(layout.numel),
-            owned_total=owned_values if in_place else owned_values.new_zeros(owned.numel, dtype=torch.float32),
+            owned_total=owned_values if in_place else owned_values.new_zeros(owned.numel, dtype=summing),
             owned_values=owned_values,
             owned_decoded=like.new_zeros(owned.numel),
-            decode_total=None if in_place else like.new_zeros(layout.numel, dtype=torch.float32),
+            decode_total=None if in_place else like.new_zeros(layout.numel, dtype=summing),
             server=self._bind_server(owned, like),
         )
 
