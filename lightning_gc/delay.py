@@ -167,22 +167,30 @@ class DelayLine:
     def pending(self, step: int, since: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """After the last step (``step`` = steps taken), what each delayed step (from step ``since``
         on) whose average was not yet applied still owes, oldest first, by parameter name and
-        flat: ``avg_j`` (``avg_j - own_j`` with ``local_update``), what is carried for unused
-        parameters first. Read by name, so state loaded from a checkpoint and not yet bound to a
-        bucket is owed too. Drains first."""
+        flat: ``avg_j`` (``avg_j - own_j`` with ``local_update``). What is carried for unused
+        parameters is added to the oldest, as training adds a carry to the next step that uses
+        the parameter: one dict, so one optimizer step, per owed step (a step of its own would
+        apply weight decay and optimizer momentum once more). Read by name, so state loaded from a
+        checkpoint and not yet bound to a bucket is owed too. Drains first."""
         self.drain()
+        carried: dict[str, torch.Tensor] = {}
         if self._carry_kinds:
             carried = self._state.of_kind(self._carry_kinds[(step - 1) % 2])
-            if any(bool(value.any()) for value in carried.values()):
-                yield carried
-        for j in range(max(since, step - self.delay), step):
+            if not any(bool(value.any()) for value in carried.values()):
+                carried = {}
+        owed_steps = range(max(since, step - self.delay), step)
+        if carried and not owed_steps:  # a carry is written by a delayed step, which owes an average
+            raise RuntimeError(f"a delayed-average carry with no delayed step owed (step {step}, since {since})")
+        for j in owed_steps:
             slot = j % (self.delay + 1)
-            averages = self._state.of_kind(self._average_kinds[slot])
+            owed = self._state.of_kind(self._average_kinds[slot])
             if self.local_update:
                 owns = self._state.of_kind(self._own_kinds[slot])
-                yield {name: value - owns[name] for name, value in averages.items()}
-            else:
-                yield averages
+                owed = {name: value - owns[name] for name, value in owed.items()}
+            if carried:
+                owed = {name: carried[name] + value if name in carried else value for name, value in owed.items()}
+                carried = {}
+            yield owed
 
     def discharge(self) -> None:
         """Once what :meth:`pending` owes was applied: nothing is owed any more, so every slot and

@@ -128,7 +128,8 @@ class CompressionHookState:
         )
         if self.delay_line is None and local_update:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
-        self.sync_warmup_steps = check_int("sync_warmup_steps", sync_warmup_steps, 0)
+        self._resumed_delayed_since: int | None = None  # a resumed run that was delayed from this step on
+        self.sync_warmup_steps = sync_warmup_steps
         if hierarchy is not None and local_update:
             raise ValueError(
                 "`local_update=True` does not combine with a hierarchical exchange: a rank's own part is a node's sum"
@@ -142,6 +143,7 @@ class CompressionHookState:
             # state, and a skipped step's own before it is rolled back
             self.guard.before_snapshot = self.guard.before_roll_back = self.delay_line.drain
         self.step = 0
+        self._resumed_step = 0  # the step counter a checkpoint restored
         self.exact_steps = 0
         self.stats = CompressionStats()
         self.layouts: dict[int, BucketLayout] = {}
@@ -192,9 +194,35 @@ class CompressionHookState:
             self.step = restored
         return restored is not None
 
+    @property
+    def sync_warmup_steps(self) -> int:
+        """With a delay, the steps before this one are synchronous."""
+        return self._sync_warmup_steps
+
+    @sync_warmup_steps.setter
+    def sync_warmup_steps(self, steps: int) -> None:
+        steps = check_int("sync_warmup_steps", steps, 0)
+        since = self._resumed_delayed_since
+        if since is not None and steps > self.step:
+            raise IncompatibleCheckpoint(
+                f"the checkpoint was written at step {self.step} of a run delayed since step {since}: "
+                f"sync_warmup_steps={steps} would make steps {self.step} to {steps - 1} synchronous and drop the "
+                f"delayed averages in flight; resume with sync_warmup_steps <= {self.step} (the default, None, "
+                "takes a SparsityWarmup's length)"
+            )
+        self._sync_warmup_steps = steps
+
     def delayed(self, step: int) -> bool:
         """Whether step ``step`` hands over a delayed average."""
         return self.delay_line is not None and step >= self.sync_warmup_steps
+
+    def first_delayed_step(self) -> int:
+        """The first step of this run's history that handed over a delayed average (or will):
+        what the end of training owes is read from there on (:meth:`DelayLine.pending`). A run
+        resumed from a delayed checkpoint was delayed from the step its writer began to be."""
+        if self._resumed_delayed_since is not None:
+            return self._resumed_delayed_since
+        return max(self.sync_warmup_steps, self._resumed_step)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's resumable state: step counter, memory, the compressor's own state and, with a
@@ -208,6 +236,7 @@ class CompressionHookState:
         if self.delay_line is not None:
             state["delay"] = (self.delay_line.delay, self.delay_line.local_update)
             state["delayed"] = self.delay_line.state_dict()
+            state["delayed_since"] = self.first_delayed_step()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -228,7 +257,10 @@ class CompressionHookState:
                 f"{saved_topology or _WHOLE} and this run is {topology or _WHOLE}: with hierarchy='node' each rank "
                 "holds its own piece of every tensor's residual; resume with the same hierarchy and devices per node"
             )
-        self.step = int(state["step"])
+        self.step = self._resumed_step = int(state["step"])
+        since = state.get("delayed_since")  # absent before it was saved: not checked
+        self._resumed_delayed_since = since if since is not None and self.step > since else None
+        self.sync_warmup_steps = self.sync_warmup_steps  # checked against the resumed history
         self.memory.load_state_dict(state["memory"])
         self.compressor.load_state_dict(state.get("compressor", {}))
         if self.delay_line is not None:

@@ -220,7 +220,7 @@ class CompressionSession:
         if line is None:
             return
         params = dict(ddp.module.named_parameters())
-        for owed in line.pending(self.hook_state.step, since=self.hook_state.sync_warmup_steps):
+        for owed in line.pending(self.hook_state.step, since=self.hook_state.first_delayed_step()):
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             for name, value in owed.items():

@@ -329,3 +329,64 @@ def test_a_carry_is_resumed_only_by_a_run_that_would_apply_it() -> None:
     resumed = DelayLine(1, carry_unused=True)
     resumed.load_state_dict(carrying.state_dict())
     assert torch.equal(resumed.state_dict()["t1"]["carry.1"], torch.full((4,), 0.5))
+
+
+@pytest.mark.parametrize("local_update", [False, True])
+def test_what_is_carried_joins_the_oldest_owed_step_not_a_step_of_its_own(local_update: bool) -> None:
+    """At the end of training a carry is added to the oldest owed average, as training adds it to
+    the next step that uses the parameter: one optimizer step per owed step (a step of its own
+    would apply weight decay and optimizer momentum to every parameter once more)."""
+    layout = layout_of_shapes([(6, 5), (4,)])
+    line = DelayLine(2, local_update=local_update, carry_unused=True)
+    bucket = line.bucket(layout, torch.zeros(layout.numel))
+    for slot, average in enumerate(bucket.averages):
+        average.fill_(float(slot + 1))
+    for slot, own in enumerate(bucket.owns):
+        own.fill_(10.0 * (slot + 1))
+    bucket.carries[(5 - 1) % 2][30:].fill_(0.5)  # what step 4 carried for t1
+    owed = list(line.pending(step=5))  # steps 3 and 4 owe their averages
+    assert len(owed) == 2
+    for j, entry in zip((3, 4), owed):
+        slot = j % 3
+        want = torch.full((layout.numel,), float(slot + 1)) - (10.0 * (slot + 1) if local_update else 0.0)
+        if j == 3:
+            want[30:] += 0.5
+        for segment in layout.segments:
+            torch.testing.assert_close(entry[segment.name], segment.of(want))
+
+
+def test_a_resume_keeps_the_delayed_history_and_refuses_to_end_it_early(world_of_one: None) -> None:
+    """A checkpoint written at step 5 of a run delayed since step 2: a resume may not make step 5
+    or later synchronous again (``sync_warmup_steps`` > 5, set at once or later by a sparsity
+    warm-up's length), which would drop the averages in flight; one that keeps it owes the end of
+    training every delayed step's average from step 2 on. A run resumed inside its synchronous
+    warm-up, or from a synchronous checkpoint, is delayed from the later of the two steps."""
+
+    def hook_state(sync_warmup_steps: int) -> CompressionHookState:
+        memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
+        return CompressionHookState(create("none"), memory, {}, delay=1, sync_warmup_steps=sync_warmup_steps)
+
+    writer = hook_state(2)
+    writer.step = 5
+    saved = writer.state_dict()
+    with pytest.raises(IncompatibleCheckpoint, match=r"step 5 of a run delayed since step 2.*sync_warmup_steps <= 5"):
+        hook_state(6).load_state_dict(saved)
+    resumed = hook_state(0)
+    resumed.load_state_dict(saved)
+    with pytest.raises(IncompatibleCheckpoint, match=r"sync_warmup_steps=9 would make steps 5 to 8 synchronous"):
+        resumed.sync_warmup_steps = 9  # as a SparsityWarmup sets it when training starts
+    resumed.sync_warmup_steps = 5
+    assert resumed.first_delayed_step() == 2 and resumed.delayed(5)
+    assert resumed.state_dict()["delayed_since"] == 2  # and so on through every later resume
+
+    warm = hook_state(8)
+    warm.step = 3  # still synchronous
+    inside = hook_state(8)
+    inside.load_state_dict(warm.state_dict())
+    inside.sync_warmup_steps = 2  # shortened: nothing is in flight to drop
+    assert inside.first_delayed_step() == 3 and inside.delayed(3)
+    synchronous = {**warm.state_dict(), "delay": (0, False)}
+    del synchronous["delayed"], synchronous["delayed_since"]
+    later = hook_state(0)
+    later.load_state_dict(synchronous)
+    assert later.first_delayed_step() == 3
