@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.checkpoint import IncompatibleCheckpoint, gather_entry, rank_state
@@ -106,6 +107,10 @@ class CompressionSession:
         if self.hook_state.find_unused_parameters:  # else DDP refuses unused parameters: no hook per backward
             self.hook_state.usage = GradientUsage(ddp.module.parameters())
         verify_same_setup(self.description(ddp), ddp.process_group)
+        # the compressed exchange runs among the nodes under a two-level hierarchy
+        exchanging = dist.get_world_size(ddp.process_group) if topology is None else topology.nodes
+        for inert in self.compressor.inert_settings(exchanging):
+            rank_zero_warn(f"lightning_gc: {inert}")
         self.take_over_pending(ddp)
         ddp.register_comm_hook(self.hook_state, compression_hook)
 

@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 from conftest import layout_of
+from torch.nn.parallel import DistributedDataParallel
 
+import lightning_gc
 from lightning_gc import GradientCompressionStrategy
 from lightning_gc.calibration import time_codec
 from lightning_gc.checkpoint import IncompatibleCheckpoint
@@ -359,6 +361,51 @@ def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
             kept.state_dict()
         )
         kept.load_state_dict(kept.state_dict())
+
+
+def test_two_phase_and_auto_resume_each_other_where_both_run_the_two_phase_form() -> None:
+    """A server error saved by ``exchange="two_phase"`` at three ranks resumes under ``"auto"``
+    (which runs the two-phase form there) and back; at two ranks ``"auto"`` gathers and refuses
+    it. A checkpoint that does not say its world size resumes only with the same exchange."""
+    layout = make_layout()
+
+    def trained(exchange: str, world_size: int) -> list[dict]:
+        ranks = [
+            registry.create("signsgd", exchange=exchange, server_feedback=True, **ALL_2D) for _ in range(world_size)
+        ]
+        simulate(ranks, [torch.randn(layout.numel) for _ in range(world_size)], layout, step=0)
+        return [rank.state_dict() for rank in ranks]
+
+    for saved_by, resumed_by in (("two_phase", "auto"), ("auto", "two_phase")):
+        saved = trained(saved_by, 3)
+        assert all(state["world_size"] == 3 for state in saved)
+        for state in saved:
+            resumed = registry.create("signsgd", exchange=resumed_by, server_feedback=True, **ALL_2D)
+            resumed.load_state_dict(state)
+            assert resumed.state_dict()["server"].keys() == state["server"].keys()
+            for name, entry in state["server"].items():
+                assert torch.equal(resumed.state_dict()["server"][name]["server"], entry["server"])
+    for state in trained("two_phase", 2):
+        with pytest.raises(IncompatibleCheckpoint, match=r"exchange='two_phase'.*this run has exchange='auto'"):
+            registry.create("signsgd", exchange="auto", server_feedback=True).load_state_dict(state)
+    unsized = {key: value for key, value in trained("two_phase", 3)[0].items() if key != "world_size"}
+    with pytest.raises(IncompatibleCheckpoint, match=r"exchange='two_phase'.*this run has exchange='auto'"):
+        registry.create("signsgd", exchange="auto", server_feedback=True).load_state_dict(unsized)
+
+
+def test_server_feedback_asked_where_auto_gathers_is_named_as_doing_nothing(world_of_one) -> None:
+    """``server_feedback=True`` with ``exchange="auto"`` below three ranks runs the gathered form,
+    which has no chunk owner to keep it: the run says so once at attach (fft's own default is
+    not asked for, and says nothing)."""
+    for world_size, inert in ((1, True), (2, True), (3, False)):
+        asked = registry.create("qsgd", exchange="auto", server_feedback=True)
+        assert bool(asked.inert_settings(world_size)) is inert
+    assert registry.create("fft", exchange="auto").inert_settings(2) == []
+    assert registry.create("qsgd", exchange="two_phase", server_feedback=True).inert_settings(2) == []
+    net = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"'qsgd': server_feedback=True does nothing at world size 1.*'two_phase'"):
+        lightning_gc.attach(DistributedDataParallel(net), optimizer, "qsgd", exchange="auto", server_feedback=True)
 
 
 @pytest.mark.parametrize("name", ACCEPTED)

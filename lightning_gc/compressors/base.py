@@ -456,6 +456,11 @@ class Compressor(ABC):
         for each of :attr:`arguments`; ``create(**config)`` builds an equal compressor."""
         return {"name": self.name, **{argument: getattr(self, argument) for argument in self.arguments}}
 
+    def inert_settings(self, world_size: int) -> list[str]:
+        """Settings asked for that do nothing at ``world_size`` ranks, each as a sentence for a
+        warning (none by default)."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         """State that must survive a resume (e.g. PowerSGD's warm-start factors), as CPU tensors.
 

@@ -70,7 +70,7 @@ from lightning_gc.validation import check_bool, check_choice
 EXCHANGES = ("gather", "two_phase", "auto")
 """``exchange`` choices: the gathered payload (every rank's), the two-phase compressed all-reduce,
 or two-phase from three ranks on."""
-SERVER, EXCHANGE, SERVER_FORM = "server", "exchange", "server_form"
+SERVER, EXCHANGE, SERVER_FORM, WORLD_SIZE = "server", "exchange", "server_form", "world_size"
 PIECES = "pieces"
 """``SERVER_FORM`` of a checkpoint whose server errors are each rank's piece of each tensor (the
 form before it held whole tensors, and named no form)."""
@@ -186,11 +186,23 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
                 )
         self._server = FlatState((SERVER,))
         self._server_used = False  # a two-phase plan with server feedback was built: state to save
+        self._server_world_size: int | None = None  # the world size of that plan (None: not known)
         self._two_phase_plans: PlanCache[_TwoPhasePlan] = PlanCache(by_rank=True)
 
     def two_phase_at(self, world_size: int) -> bool:
         """Whether ``world_size`` ranks use the two-phase form."""
         return world_size > 1 and (self.exchange == "two_phase" or (self.exchange == "auto" and world_size > 2))
+
+    def inert_settings(self, world_size: int) -> list[str]:
+        """``server_feedback=True`` asked of a codec whose default is off, where ``exchange="auto"``
+        runs the gathered form (below three ranks): it does nothing there."""
+        if self.server_feedback and not self.server_feedback_default and not self.two_phase_at(world_size):
+            return [
+                f"compressor {self.name!r}: server_feedback=True does nothing at world size {world_size}, where "
+                f"exchange={self.exchange!r} all-gathers (the two-phase form runs from 3 ranks on); pass "
+                "exchange='two_phase' to use it"
+            ]
+        return []
 
     @abstractmethod
     def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
@@ -321,36 +333,40 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             owned_values=owned_values,
             owned_decoded=like.new_zeros(owned.numel),
             decode_total=None if in_place else like.new_zeros(layout.numel, dtype=summing),
-            server=self._bind_server(owned, like),
+            server=self._bind_server(owned, like, world_size),
         )
 
-    def _bind_server(self, owned: BucketLayout, like: torch.Tensor) -> torch.Tensor | None:
-        """The server error run of the owner's chunk ``owned`` (``None`` without the feedback)."""
+    def _bind_server(self, owned: BucketLayout, like: torch.Tensor, world_size: int) -> torch.Tensor | None:
+        """The server error run of the owner's chunk ``owned`` of ``world_size`` (``None`` without
+        the feedback)."""
         if not self.server_feedback:
             return None
-        self._server_used = True
+        self._server_used, self._server_world_size = True, world_size
         return self._server.bind(owned, like, (SERVER,))[SERVER]
 
     def state_dict(self) -> dict[str, Any]:
         """The server errors by parameter name (this rank's piece of each tensor), the ``exchange``
-        that uses them and their form (empty until a two-phase step with ``server_feedback`` ran).
-        Every rank that ran one names the exchange, also one whose chunk holds no piece, so that
-        every rank refuses a resume that would drop the errors."""
+        that uses them, the world size they are chunked for and their form (empty until a two-phase
+        step with ``server_feedback`` ran). Every rank that ran one names the exchange, also one
+        whose chunk holds no piece, so that every rank refuses a resume that would drop the errors."""
         server = self._server.state_dict()
         if not (server or self._server_used):
             return {}
-        return {SERVER: server, EXCHANGE: self.exchange, SERVER_FORM: PIECES}
+        state = {SERVER: server, EXCHANGE: self.exchange, SERVER_FORM: PIECES}
+        if self._server_world_size is not None:
+            state[WORLD_SIZE] = self._server_world_size
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output. A server error is someone's pending correction:
-        a run that would not add it (no ``server_feedback``, or another ``exchange``, which may not
-        run the two-phase form at this world size) is refused rather than dropping it."""
-        unknown = sorted(set(state) - {SERVER, EXCHANGE, SERVER_FORM})
+        a run that would not add it (no ``server_feedback``, or an ``exchange`` that does not run the
+        two-phase form at the checkpoint's world size, which a resume keeps) is refused rather than
+        dropping it; ``"two_phase"`` and ``"auto"`` resume each other where both run it."""
+        kinds = [SERVER, EXCHANGE, SERVER_FORM, WORLD_SIZE]
+        unknown = sorted(set(state) - set(kinds))
         if unknown:
-            raise ValueError(
-                f"compressor {self.name!r} keeps only {[SERVER, EXCHANGE, SERVER_FORM]} state, got entries {unknown}"
-            )
-        server, saved = state.get(SERVER, {}), state.get(EXCHANGE)
+            raise ValueError(f"compressor {self.name!r} keeps only {kinds} state, got entries {unknown}")
+        server, saved, world_size = state.get(SERVER, {}), state.get(EXCHANGE), state.get(WORLD_SIZE)
         # every rank that ran the feedback names the exchange, so every rank refuses alike; older
         # checkpoints held zeros without the feedback and did not name the exchange
         holds = saved is not None or any(t.any() for entry in server.values() for t in entry.values())
@@ -362,7 +378,9 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             )
         if holds:
             saved = saved or self.exchange
-            if not self.server_feedback or saved != self.exchange:
+            # checkpoints before the world size was saved: only the same exchange is known to run it
+            runs_it = self.exchange == saved or (world_size is not None and self.two_phase_at(world_size))
+            if not self.server_feedback or not runs_it:
                 raise IncompatibleCheckpoint(
                     f"compressor {self.name!r}: the checkpoint holds the server error feedback of a run with "
                     f"exchange={saved!r}, server_feedback=True, and this run has exchange={self.exchange!r}, "
@@ -371,7 +389,7 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
                 )
         # older checkpoints' zeros are no one's correction, and not in the form this version saves
         self._server.load_state_dict(server if holds else {})
-        self._server_used = saved is not None
+        self._server_used, self._server_world_size = saved is not None, world_size
         self._two_phase_plans.clear()  # plans hold views of the replaced buffers
 
 
