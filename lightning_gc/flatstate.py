@@ -19,6 +19,9 @@ import torch
 
 from lightning_gc.layout import BucketLayout
 
+ByName = dict[str, dict[str, torch.Tensor]]
+"""State by parameter name, then by kind."""
+
 
 class FlatState:
     """The store behind the invariant above, for the kinds named in ``kinds``."""
@@ -70,6 +73,34 @@ class FlatState:
             state.setdefault(name, {k: t.clone() for k, t in pending.items()})
         return state
 
+    def snapshot(
+        self, previous: dict[str, dict[str, torch.Tensor]] | None = None
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Every parameter's state as copies on its own device (``previous``'s buffers reused where
+        shape, dtype and device match), for :meth:`restore`; state loaded and not yet bound is
+        taken as it is (nothing writes it until it is bound, and binding copies it)."""
+        previous = previous or {}
+        taken = {}
+        for name, views in self._views.items():
+            kept = previous.get(name, {})
+            taken[name] = {kind: _copy_into(kept.get(kind), view) for kind, view in views.items()}
+        for name, pending in self._pending.items():
+            taken.setdefault(name, dict(pending))
+        return taken
+
+    def restore(self, snapshot: ByName) -> None:
+        """Return to :meth:`snapshot`'s state in place: bound buffers keep their storage (views that
+        plans hold stay valid); a parameter bound since then from zeros is zeroed again, one bound
+        from loaded state gets it back."""
+        for name, views in self._views.items():
+            saved = snapshot.get(name, {})
+            for kind, view in views.items():
+                if kind in saved:
+                    view.copy_(saved[kind].reshape(-1))
+                else:
+                    view.zero_()
+        self._pending = {name: dict(entry) for name, entry in snapshot.items() if name not in self._views}
+
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Replace all state; it is copied into bucket buffers as buckets are next bound."""
         unknown = {key for entry in state.values() for key in entry} - set(self.kinds)
@@ -77,3 +108,10 @@ class FlatState:
             raise ValueError(f"unknown compression state entries {sorted(unknown)}; expected {list(self.kinds)}")
         self._views.clear()
         self._pending = {name: dict(entry) for name, entry in state.items()}
+
+
+def _copy_into(buffer: torch.Tensor | None, source: torch.Tensor) -> torch.Tensor:
+    """``source`` copied into ``buffer`` where it fits, else into a new tensor like ``source``."""
+    if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype or buffer.device != source.device:
+        buffer = torch.empty_like(source)
+    return buffer.copy_(source)

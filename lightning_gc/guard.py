@@ -73,7 +73,7 @@ class StepGuard:
         self.group = group
         self._seen: torch.Tensor | None = None  # any non-finite bucket in this step (device bool)
         self._open_at: int | None = None  # the step counter when the step's first bucket was screened
-        self._compressor_state: dict[str, Any] = {}
+        self._compressor_snapshot: Any = None  # the compressor's state before this step; buffers reused
         self._backups: dict[int, tuple[BucketMemory, list[torch.Tensor]]] = {}  # by id(bucket); reused
         self._backed_up: set[int] = set()  # buckets whose backup holds the state before this step
         self.before_snapshot: Callable[[], None] | None = None
@@ -96,7 +96,7 @@ class StepGuard:
                 self._open_at = step
                 if self.before_snapshot is not None:
                     self.before_snapshot()
-                self._compressor_state = self.compressor.state_dict()
+                self._compressor_snapshot = self.compressor.snapshot(self._compressor_snapshot)
             self._back_up(bucket)
             bad = finite.logical_not()
             self._seen = bad if self._seen is None else self._seen | bad
@@ -119,10 +119,10 @@ class StepGuard:
             if self.before_roll_back is not None:
                 self.before_roll_back()
             self._roll_back()
-            self.compressor.load_state_dict(self._compressor_state)
+            self.compressor.restore(self._compressor_snapshot)
             restored = self._open_at
         self._backed_up.clear()
-        self._seen, self._open_at, self._compressor_state = None, None, {}
+        self._seen, self._open_at = None, None
         return restored
 
     def _back_up(self, bucket: BucketMemory) -> None:

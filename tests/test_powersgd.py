@@ -101,6 +101,28 @@ def test_warm_start_state_round_trips() -> None:
         restored.load_state_dict({"p": {}})
 
 
+def test_a_snapshot_rolls_q_back_in_place_on_its_device_and_reuses_its_buffers() -> None:
+    """The step guard's snapshot (every guarded step: each mixed-precision one) copies ``Q`` on its
+    own device into the buffers of the snapshot before, never through ``state_dict``'s host
+    copies; a roll-back writes it back into the same tensors, and a ``Q`` first drawn in the
+    rolled-back step is dropped, then drawn again alike."""
+    layout, late = _layout((32, 16)), _layout((32, 16), (24, 8))
+    compressor = PowerSGDCompressor(rank=2)
+    _encode_decode(compressor, layout, torch.randn(layout.numel))
+    first = compressor.snapshot()
+    q = compressor._q["p0"]
+    before = q.clone()
+    again = compressor.snapshot(first)
+    assert again["p0"] is first["p0"] and again["p0"] is not q  # the buffer reused, a copy of Q
+    velocity = torch.randn(late.numel)
+    rolled_back, _ = _encode_decode(compressor, late, velocity, step=1)  # Q moves, p1's Q is drawn
+    assert not torch.equal(q, before) and "p1" in compressor._q
+    compressor.restore(again)
+    assert compressor._q["p0"] is q and torch.equal(q, before) and "p1" not in compressor._q
+    retried, _ = _encode_decode(compressor, late, velocity, step=1)
+    assert torch.equal(retried, rolled_back)
+
+
 def test_orthonormalise_handles_zero_columns() -> None:
     matrix = torch.zeros(10, 3)
     orthonormalise_(matrix)

@@ -393,6 +393,33 @@ def test_two_phase_and_auto_resume_each_other_where_both_run_the_two_phase_form(
         registry.create("signsgd", exchange="auto", server_feedback=True).load_state_dict(unsized)
 
 
+def test_a_snapshot_rolls_the_server_error_back_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step guard's snapshot of the server errors stays on their device (no ``state_dict``, whose
+    copies go to the host) and a roll-back writes it back into the runs the plans hold: the step
+    retried decodes what it decoded the first time, bit for bit."""
+    layout, world_size = make_layout(), 3
+    ranks = [
+        registry.create("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D) for _ in range(world_size)
+    ]
+    velocities = [torch.randn(layout.numel) for _ in range(world_size)]
+    simulate(ranks, [v.clone() for v in velocities], layout, step=0)
+    for rank in ranks:
+        monkeypatch.setattr(rank, "state_dict", lambda: pytest.fail("a snapshot must not copy to the host"))
+    snapshots = [rank.snapshot() for rank in ranks]
+    servers = [next(iter(rank._two_phase_plans._plans.values()))[1].server for rank in ranks]
+    held = [server.clone() for server in servers]
+    first, _, _, _ = simulate(ranks, [v.clone() for v in velocities], layout, step=1)
+    assert not all(torch.equal(server, kept) for server, kept in zip(servers, held))
+    for rank, taken in zip(ranks, snapshots):
+        rank.restore(taken)
+    assert all(torch.equal(server, kept) for server, kept in zip(servers, held))  # the plans' own runs
+    retried, _, _, _ = simulate(ranks, [v.clone() for v in velocities], layout, step=1)
+    assert all(torch.equal(a, b) for a, b in zip(first, retried))
+    for rank, taken in zip(ranks, snapshots):  # taken again into the same buffers
+        again = rank.snapshot(taken)[0]
+        assert again and all(again[n][k] is taken[0][n][k] for n in again for k in again[n])
+
+
 def test_server_feedback_asked_where_auto_gathers_is_named_as_doing_nothing(world_of_one) -> None:
     """``server_feedback=True`` with ``exchange="auto"`` below three ranks runs the gathered form,
     which has no chunk owner to keep it: the run says so once at attach (fft's own default is

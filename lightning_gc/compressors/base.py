@@ -473,6 +473,18 @@ class Compressor(ABC):
         if state:
             raise ValueError(f"compressor {self.name!r} keeps no state, got entries {sorted(state)}")
 
+    def snapshot(self, previous: Any = None) -> Any:
+        """The state :meth:`restore` rolls back to (a skipped step; the step guard takes one at every
+        guarded step's first bucket, and every mixed-precision step is guarded). By default
+        :meth:`state_dict`; a stateful compressor keeps copies on its state's own device instead, in
+        ``previous``'s buffers (the snapshot it returned before) where they fit: no host copy, no
+        device sync and, once warm, no allocation."""
+        return self.state_dict()
+
+    def restore(self, snapshot: Any) -> None:
+        """Return to what :meth:`snapshot` took, in place: buffers that plans hold stay valid."""
+        self.load_state_dict(snapshot)
+
 
 PlanT = TypeVar("PlanT")
 

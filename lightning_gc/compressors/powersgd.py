@@ -242,3 +242,26 @@ class PowerSGDCompressor(PlannedCompressor[_PowerPlan]):
         if unknown:
             raise ValueError(f"unknown powersgd state entries {unknown}; expected ['q']")
         self._q = {name: q.clone() for name, q in state.get("q", {}).items()}
+
+    def snapshot(self, previous: Any = None) -> Any:
+        """The factors ``Q`` copied on their device, into ``previous``'s buffers where they fit."""
+        kept = previous if isinstance(previous, dict) else {}
+        taken = {}
+        for name, q in self._q.items():
+            copy = kept.get(name)
+            if copy is None or copy.shape != q.shape or copy.dtype != q.dtype or copy.device != q.device:
+                copy = torch.empty_like(q)
+            taken[name] = copy.copy_(q)
+        return taken
+
+    def restore(self, snapshot: Any) -> None:
+        """``Q`` as :meth:`snapshot` took it, in place; one first drawn since is dropped (drawn again
+        alike: :meth:`initial_q` is a function of the seed, parameter and step)."""
+        for name in [name for name in self._q if name not in snapshot]:
+            del self._q[name]
+        for name, copy in snapshot.items():
+            q = self._q.get(name)
+            if q is not None and q.shape == copy.shape and q.dtype == copy.dtype and q.device == copy.device:
+                q.copy_(copy)
+            else:
+                self._q[name] = copy.clone()

@@ -392,6 +392,16 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
         self._server_used, self._server_world_size = saved is not None, world_size
         self._two_phase_plans.clear()  # plans hold views of the replaced buffers
 
+    def snapshot(self, previous: Any = None) -> Any:
+        """The server errors as copies on their device (:meth:`FlatState.snapshot`), with whether
+        and at which world size the feedback ran."""
+        kept = previous[0] if isinstance(previous, tuple) else None
+        return self._server.snapshot(kept), self._server_used, self._server_world_size
+
+    def restore(self, snapshot: Any) -> None:
+        server, self._server_used, self._server_world_size = snapshot
+        self._server.restore(server)  # in place: the plans' server runs stay bound
+
 
 def _views(pieces: Sequence[Segment], flat: torch.Tensor) -> list[torch.Tensor]:
     """Each piece's view of ``flat`` (the run the pieces address: a bucket, or a packed chunk)."""
