@@ -18,7 +18,11 @@ from typing import Any
 import torch.distributed as dist
 
 CHECKPOINT_KEY = "lightning_gc"
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = (1, 2)
+"""Formats this version resumes. Format 1 kept a Nesterov parameter's momentum as ``m`` times
+``torch.optim.SGD``'s buffer (DGC's paper form); format 2 keeps the buffer itself, and a format 1
+entry is converted when the fit starts (:meth:`~lightning_gc.session.CompressionSession.start_fit`)."""
 
 
 class IncompatibleCheckpoint(ValueError):
@@ -62,10 +66,10 @@ def rank_state(entry: dict[str, Any], *, source: Any, rank: int, world_size: int
         IncompatibleCheckpoint: an entry of another format, or written by another number of ranks (residuals
             are per rank: they cannot be split or merged exactly).
     """
-    if entry.get("format") != CHECKPOINT_FORMAT:
+    if entry.get("format") not in READABLE_FORMATS:
         raise IncompatibleCheckpoint(
             f"checkpoint {source} holds compression state in format {entry.get('format')!r}; this "
-            f"version of lightning_gc reads format {CHECKPOINT_FORMAT}"
+            f"version of lightning_gc reads formats {list(READABLE_FORMATS)}"
         )
     if entry["world_size"] != world_size:
         raise IncompatibleCheckpoint(

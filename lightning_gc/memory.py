@@ -5,8 +5,8 @@ Per parameter, with local gradient ``g`` (DGC §3, Lin et al. 2018)::
     g <- clip(g, clip_norm / sqrt(N))            optional, per tensor
     g <- g + wd * p                              only where momentum moved here (see momentum.py)
     g <- (1 - dampening) * g                     Adam's first moment: dampening = beta1
-    u <- m*u + g          (Nesterov: u <- m*(u + g))
-    v <- v + u            (Nesterov: v <- v + u + g)      with m == 0: v <- v + g (error feedback)
+    u <- m*u + g                                 torch.optim.SGD's momentum buffer
+    v <- v + u            (Nesterov: v <- v + (g + m*u))  with m == 0: v <- v + g (error feedback)
 
 after which the compressor sends part of ``v`` and the memory is told what left:
 
@@ -396,6 +396,16 @@ class CompensationMemory:
             flat = moment.detach().reshape(-1)
             flat = flat if self.seed_view is None else self.seed_view(flat)
             state.setdefault(name, {})["momentum"] = flat.cpu().clone()
+        self.load_state_dict(state)
+
+    def divide_nesterov_momentum(self) -> None:
+        """``u <- u / m`` for every Nesterov parameter: momenta of a format 1 checkpoint, which
+        kept ``m`` times SGD's buffer, become the buffer (``m`` as its parameter's group has it now)."""
+        state = self.state_dict()
+        for name, entry in state.items():
+            spec = self.spec(name)
+            if spec.nesterov and spec.momentum != 0.0 and "momentum" in entry:
+                entry["momentum"] = entry["momentum"] / spec.momentum
         self.load_state_dict(state)
 
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:

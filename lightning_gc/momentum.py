@@ -35,8 +35,9 @@ _MOVED = ("momentum", "nesterov", "weight_decay")
 class MomentumSpec:
     """The momentum recurrence the memory applies to one parameter.
 
-    ``u <- m*u + (1 - dampening)*g`` (plain) or ``u <- m*(u + g)`` (Nesterov), with ``g`` the
-    local gradient plus ``weight_decay * p``. ``momentum == 0`` means plain error feedback.
+    ``u <- m*u + (1 - dampening)*g``, SGD's buffer (Nesterov then adds ``g + m*u`` to the velocity,
+    plain momentum ``u``), with ``g`` the local gradient plus ``weight_decay * p``. ``momentum == 0``
+    means plain error feedback.
     SGD's hand-over has ``dampening = 0``; Adam's first moment is ``m = dampening = beta1``.
     """
 

@@ -70,6 +70,7 @@ class CompressionSession:
         self.totals: dict[str, float] = {"steps": 0, "bytes_sent": 0.0, "dense_bytes": 0.0, "skipped_steps": 0}
         self.hook_state: CompressionHookState | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._nesterov_times_m = False  # resumed from format 1: Nesterov momenta are m times SGD's buffer
 
     # ------------------------------------------------------------------ set-up
     def attach(
@@ -160,6 +161,9 @@ class CompressionSession:
         if self.hook_state is not None:
             self.hook_state.exact_steps = self.hand_over.exact_steps()
             self.hand_over.refresh(optimizers, self.hook_state.names, step=self.hook_state.step, announce=True)
+        if self._nesterov_times_m:  # the momenta are known now: the optimizer's groups named them
+            self.memory.divide_nesterov_momentum()
+            self._nesterov_times_m = False
 
     # ------------------------------------------------------------------ each step
     def before_step(self, optimizers: Sequence[Any], grad_scale: float | None) -> None:
@@ -277,6 +281,7 @@ class CompressionSession:
         """Take this rank's state from a checkpoint entry for the next :meth:`attach`; this
         rank's own optimizer states when they were saved (``local_update``), else ``None``."""
         self._pending_state = rank_state(entry, source=source, rank=rank, world_size=world_size)
+        self._nesterov_times_m = entry.get("format") == 1
         saved_compressor = entry.get("compressor", {}).get("name", self.compressor.name)
         if saved_compressor != self.compressor.name:
             raise IncompatibleCheckpoint(

@@ -183,3 +183,44 @@ def test_finish_shuts_the_gloo_group_down_at_exit_and_frees_the_model_first(tmp_
     assert f"process group up at exit: {run == 'unfinished'}" in lines, done.stdout
     if run == "finished":  # freed by the exit handler's collection, after the script's last line
         assert lines.index("trained") < lines.index("DDP model freed") < lines.index("process group up at exit: False")
+
+
+def test_a_format_1_checkpoint_resumes_its_nesterov_momentum_as_sgds_buffer(world_of_one) -> None:
+    """Checkpoint format 1 kept a Nesterov parameter's momentum as ``m`` times SGD's buffer (DGC's
+    paper form); format 2 keeps the buffer. A format 1 entry is converted when the fit starts, so
+    it resumes as its format 2 twin does."""
+    import copy
+
+    def attached() -> tuple[torch.nn.Module, DistributedDataParallel, torch.optim.SGD, object]:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+        ddp = DistributedDataParallel(net)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+        return net, ddp, optimizer, lightning_gc.attach(ddp, optimizer, "dgc", compress_ratio=0.25)
+
+    def train(ddp, optimizer, gc, steps: range) -> None:
+        for step in steps:
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            optimizer.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            gc.step()
+
+    net, ddp, optimizer, gc = attached()
+    train(ddp, optimizer, gc, range(4))
+    entry, weights = gc.state_dict(), copy.deepcopy(net.state_dict())
+    assert entry["format"] == 2
+    legacy = copy.deepcopy(entry)
+    legacy["format"] = 1
+    held = legacy["ranks"][0]["memory"]
+    assert any("momentum" in kinds and kinds["momentum"].any() for kinds in held.values())
+    for kinds in held.values():
+        if "momentum" in kinds:
+            kinds["momentum"] = kinds["momentum"] * 0.9
+    finals = []
+    for saved in (entry, legacy):
+        net, ddp, optimizer, gc = attached()
+        net.load_state_dict(weights)
+        gc.load_state_dict(saved)
+        train(ddp, optimizer, gc, range(4, 8))
+        finals.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
+    torch.testing.assert_close(finals[1], finals[0], rtol=1e-6, atol=1e-7)

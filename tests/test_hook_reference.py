@@ -51,12 +51,8 @@ def reference_dgc(plan: dict) -> list[list[torch.Tensor]]:
                 if plan["clip_norm"] is not None:
                     g *= min(1.0, plan["clip_norm"] / math.sqrt(WORLD) / (g.norm().item() + 1e-12))
                 g += wd * p.detach()
-                if plan["nesterov"]:
-                    u[rank][i] = m * (u[rank][i] + g)
-                    v[rank][i] += u[rank][i] + g
-                else:
-                    u[rank][i] = m * u[rank][i] + g
-                    v[rank][i] += u[rank][i]
+                u[rank][i] = m * u[rank][i] + g  # torch.optim.SGD's buffer
+                v[rank][i] += g + m * u[rank][i] if plan["nesterov"] else u[rank][i]
                 flat_v, flat_u = v[rank][i].view(-1), u[rank][i].view(-1)
                 if p.dim() > 1 and p.numel() >= MIN_COMPRESS_NUMEL:
                     k = math.ceil(plan["ratio"] * p.numel())

@@ -50,12 +50,8 @@ def test_compensate_follows_dgc_recurrence(params, nesterov: bool) -> None:
         state = memory.bucket(layout, g)
         got = memory.compensate(state, g.clone(), ps, world_size=2)
         d = g + wd * flat_p
-        if nesterov:
-            u = m * (u + d)
-            v = v + u + d
-        else:
-            u = m * u + d
-            v = v + u
+        u = m * u + d  # torch.optim.SGD's buffer
+        v = v + (d + m * u if nesterov else u)
         torch.testing.assert_close(got, v)
         torch.testing.assert_close(state.momentum, u)
 

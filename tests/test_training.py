@@ -71,22 +71,20 @@ def test_channels_last_weights_pair_their_bucket_slices_with_the_right_elements(
 
 
 def test_schedules_that_rewrite_momentum_and_decay_are_followed(run_ranks) -> None:
-    """Weight decay raised mid-run, then momentum set to 0: DGC at ratio 1 still equals DDP, so
-    the memory followed both (and the optimizer applied neither a second time)."""
-    model = {"hidden": [64], **SGD}
+    """Momentum cycled every step, weight decay raised mid-run, then momentum set to 0, plain and
+    Nesterov: DGC at ratio 1 still equals DDP, so the memory followed all three (and the optimizer
+    applied none a second time). Nesterov's memory keeps SGD's own buffer: kept as DGC's paper
+    writes it, ``m`` times the buffer, a changed ``m`` multiplied last step's buffer (5e-2 off)."""
     fits = [
-        {"strategy": {"kind": "ddp"}, "model": model, "variant": "rewrites_optimizer", "epochs": 2},
-        {
-            "strategy": {"kind": "dgc", "compress_ratio": 1.0},
-            "model": model,
-            "variant": "rewrites_optimizer",
-            "epochs": 2,
-        },
+        {"strategy": strategy, "model": {"hidden": [64], **SGD, "nesterov": nesterov}, "epochs": 2}
+        | {"variant": "rewrites_optimizer"}
+        for nesterov in (False, True)
+        for strategy in ({"kind": "ddp"}, {"kind": "dgc", "compress_ratio": 1.0})
     ]
     rank0, _ = run_ranks({"fits": fits})
-    ddp, dgc = rank0
-    assert ddp["global_step"] == dgc["global_step"] >= 20
-    assert _relative_difference(dgc["params"], ddp["params"]) < 1e-5
+    for ddp, dgc in (rank0[:2], rank0[2:]):
+        assert ddp["global_step"] == dgc["global_step"] >= 20
+        assert _relative_difference(dgc["params"], ddp["params"]) < 1e-5
 
 
 def test_a_parameter_unused_on_one_rank_only_still_equals_ddp(run_ranks) -> None:

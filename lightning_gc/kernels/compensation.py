@@ -4,8 +4,12 @@ Per element of a bucket slice, with velocity (the residual memory) ``v``, moment
 
     d = grad * grad_scale + weight_decay * param      (each term only when given)
     momentum != 0, plain:    u <- m*u + d;      v <- v + u
-    momentum != 0, Nesterov: u <- m*(u + d);    v <- v + u + d
+    momentum != 0, Nesterov: u <- m*u + d;      v <- v + (d + m*u)
     momentum == 0:           v <- v + d         (error feedback; u untouched, may be None)
+
+``u`` is ``torch.optim.SGD``'s own momentum buffer in both forms (DGC's paper writes Nesterov's as
+``u <- m*(u + d); v <- v + u + d``, which keeps ``m`` times it: the same while ``m`` is constant,
+but a scheduled momentum would then multiply last step's buffer by this step's ``m``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def compensate_(
 
         d = grad * grad_scale + weight_decay * param      (each term only when given)
         momentum != 0, plain:    u <- m*u + d;      v <- v + u
-        momentum != 0, Nesterov: u <- m*(u + d);    v <- v + u + d
+        momentum != 0, Nesterov: u <- m*u + d;      v <- v + (d + m*u)
         momentum == 0:           v <- v + d         (error feedback; u untouched, may be None)
 
     ``grad_scale`` is a 0-d tensor on the slice's device (e.g. a clipping factor), so no host
@@ -43,9 +47,8 @@ def compensate_(
         velocity.add_(grad)
         return
     assert momentum_buf is not None, "momentum needs a momentum buffer"
-    if nesterov:
-        momentum_buf.add_(grad).mul_(momentum)
-        velocity.add_(momentum_buf).add_(grad)
+    torch.add(grad, momentum_buf, alpha=momentum, out=momentum_buf)
+    if nesterov:  # SGD's step direction d + m*u, summed as torch sums it
+        velocity.add_(grad.add_(momentum_buf, alpha=momentum))
     else:
-        torch.add(grad, momentum_buf, alpha=momentum, out=momentum_buf)
         velocity.add_(momentum_buf)

@@ -45,11 +45,10 @@ def _compensate_kernel(
     v = tl.load(velocity_ptr + offsets, mask=inside).to(tl.float32)
     if HAS_MOMENTUM:
         u = tl.load(momentum_ptr + offsets, mask=inside).to(tl.float32)
+        u = momentum * u + d  # torch.optim.SGD's buffer, Nesterov or not
         if NESTEROV:
-            u = momentum * (u + d)
-            v = v + u + d
+            v = v + (d + momentum * u)
         else:
-            u = momentum * u + d
             v = v + u
         tl.store(momentum_ptr + offsets, u.to(momentum_ptr.dtype.element_ty), mask=inside)
     else:

@@ -150,15 +150,19 @@ class Evaluable(DigitsClassifier):
 
 
 class RewritesItsOptimizer(DigitsClassifier):
-    """What hand-written schedules do to SGD's groups: weight decay raised to 1e-2 from global step
-    5, momentum set to 0 from step 12."""
+    """What hand-written schedules do to SGD's groups: momentum cycled between 0.95 and 0.5 from
+    global step 2 (OneCycleLR's ``cycle_momentum`` moves it every step), weight decay raised to
+    1e-2 from step 5, momentum set to 0 from step 12."""
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        step = self.trainer.global_step
         for group in self.trainer.optimizers[0].param_groups:
-            if self.trainer.global_step >= 5:
+            if step >= 5:
                 group["weight_decay"] = 1e-2
-            if self.trainer.global_step >= 12:
+            if step >= 12:
                 group["momentum"] = 0.0
+            elif step >= 2:
+                group["momentum"] = 0.5 if step % 2 else 0.95
 
 
 class FrozenVarianceAdamW(torch.optim.AdamW):
