@@ -108,6 +108,10 @@ class CompressionSession:
         if self.hook_state.find_unused_parameters:  # else DDP refuses unused parameters: no hook per backward
             self.hook_state.usage = GradientUsage(ddp.module.parameters())
         verify_same_setup(self.description(ddp), ddp.process_group)
+        if self._pending_state is None:  # a fit from scratch (a Trainer's second fit builds a new
+            # optimizer, whose momentum starts at zero): the last fit's residuals and momenta are not its
+            self.memory.load_state_dict({})
+            self.compressor.load_state_dict({})
         # the compressed exchange runs among the nodes under a two-level hierarchy
         exchanging = dist.get_world_size(ddp.process_group) if topology is None else topology.nodes
         for inert in self.compressor.inert_settings(exchanging):

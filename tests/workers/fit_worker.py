@@ -16,7 +16,7 @@ as they are (no re-launch). Each fit of the plan is a dict::
                  "fp16_with_scaler": true for fp16 autocast with a GradScaler on the CPU},
      "faults": [{"rank": r, "step": s, "kind": "kill" | "nan" | "perturb"}],
      "after_fit": bool (run validate, test and predict after fit),
-     "refit": {"epochs": int, "resume_from": str} (then fit again on the same Trainer),
+     "refit": {"epochs": int, "resume_from": str | absent} (then fit again on the same Trainer),
      "save_after_fit": str (then ``trainer.save_checkpoint`` to that path, on every rank)}
 
 Faults happen at the start of global step ``s`` on rank ``r``: ``kill`` SIGKILLs the process,
@@ -293,9 +293,9 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
         **trainer_kwargs,
     )
     trainer.fit(model, data, ckpt_path=fit.get("resume_from"))
-    if fit.get("refit"):  # a second fit on the same Trainer, resuming a checkpoint
+    if fit.get("refit"):  # a second fit on the same Trainer (resuming a checkpoint, or not)
         trainer.fit_loop.max_epochs = fit["refit"]["epochs"]
-        trainer.fit(model, data, ckpt_path=fit["refit"]["resume_from"])
+        trainer.fit(model, data, ckpt_path=fit["refit"].get("resume_from"))
     if fit.get("save_after_fit"):
         trainer.save_checkpoint(fit["save_after_fit"])
     result: dict[str, Any] = {}
