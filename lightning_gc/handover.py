@@ -107,8 +107,8 @@ class HandOver(ABC):
     def release(self) -> None:
         """Undo whatever the hand-over put on the model (at the end of a fit)."""
 
-    def resume_settings(self) -> dict[str, Any]:
-        """Settings that a checkpoint of the memory as it is now must be resumed with (the
+    def resume_settings(self, step: int) -> dict[str, Any]:
+        """Settings that a checkpoint of the memory after ``step`` steps must be resumed with (the
         memory's meaning depends on them), by their setting names; empty when any will do."""
         return {}
 
@@ -265,6 +265,7 @@ class AdamHandOver(HandOver):
         self.scales: dict[torch.Tensor, FrozenScales] = {}  # param -> its frozen d, split by the weighting
         self._hooks: list[Any] = []
         self._loss_scale = 1.0
+        self._decayed: set[int] = set()  # ids of parameters whose L2 term entered this step's gradient
 
     def check(self, optimizers: Sequence[Any], *, local_update: bool, delay: int = 0) -> None:
         inner = [unwrap_optimizer(o) for o in optimizers]
@@ -314,6 +315,8 @@ class AdamHandOver(HandOver):
             self.memory.set_specs({})
             return
         if not self.scales:
+            if announce:  # the fit's start: Lightning restores a resumed optimizer's state only after it
+                return
             self._freeze(optimizers)
         specs, moments = {}, {}
         freezing = step == self.warmup_steps  # the freeze: u starts from Adam's first moment
@@ -326,7 +329,7 @@ class AdamHandOver(HandOver):
                 if name is None or param not in self.scales:
                     continue
                 specs[name] = spec
-                if freezing:
+                if freezing and "exp_avg" in optimizer.state[param]:  # else its momentum starts at zero
                     moment = FrozenScales.divide(optimizer.state[param]["exp_avg"], self.scales[param].into)
                     moments[name] = bucket_order(moment, param)
         self.memory.set_specs(specs)
@@ -343,7 +346,10 @@ class AdamHandOver(HandOver):
 
     def _preconditioner(self, param: torch.Tensor, into: torch.Tensor | None, decay: float) -> Any:
         def precondition(grad: torch.Tensor) -> torch.Tensor:
-            if decay != 0.0:  # Adam's L2 term, scaled like the gradient under a grad scaler
+            # Adam's L2 term, scaled like the gradient under a grad scaler: once per optimizer step,
+            # not once per backward (accumulated micro-batches each run this hook)
+            if decay != 0.0 and id(param) not in self._decayed:
+                self._decayed.add(id(param))
                 grad = grad + (decay * self._loss_scale) * param.detach()
             return FrozenScales.divide(grad, into)
 
@@ -356,15 +362,22 @@ class AdamHandOver(HandOver):
         self._hooks.clear()
         self.scales.clear()
 
-    def resume_settings(self) -> dict[str, Any]:
-        """After the freeze the memory holds elements weighted by ``d^a``: resume with the same weighting."""
-        return {"adam_weighting": self.weighting} if self.scales else {}
+    def resume_settings(self, step: int) -> dict[str, Any]:
+        """Once a step past the freeze ran, the memory holds elements weighted by ``d^a`` (also after
+        the fit's end released the hooks): resume with the same weighting."""
+        return {"adam_weighting": self.weighting} if step > self.warmup_steps else {}
 
-    def stepping(self, optimizers: Sequence[Any]) -> AbstractContextManager[Any]:
+    @contextmanager
+    def stepping(self, optimizers: Sequence[Any]) -> Iterator[None]:
         """Around an optimizer step of the compressed phase: the optimizer's ``step`` is the
         frozen-variance step of the module docstring (the user's precision plugin and grad
-        scaler still call it as they would Adam's own)."""
-        return _frozen_variance_steps(optimizers, self.scales) if self.active else nullcontext()
+        scaler still call it as they would Adam's own). After it (taken or skipped) the next
+        step's gradients take Adam's L2 term again."""
+        try:
+            with _frozen_variance_steps(optimizers, self.scales) if self.active else nullcontext():
+                yield
+        finally:
+            self._decayed.clear()
 
 
 def frozen_denominators(
@@ -377,27 +390,45 @@ def frozen_denominators(
     An element whose ``v`` is still 0 never had a gradient during the warm-up (an embedding row
     of a word not yet seen): ``d = eps`` would turn its first gradient into a step of ``lr/eps``.
     It takes its tensor's mean ``sqrt(v_hat)`` instead (or, for a tensor without any gradient
-    yet, the mean over all tensors): the same value on every rank, as ``v`` is."""
+    yet, the mean over all tensors): the same value on every rank, as ``v`` is. A trainable
+    parameter Adam never stepped (a module first used after the warm-up) takes that mean too, as a
+    0-d tensor; :func:`frozen_variance_step` gives it Adam's state when it is first stepped.
+
+    Raises:
+        RuntimeError: no second moment to freeze (no warm-up step updated it: every step skipped
+            by a grad scaler, or gradients that were all zero).
+    """
     roots: dict[torch.Tensor, tuple[torch.Tensor, float, float]] = {}
+    unstepped: list[tuple[torch.Tensor, float, float]] = []
     for optimizer, group in _adam_groups(optimizers):
         beta2, eps = float(group["betas"][1]), float(group["eps"])
         decay = 0.0 if _decoupled(optimizer, group) else float(group["weight_decay"])
         for param in group["params"]:
             state = optimizer.state.get(param, {})
             if "exp_avg_sq" not in state:
-                continue  # never stepped: the optimizer holds no moments to hand over
+                if param.requires_grad:
+                    unstepped.append((param, eps, decay))
+                continue
             frozen_at = float(state["step"]) - compressed_steps
-            roots[param] = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**frozen_at), eps, decay)
+            # a state begun after the freeze (frozen_variance_step) holds v = 0: no correction to take
+            correction = 1 - beta2**frozen_at if frozen_at >= 1 else 1.0
+            roots[param] = (state["exp_avg_sq"].sqrt() / math.sqrt(correction), eps, decay)
     seen = [root[root > 0] for root, _, _ in roots.values()]
-    overall = torch.cat(seen).mean() if any(s.numel() for s in seen) else None
+    if not any(s.numel() for s in seen):
+        raise RuntimeError(
+            "the Adam hand-over freezes the second moment, but Adam holds none yet: no warm-up step "
+            "updated it (every step skipped, e.g. by a grad scaler's overflows, or all-zero gradients); "
+            "raise adam_warmup_steps"
+        )
+    overall = torch.cat(seen).mean()
     frozen = {}
     for param, (root, eps, decay) in roots.items():
         unseen = root == 0
         if unseen.any():
-            typical = root[~unseen].mean() if not unseen.all() else overall
-            if typical is not None:
-                root = torch.where(unseen, typical, root)
+            root = torch.where(unseen, root[~unseen].mean() if not unseen.all() else overall, root)
         frozen[param] = (root.add_(eps), decay)
+    for param, eps, decay in unstepped:
+        frozen[param] = (overall + eps, decay)
     return frozen
 
 
@@ -447,6 +478,10 @@ def frozen_variance_step(optimizer: Any, scales: dict[torch.Tensor, FrozenScales
             if param.grad is None or param not in scales:
                 continue
             state, scale = optimizer.state[param], scales[param]
+            if "step" not in state:  # first stepped after the freeze: Adam's state begins, as Adam's own would
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["step"] += 1
             t = float(state["step"])
             if decoupled and decay != 0.0:

@@ -268,7 +268,7 @@ class CompressionSession:
         # the memory holds momentum-corrected velocity or plain residuals: read back in the other
         # terms, momentum would be lost or applied twice
         local["resume_settings"] = {"momentum_correction": self.settings.momentum_correction}
-        local["resume_settings"] |= self.hand_over.resume_settings()
+        local["resume_settings"] |= self.hand_over.resume_settings(self.hook_state.step)
         if self.settings.local_update:
             local["parameters"] = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
             local["optimizer_states"] = list(optimizer_states)

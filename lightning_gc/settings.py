@@ -71,7 +71,7 @@ class CompressionSettings:
         check_int("delay", self.delay, 0)
         if self.sync_warmup_steps is not None:
             check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
-        check_int("adam_warmup_steps", self.adam_warmup_steps, 0)
+        check_int("adam_warmup_steps", self.adam_warmup_steps, 1)  # Adam's second moment must exist to freeze
         check_choice("adam_weighting", self.adam_weighting, ADAM_WEIGHTINGS)
         check_choice("hierarchy", self.hierarchy, HIERARCHIES)
         if self.compress_when is not None and not callable(self.compress_when):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc import DGCStrategy
 from lightning_gc.checkpoint import CHECKPOINT_KEY
@@ -143,8 +144,10 @@ def test_exact_resume_across_the_freeze_and_the_checkpoint_loads_into_plain_adam
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"adam_warmup_steps": -1}, "`adam_warmup_steps` must be an integer >= 0, got -1"),
-        ({"adam_warmup_steps": 2.5}, "`adam_warmup_steps` must be an integer >= 0, got 2.5"),
+        ({"adam_warmup_steps": -1}, "`adam_warmup_steps` must be an integer >= 1, got -1"),
+        ({"adam_warmup_steps": 2.5}, "`adam_warmup_steps` must be an integer >= 1, got 2.5"),
+        # the freeze needs Adam's second moment: with no warm-up step there is none (it trained nothing)
+        ({"adam_warmup_steps": 0}, "`adam_warmup_steps` must be an integer >= 1, got 0"),
         ({"adam_weighting": "loss"}, "`adam_weighting` must be one of ['step', 'decrease', 'gradient'], got 'loss'"),
     ],
 )
@@ -223,3 +226,114 @@ def test_a_checkpoint_of_the_weighted_memory_resumes_only_with_its_weighting() -
     assert "adam_weighting='decrease'" in str(error.value) and "adam_weighting='step'" in str(error.value)
     session("decrease").resume(entry({"adam_weighting": "decrease"}), source="x.ckpt", rank=0, world_size=1)
     session("decrease").resume(entry({}), source="x.ckpt", rank=0, world_size=1)
+
+
+class _LateHead(torch.nn.Module):
+    """A body and a head used from the first step, and a second head first used at step ``late``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.late_head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3), torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, late: bool) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        return self.head(h) + (self.late_head(h) if late else 0)
+
+
+def _batch(step: int, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(size, 8, generator=generator), torch.randint(0, 3, (size,), generator=generator)
+
+
+def test_a_parameter_first_used_after_the_freeze_steps_over_the_mean_denominator(world_of_one) -> None:
+    """A module Adam never stepped in the warm-up is frozen with the mean ``sqrt(v_hat)`` of the
+    rest (it was never updated at all): its first step is Adam's first step, ``-lr g / (mean + eps)``,
+    and it gets Adam's state from then on (a checkpoint still loads into plain AdamW)."""
+    import lightning_gc
+
+    model = _LateHead()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    lr, warm, late = 1e-2, 3, 5
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    gc = lightning_gc.attach(ddp, optimizer, "dgc", compress_ratio=1.0, adam_warmup_steps=warm)
+    for step in range(late + 1):
+        if step == warm:  # the freeze: the mean over every element Adam's second moment holds
+            beta2 = optimizer.param_groups[0]["betas"][1]
+            roots = [optimizer.state[p]["exp_avg_sq"].sqrt() / (1 - beta2**warm) ** 0.5 for p in optimizer.state]
+            mean = torch.cat([r[r > 0] for r in roots]).mean()
+        x, y = _batch(step)
+        if step == late:  # its raw gradient, on copies that carry none of the hand-over's gradient hooks
+            copies = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+            loss = torch.nn.functional.cross_entropy(torch.func.functional_call(model, copies, (x, True)), y)
+            (grad,) = torch.autograd.grad(loss, copies["late_head.weight"])
+            before = model.late_head.weight.detach().clone()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x, step >= late), y).backward()
+        gc.step()
+    moved = model.late_head.weight.detach() - before
+    torch.testing.assert_close(moved, -lr * grad / (mean + 1e-8), rtol=1e-4, atol=1e-9)
+    state = optimizer.state[model.late_head.weight]
+    assert float(state["step"]) == 1 and not state["exp_avg_sq"].any() and state["exp_avg"].any()
+    gc.finish()
+
+
+def test_adams_l2_decay_enters_once_per_step_however_many_micro_batches(world_of_one) -> None:
+    """Adam's L2 term (``weight_decay`` of ``torch.optim.Adam``) enters the preconditioned gradient
+    once per optimizer step: two accumulated micro-batches (``no_sync``) train as one batch of
+    both does (it entered once per backward: 0.17 off at weight_decay=0.5)."""
+    import lightning_gc
+
+    def train(accumulate: bool) -> torch.Tensor:
+        model = _LateHead()
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.5)
+        gc = lightning_gc.attach(ddp, optimizer, "dgc", compress_ratio=1.0, adam_warmup_steps=2)
+        for step in range(8):
+            x, y = _batch(step)
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy
+            if accumulate:
+                with ddp.no_sync():
+                    (loss(ddp(x[:8], True), y[:8]) / 2).backward()
+                (loss(ddp(x[8:], True), y[8:]) / 2).backward()
+            else:
+                loss(ddp(x, True), y).backward()
+            gc.step()
+        gc.finish()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    one_batch = train(False)
+    assert _relative_difference(train(True), one_batch) < 1e-5
+
+
+def test_the_weighting_is_recorded_after_the_fit_released_its_hooks(world_of_one) -> None:
+    """A checkpoint written after ``finish()`` still holds the weighted memory: it names the
+    weighting, so a resume with another is refused."""
+    import lightning_gc
+
+    model = _LateHead()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gc = lightning_gc.attach(ddp, optimizer, "dgc", compress_ratio=0.1, adam_warmup_steps=2, adam_weighting="decrease")
+    for step in range(2):
+        x, y = _batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x, True), y).backward()
+        gc.step()
+    assert "adam_weighting" not in gc.state_dict()["ranks"][0]["resume_settings"]  # the memory is empty yet
+    for step in range(2, 4):
+        x, y = _batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x, True), y).backward()
+        gc.step()
+    gc.finish()
+    assert gc.state_dict()["ranks"][0]["resume_settings"]["adam_weighting"] == "decrease"
+
+
+def test_a_freeze_without_any_second_moment_is_refused_naming_the_setting() -> None:
+    from lightning_gc.handover import frozen_denominators
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(RuntimeError, match=r"Adam holds none yet.*raise adam_warmup_steps"):
+        frozen_denominators([torch.optim.AdamW(params)])
