@@ -23,6 +23,8 @@ triton), so such programs fail here:
 from __future__ import annotations
 
 import importlib
+import multiprocessing
+import os
 import pkgutil
 import re
 import subprocess
@@ -233,28 +235,43 @@ def compile_variant(variant: Variant, arch: int = 90) -> Compiled:
     return Compiled(variant, arch, int(registers[1]), int(spills[1]) + int(spills[2]))
 
 
-def report(archs: tuple[int, ...] = (80, 90)) -> dict[str, Any]:
+_TASKS: list[tuple[Variant, int, bool]] = []
+"""What :func:`report`'s forked workers compile, by index: variants hold JIT functions, which do
+not pickle, so the children read them from the memory they inherit."""
+
+
+def _compile_row(index: int) -> dict[str, Any]:
+    variant, arch, launched = _TASKS[index]
+    row: dict[str, Any] = {"variant": variant.name, "arch": arch, "launched": launched}
+    try:
+        compiled = compile_variant(variant, arch)
+        row |= {"registers": compiled.registers, "spill_bytes": compiled.spill_bytes}
+    except Exception as error:  # every failing variant is reported, not only the first
+        row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"
+    return row
+
+
+def report(archs: tuple[int, ...] = (80, 90), workers: int | None = None) -> dict[str, Any]:
     """Compile every launched variant and its all-ones corner for each of ``archs``: per variant,
-    registers and spilled bytes or the compiler's error; and which kernels the wrappers launch."""
+    registers and spilled bytes or the compiler's error; and which kernels the wrappers launch.
+    Compiles run in ``workers`` forked processes (default: one per core), in the same order."""
     launches = wrapper_launches()
     launched, corner = unique_variants(launches), unique_variants(launches, ones=True)
-    rows = []
-    for arch in archs:
-        for variant in {v.key(): v for v in launched + corner}.values():
-            row: dict[str, Any] = {"variant": variant.name, "arch": arch, "launched": variant in launched}
-            try:
-                compiled = compile_variant(variant, arch)
-                row |= {"registers": compiled.registers, "spill_bytes": compiled.spill_bytes}
-            except Exception as error:  # every failing variant is reported, not only the first
-                row["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"
-            rows.append(row)
+    variants = list({v.key(): v for v in launched + corner}.values())
+    _TASKS[:] = [(variant, arch, variant in launched) for arch in archs for variant in variants]
+    workers = min(len(_TASKS), workers or os.cpu_count() or 1)
+    if workers > 1:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            rows = pool.map(_compile_row, range(len(_TASKS)), chunksize=1)
+    else:
+        rows = [_compile_row(index) for index in range(len(_TASKS))]
+    _TASKS.clear()
     kernels = sorted(n for m in triton_modules() for n in vars(m) if n.startswith("_") and n.endswith("_kernel"))
     return {"rows": rows, "kernels": kernels, "launched_kernels": sorted({v.kernel.fn.__name__ for v in launched})}
 
 
 if __name__ == "__main__":
     import json
-    import os
 
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("python -m lightning_gc.kernels.aot compiles kernels: run it with TRITON_INTERPRET=0")
