@@ -87,9 +87,18 @@ class StepGuard:
         return self.policy == "skip" or loss_scaled
 
     def screen(
-        self, grad: torch.Tensor, layout: BucketLayout, bucket: BucketMemory, *, step: int, loss_scaled: bool
+        self,
+        grad: torch.Tensor,
+        layout: BucketLayout,
+        bucket: BucketMemory,
+        *,
+        step: int,
+        loss_scaled: bool,
+        summed_ranks: int = 1,
     ) -> None:
-        """Check the bucket's local gradient before it enters memory (see the module docstring)."""
+        """Check the bucket's local gradient before it enters memory (see the module docstring);
+        ``summed_ranks`` > 1: ``grad`` is the sum of that many ranks' (a node's, on this rank's
+        shard), so an error names the node, not this rank, as the source."""
         finite = all_finite(grad)
         if self.guarding(loss_scaled):
             if self._open_at is None:
@@ -102,8 +111,13 @@ class StepGuard:
             self._seen = bad if self._seen is None else self._seen | bad
         elif not bool(finite):
             names = [s.name for s in layout.segments if not bool(all_finite(s.of(grad)))]
+            where = (
+                f"in the sum over the {summed_ranks} ranks of rank {self.rank}'s node (its shard)"
+                if summed_ranks > 1
+                else f"on rank {self.rank}"
+            )
             raise FloatingPointError(
-                f"lightning_gc: non-finite gradient on rank {self.rank} in {names} (step {step}); "
+                f"lightning_gc: non-finite gradient {where} in {names} (step {step}); "
                 "nothing of it entered the compression memory. Pass nonfinite='skip' to skip such steps instead"
             )
 

@@ -54,6 +54,7 @@ from torch.futures import Future
 
 from lightning_gc import comm
 from lightning_gc.compressors.base import Compressor
+from lightning_gc.compressors.simple import NoCompressor
 from lightning_gc.exchange import CollectiveExchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.layout import BucketLayout, Segment, Shard, piece_bounds
@@ -189,6 +190,8 @@ class NodeHierarchy:
         self.node_group = node_groups[topology.node]
         self.cross_exchange = CollectiveExchange(cross_groups[topology.local])
         self._plans: dict[int, tuple[BucketLayout, _ShardPlan]] = {}
+        # one node: nothing crosses a slower link, so each shard's node sum goes exact (as warned)
+        self._exact = NoCompressor() if nodes == 1 else None
 
     def takes(self, compressor: Compressor) -> bool:
         """Whether a bucket with ``compressor`` goes through the two levels (every one does here);
@@ -255,6 +258,7 @@ class NodeHierarchy:
         instead: the cross-node exchange is left in flight, and the returned step's ``finish``
         completes the bucket, after which ``averaged`` resolves (see the module docstring)."""
         topology = self.topology
+        compressor = compressor if self._exact is None else self._exact
         plan = self.plan(layout, grad)
         memory.clip_local_(grad, layout, topology.world_size, loss_scale)
         for positions, row in zip(plan.positions, plan.rows):

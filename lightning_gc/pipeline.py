@@ -189,7 +189,7 @@ def run_bucket(
         future chained on the collective's, as DDP expects), or resolves the future returned."""
         timeline.start()
         if guard is not None:
-            guard.screen(grad, layout, bucket, step=step, loss_scaled=loss_scale is not None)
+            guard.screen(grad, layout, bucket, step=step, loss_scaled=loss_scale is not None, summed_ranks=summed_ranks)
             timeline.mark("screen")
         velocity = memory.compensate(
             bucket,

@@ -73,6 +73,20 @@ def test_two_levels_equal_ddp_where_the_maths_says_and_carry_half_the_bytes_acro
     assert pieces[0] != whole
 
 
+def test_one_node_averages_exactly_within_it_as_it_warns(tmp_path: Path) -> None:
+    """``hierarchy="node"`` on one node of two devices: nothing crosses a slower link, so the node
+    sum is the exact average, as the set-up warning says (DGC at 5 % equals DDP); it compressed
+    each shard among a group of one rank."""
+    runs = [
+        {"compressor": None, "optimizer": "sgd", "steps": 8},
+        {"compressor": "dgc", "optimizer": "sgd", "steps": 8, "kwargs": {"compress_ratio": 0.05, **NODE}},
+    ]
+    ranks = launch_ranks("attach_worker.py", {"runs": runs}, tmp_path, world_size=2, devices_per_node=2)
+    for ddp, node in ranks:
+        assert _relative_difference(node["params"], ddp["params"]) < 1e-5
+    assert torch.equal(ranks[0][1]["params"], ranks[1][1]["params"])
+
+
 def test_two_levels_resume_exactly_with_the_gathered_and_the_global_topk_exchange(tmp_path: Path) -> None:
     """Rebuilt after step 6 from a checkpoint's state, a two-level DGC run ends bit for bit where an
     uninterrupted one does (each rank's residual pieces and momenta restored), with the pairs

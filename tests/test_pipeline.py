@@ -157,9 +157,15 @@ def test_the_guard_stops_a_non_finite_gradient_before_memory_sees_it() -> None:
     grad[layout.segments[1].start] = float("nan")
     bucket = memory.bucket(layout, grad)
     guard = StepGuard("raise", memory, create("none"))
-    with pytest.raises(FloatingPointError, match=r"\['t1'\]"):
+    with pytest.raises(FloatingPointError, match=r"on rank 0 in \['t1'\]"):
         run_bucket(create("none"), memory, bucket, grad, layout, LocalExchange(1), step=0, world_size=1, guard=guard)
     assert torch.count_nonzero(bucket.velocity) == 0
+    # a node's sum (hierarchy="node"): the non-finite value may be any of its ranks', not this one's
+    with pytest.raises(FloatingPointError, match=r"in the sum over the 2 ranks of rank 0's node \(its shard\)"):
+        run_bucket(
+            create("none"), memory, bucket, grad, layout, LocalExchange(1), step=0, world_size=1, guard=guard,
+            summed_ranks=2,
+        )  # fmt: skip
 
 
 class _FailingAllToAll(LocalExchange):
