@@ -240,8 +240,9 @@ class _NodePairs:
         """``out <- (1/K) sum_k scatter(P_k)`` from :attr:`everyone`."""
         agreed_values, dense_values, agreed_positions = self._fields(self.everyone, out.dtype)
         out.zero_()
-        kernels.scatter_average_(out, agreed_positions.reshape(-1), agreed_values.reshape(-1), nodes)
-        kernels.scatter_average_(out, self.dense_targets, dense_values.reshape(-1), nodes)
+        rows = agreed_positions.shape[0]  # each row's positions are distinct; rows of other nodes meet
+        kernels.scatter_average_(out, agreed_positions.reshape(-1), agreed_values.reshape(-1), nodes, runs=rows)
+        kernels.scatter_average_(out, self.dense_targets, dense_values.reshape(-1), nodes, runs=rows)
 
 
 class SparseNodeHierarchy(NodeHierarchy):

@@ -309,6 +309,26 @@ def test_scatter_average_kernel_equals_reference(pairs: int, dtype: torch.dtype)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_gathered_runs_add_in_rank_order_on_every_device(backend: str) -> None:
+    """Four ranks' pairs meeting at the same elements, of magnitudes far apart (so the order of
+    the adds shows in the bits): the dispatched decode equals adding the runs one after another in
+    rank order, bit for bit. On a GPU the atomics of one scatter add three or more in any order,
+    and the ranks, each decoding the same payload, would end with different bits."""
+    runs, n, numel = 4, 512, 600
+    generator = torch.Generator().manual_seed(0)
+    indices = torch.stack([torch.randperm(numel, generator=generator)[:n] for _ in range(runs)]).reshape(-1)
+    magnitudes = 10.0 ** torch.randint(-4, 5, (runs * n,), generator=generator).float()
+    values = torch.randn(runs * n, generator=generator) * magnitudes
+    expected = torch.zeros(numel)
+    for run in range(runs):
+        expected.index_add_(0, indices[run * n : (run + 1) * n], values[run * n : (run + 1) * n], alpha=1 / runs)
+    out = torch.zeros(numel, device=DEVICE)
+    with kernels.use_backend(backend):
+        kernels.scatter_average_(out, indices.to(torch.int32).to(DEVICE), values.to(DEVICE), runs, runs=runs)
+    assert torch.equal(out.cpu(), expected)
+
+
 PACK_SIZES = [0, 1, 7, 8, 9, 1023, 2049]
 
 

@@ -266,6 +266,6 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
         plan: SparsePlan = encoded.context
         out.zero_()
         indices, values = self.wire.unpack(plan.gathered, world_size, plan.total_k, plan.layout.numel)
-        kernels.scatter_average_(out, indices, values, world_size)
+        kernels.scatter_average_(out, indices, values, world_size, runs=world_size)
         if plan.dense is not None:
             plan.dense.write_mean(out, world_size)

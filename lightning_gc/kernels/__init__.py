@@ -64,9 +64,30 @@ def commit_sparse_(
     _implementation(velocity, sparse).commit_sparse_(velocity, momentum_buf, indices, sent)
 
 
-def scatter_average_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, world_size: int) -> None:
-    """Scatter-add gathered pairs divided by the world size (see :func:`.sparse.scatter_average_`), dispatched."""
+def scatter_average_(
+    out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, world_size: int, runs: int = 1
+) -> None:
+    """Scatter-add gathered pairs divided by the world size (see :func:`.sparse.scatter_average_`), dispatched.
+
+    ``indices`` and ``values`` are ``runs`` equal runs (one per rank whose pairs were gathered),
+    each with distinct indices but for zero-valued padding. Every rank decodes the same payload and
+    must get the same bits, so pairs that meet at one element must add in one order everywhere. A
+    GPU's scatter-adds are atomic, in whatever order the threads arrive: from a zeroed ``out`` two
+    runs still commute, three or more do not, so there each run is added alone, one after the
+    other (its indices distinct: one add per element). On the CPU the adds run in order anyway.
+    """
+    if out.is_cuda and runs > 2:
+        scatter_average_runs_in_order_(out, indices, values, world_size, runs)
+        return
     _implementation(out, sparse).scatter_average_(out, indices, values, world_size)
+
+
+def scatter_average_runs_in_order_(
+    out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, world_size: int, runs: int
+) -> None:
+    """:func:`scatter_average_` one run at a time, in run order (deterministic on any device)."""
+    for run_indices, run_values in zip(indices.view(runs, -1), values.view(runs, -1)):
+        sparse.scatter_average_(out, run_indices, run_values, world_size)
 
 
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
