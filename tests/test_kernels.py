@@ -130,6 +130,38 @@ def _select(values: torch.Tensor, k: int, backend: str, salt: int = 5) -> tuple[
     return out_indices, out_values
 
 
+def _select_segments(values: torch.Tensor, k: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from lightning_gc.kernels.selection import SegmentedTopK
+
+    segments = SegmentedTopK(starts=(0,), numels=(values.numel(),), ks=(k,), firsts=(0,), salts=(0,))
+    out_indices = torch.empty(k, dtype=torch.int64, device=values.device)
+    out_values = torch.empty(k, dtype=values.dtype, device=values.device)
+    with kernels.use_backend(backend):
+        kernels.sampled_topk_segments_(values, segments, sample_ratio=0.01, step_salt=5, scratch=None,
+                                       out_indices=out_indices, out_values=out_values)  # fmt: skip
+    return out_indices, out_values
+
+
+@pytest.mark.parametrize("select", [_select, _select_segments], ids=["one tensor", "segments"])
+def test_a_full_candidate_buffer_keeps_the_largest_not_the_first(select) -> None:
+    """Too many candidates for the buffer: a sparse gradient's sampled threshold is 0, and half a
+    tensor tied at the threshold. The Triton selection kept the first candidates by position, so
+    zeros (or ties) at the front starved the largest values behind them (0 of 60 sent); now zeros
+    are never candidates and hits above the threshold go before ties, as the exact top-k has it."""
+    numel, k = 1 << 17, 132
+    sparse = torch.zeros(numel, device=DEVICE)
+    behind = torch.arange(numel - 60 * 397, numel, 397, device=DEVICE)[:60]  # all in the last 20 %
+    sparse[behind] = torch.linspace(1, 2, behind.numel(), device=DEVICE)
+    tied = torch.zeros(numel, device=DEVICE)
+    tied[: numel // 2] = 1.0
+    tied[-30:] = 2.0
+    for values, largest in ((sparse, behind), (tied, torch.arange(numel - 30, numel, device=DEVICE))):
+        for backend in ("torch", "triton"):
+            indices, sent = select(values, k, backend)
+            assert set(largest.tolist()) <= set(indices[sent != 0].tolist()), backend
+            assert torch.equal(sent, values[indices])  # genuine pairs (no-op pairs hold a zero)
+
+
 @pytest.mark.parametrize(("numel", "k"), [(5_000, 5), (100_003, 100), (300_001, 3_000), (262_144, 262)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sync_free_selection_equals_exact_selection(numel: int, k: int, dtype: torch.dtype) -> None:

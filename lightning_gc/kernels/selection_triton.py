@@ -1,9 +1,12 @@
 """Triton twin of :mod:`.selection`: top-k without a host sync.
 
 sample -> threshold -> count -> compact -> exact top-k: the jittered sample of :mod:`.selection`
-(same positions, same integers), its ``rank``-th largest magnitude as threshold, a per-block count
-of ``|x| >= thr`` and its exclusive prefix sum, then each block compacts its hits, in position
-order, into a candidate buffer of fixed capacity, over which ``torch.topk`` picks ``k``.
+(same positions, same integers), its ``rank``-th largest magnitude as threshold, per block a count
+of the hits above it (``|x| > thr``) and of the ties (``|x| == thr``) and their prefix sums, then
+each block compacts its hits, in position order, into a candidate buffer of fixed capacity, every
+hit above the threshold before any tie, over which ``torch.topk`` picks ``k``. Zeros are never
+candidates (a sparse gradient's sampled threshold is 0: its zeros would fill the buffer from the
+front and starve the non-zeros behind them), except in an exact selection (threshold -1).
 
 A bucket's segments are selected together (:func:`sampled_topk_segments_`): one launch of each
 kernel for all of them, so the host cost per bucket no longer grows with its number of tensors
@@ -68,23 +71,35 @@ def _sample_abs_kernel(values_ptr, out_ptr, key, stride, samples, BLOCK: tl.cons
 
 
 @triton.jit
-def _count_kernel(values_ptr, numel, threshold_ptr, counts_ptr, BLOCK: tl.constexpr):
+def _hits(magnitude, threshold, inside):
+    """(above the threshold, tied with it): never a zero, unless the selection is exact (``threshold < 0``)."""
+    candidate = inside & (magnitude > tl.minimum(threshold, 0.0))  # > 0, or > -1 (anything) when exact
+    return candidate & (magnitude > threshold), candidate & (magnitude == threshold)
+
+
+@triton.jit
+def _count_kernel(values_ptr, numel, threshold_ptr, counts_ptr, tie_counts_ptr, BLOCK: tl.constexpr):
     base, offsets, inside = program_block(numel, BLOCK)
     magnitude = tl.abs(tl.load(values_ptr + base + offsets, mask=inside, other=0.0).to(tl.float32))
-    hit = (magnitude >= tl.load(threshold_ptr)) & inside
-    tl.store(counts_ptr + tl.program_id(0), tl.sum(hit.to(tl.int32), axis=0))
+    above, tie = _hits(magnitude, tl.load(threshold_ptr), inside)
+    tl.store(counts_ptr + tl.program_id(0), tl.sum(above.to(tl.int32), axis=0))
+    tl.store(tie_counts_ptr + tl.program_id(0), tl.sum(tie.to(tl.int32), axis=0))
 
 
 @triton.jit
 def _compact_kernel(
-    values_ptr, numel, threshold_ptr, block_start_ptr, cand_index_ptr, cand_magnitude_ptr, capacity, BLOCK: tl.constexpr
-):
-    # Block b writes its hits, in position order, from slot block_start[b] on (exclusive prefix sum).
+    values_ptr, numel, threshold_ptr, block_start_ptr, tie_start_ptr, cand_index_ptr, cand_magnitude_ptr, capacity,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    # Block b writes its hits above the threshold, in position order, from slot block_start[b] on,
+    # and its ties from tie_start[b] on: after every block's hits above it (exclusive prefix sums).
     base, offsets, inside = program_block(numel, BLOCK)
     magnitude = tl.abs(tl.load(values_ptr + base + offsets, mask=inside, other=0.0).to(tl.float32))
-    hit = (magnitude >= tl.load(threshold_ptr)) & inside
-    slot = tl.load(block_start_ptr + tl.program_id(0)) + tl.cumsum(hit.to(tl.int32), axis=0) - 1
-    keep = hit & (slot < capacity)
+    above, tie = _hits(magnitude, tl.load(threshold_ptr), inside)
+    above_slot = tl.load(block_start_ptr + tl.program_id(0)) + tl.cumsum(above.to(tl.int64), axis=0) - 1
+    tie_slot = tl.load(tie_start_ptr + tl.program_id(0)) + tl.cumsum(tie.to(tl.int64), axis=0) - 1
+    slot = tl.where(above, above_slot, tie_slot)
+    keep = (above | tie) & (slot < capacity)
     tl.store(cand_index_ptr + slot, base + offsets, mask=keep)
     tl.store(cand_magnitude_ptr + slot, magnitude, mask=keep)
 
@@ -101,11 +116,12 @@ def sampled_topk_(
 ) -> None:
     """Sync-free :func:`lightning_gc.kernels.selection.sampled_topk_`.
 
-    Candidates ``|x| >= thr`` are compacted into a buffer of fixed capacity, then an exact top-k
-    runs over it. When fewer than ``k`` elements pass the threshold, the missing pairs are no-ops
-    (value 0); when more than the capacity pass, the first ones by position are kept. Both cases
-    only make a step send less than the exact top-k; nothing is lost, since memory keeps all that
-    was not sent. With the default 2x margin and 4x headroom both are rare.
+    Candidates ``|x| >= thr`` (non-zero) are compacted into a buffer of fixed capacity, those
+    above ``thr`` first, then an exact top-k runs over it. When fewer than ``k`` elements pass
+    the threshold, the missing pairs are no-ops (value 0); when more than the capacity pass, the
+    ties with ``thr`` that do not fit are dropped first, then the hits above it last by position.
+    Both cases only make a step send less than the exact top-k; nothing is lost, since memory keeps
+    all that was not sent. With the default 2x margin and 4x headroom both are rare.
     """
     numel = values.numel()
     device = values.device
@@ -122,8 +138,11 @@ def sampled_topk_(
 
     blocks = triton.cdiv(numel, BLOCK)
     counts = torch.empty(blocks, dtype=torch.int32, device=device)  # per block: at most BLOCK
-    launch(_count_kernel, (blocks,), values, numel, threshold, counts, BLOCK=BLOCK)
-    block_start = torch.cumsum(counts, 0, dtype=torch.int64) - counts  # int64: every element may pass
+    tie_counts = torch.empty(blocks, dtype=torch.int32, device=device)
+    launch(_count_kernel, (blocks,), values, numel, threshold, counts, tie_counts, BLOCK=BLOCK)
+    above_through = torch.cumsum(counts, 0, dtype=torch.int64)  # int64: every element may pass
+    block_start = above_through - counts
+    tie_start = above_through[-1] + torch.cumsum(tie_counts, 0, dtype=torch.int64) - tie_counts
     capacity = candidate_capacity(numel, k, plan)
     cand_index = torch.zeros(capacity, dtype=torch.int64, device=device)
     cand_magnitude = torch.full((capacity,), -1.0, dtype=torch.float32, device=device)
@@ -134,6 +153,7 @@ def sampled_topk_(
         numel,
         threshold,
         block_start,
+        tie_start,
         cand_index,
         cand_magnitude,
         capacity,
@@ -188,43 +208,57 @@ def _segment_sample_kernel(
 def _segment_block_hits(
     values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, block, BLOCK: tl.constexpr
 ):
-    """Block ``block``'s segment, positions, values and which of them reach the segment's threshold."""
+    """Block ``block``'s segment, positions, values and which of them pass the segment's threshold
+    (:func:`_hits`: above it, tied with it)."""
     segment = tl.load(block_segment_ptr + block)
     offsets = tl.load(block_first_ptr + block) + tl.arange(0, BLOCK)
     inside = offsets < tl.load(stop_ptr + segment)
     threshold = _segment_threshold(sorted_samples_ptr, tl.load(pick_ptr + segment))
     x = tl.load(values_ptr + offsets, mask=inside, other=0.0)
-    return segment, offsets, x, (tl.abs(x.to(tl.float32)) >= threshold) & inside
+    above, tie = _hits(tl.abs(x.to(tl.float32)), threshold, inside)
+    return segment, offsets, x, above, tie
 
 
 @triton.jit
 def _segment_count_kernel(
     values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, counts_ptr,
-    BLOCK: tl.constexpr,
+    tie_counts_ptr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
-    segment, offsets, x, hit = _segment_block_hits(
+    segment, offsets, x, above, tie = _segment_block_hits(
         values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, block, BLOCK
     )
-    tl.store(counts_ptr + block, tl.sum(hit.to(tl.int32), axis=0))
+    tl.store(counts_ptr + block, tl.sum(above.to(tl.int64), axis=0))
+    tl.store(tie_counts_ptr + block, tl.sum(tie.to(tl.int64), axis=0))
 
 
 @triton.jit
 def _segment_compact_kernel(
     values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, counts_ptr,
-    through_ptr, first_block_ptr, slots_first_ptr, slots_stop_ptr, cand_key_ptr, cand_index_ptr,
-    BLOCK: tl.constexpr,
+    through_ptr, tie_counts_ptr, tie_through_ptr, first_block_ptr, last_block_ptr, slots_first_ptr, slots_stop_ptr,
+    cand_key_ptr, cand_index_ptr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # Block b of segment s writes its hits, in position order, from slot slots_first[s] + (hits of
-    # s's blocks before b) on; ``through`` is the inclusive prefix sum of the counts.
+    # Block b of segment s writes its hits above the threshold, in position order, from slot
+    # slots_first[s] + (such hits of s's blocks before b) on, and its ties after all of s's hits
+    # above it; ``through`` and ``tie_through`` are the inclusive prefix sums of the counts.
     block = tl.program_id(0)
-    segment, offsets, x, hit = _segment_block_hits(
+    segment, offsets, x, above, tie = _segment_block_hits(
         values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, block, BLOCK
     )
-    first = tl.load(first_block_ptr + segment)
-    before_block = tl.load(through_ptr + block) - tl.load(counts_ptr + block)
-    before_segment = tl.load(through_ptr + first) - tl.load(counts_ptr + first)
-    slot = tl.load(slots_first_ptr + segment) + before_block - before_segment + tl.cumsum(hit.to(tl.int64), axis=0) - 1
+    first, last = tl.load(first_block_ptr + segment), tl.load(last_block_ptr + segment)
+    above_before_block = tl.load(through_ptr + block) - tl.load(counts_ptr + block)
+    above_before_segment = tl.load(through_ptr + first) - tl.load(counts_ptr + first)
+    above_in_segment = tl.load(through_ptr + last) - above_before_segment
+    ties_before_block = tl.load(tie_through_ptr + block) - tl.load(tie_counts_ptr + block)
+    ties_before_segment = tl.load(tie_through_ptr + first) - tl.load(tie_counts_ptr + first)
+    slots_first = tl.load(slots_first_ptr + segment)
+    above_slot = slots_first + above_before_block - above_before_segment + tl.cumsum(above.to(tl.int64), axis=0) - 1
+    tie_slot = (
+        slots_first + above_in_segment + ties_before_block - ties_before_segment + tl.cumsum(tie.to(tl.int64), axis=0)
+        - 1
+    )  # fmt: skip
+    slot = tl.where(above, above_slot, tie_slot)
+    hit = above | tie
     keep = hit & (slot < tl.load(slots_stop_ptr + segment))
     tl.store(cand_key_ptr + slot, _magnitude_key(x, segment), mask=keep)
     tl.store(cand_index_ptr + slot, offsets, mask=keep)
@@ -234,6 +268,7 @@ def _segment_compact_kernel(
 def _segment_kept_kernel(
     through_ptr, counts_ptr, first_block_ptr, last_block_ptr, capacity_ptr, kept_ptr, segments, BLOCK: tl.constexpr
 ):
+    # ``through`` and ``counts``: every hit's (above the threshold and tied), summed by the caller
     s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = s < segments
     first = tl.load(first_block_ptr + s, mask=inside, other=0)
@@ -389,18 +424,19 @@ def sampled_topk_segments_(
         sorted_samples = torch.sort(sorted_samples).values
     blocks = table.block_segment.numel()
     counts = torch.empty(blocks, dtype=torch.int64, device=device)
+    tie_counts = torch.empty(blocks, dtype=torch.int64, device=device)
     launch(_segment_count_kernel, (blocks,), values, table.block_segment, table.block_first, table.stop, table.pick,
-           sorted_samples, counts, BLOCK=BLOCK)  # fmt: skip
-    through = torch.cumsum(counts, 0)
+           sorted_samples, counts, tie_counts, BLOCK=BLOCK)  # fmt: skip
+    through, tie_through = torch.cumsum(counts, 0), torch.cumsum(tie_counts, 0)
     cand_key = torch.full((table.slots,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device)
     cand_index = torch.empty(table.slots, dtype=torch.int64, device=device)
     launch(_segment_compact_kernel, (blocks,), values, table.block_segment, table.block_first, table.stop,
-           table.pick, sorted_samples, counts, through, table.first_block, table.slots_first, table.slots_stop,
-           cand_key, cand_index, BLOCK=BLOCK)  # fmt: skip
+           table.pick, sorted_samples, counts, through, tie_counts, tie_through, table.first_block, table.last_block,
+           table.slots_first, table.slots_stop, cand_key, cand_index, BLOCK=BLOCK)  # fmt: skip
     segment_count = table.start.numel()
     kept = torch.empty(segment_count, dtype=torch.int64, device=device)
-    launch(_segment_kept_kernel, (triton.cdiv(segment_count, BLOCK),), through, counts, table.first_block,
-           table.last_block, table.capacity, kept, segment_count, BLOCK=BLOCK)  # fmt: skip
+    launch(_segment_kept_kernel, (triton.cdiv(segment_count, BLOCK),), through + tie_through, counts + tie_counts,
+           table.first_block, table.last_block, table.capacity, kept, segment_count, BLOCK=BLOCK)  # fmt: skip
     kept_through = torch.cumsum(kept, 0)
     order = torch.sort(cand_key).indices
     launch(_segment_emit_kernel, (triton.cdiv(segments.total_k, BLOCK),), values, table.output_segment, table.first,
