@@ -64,6 +64,7 @@ from lightning_gc import comm, kernels
 from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlannedCompressor, mean_into
 from lightning_gc.compressors.global_topk import GlobalTopKPlan
 from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan
+from lightning_gc.compressors.wire import check_int32_positions
 from lightning_gc.exchange import CollectiveExchange
 from lightning_gc.guard import StepGuard
 from lightning_gc.hierarchy import NodeHierarchy, NodeTopology, delayed_finisher
@@ -275,6 +276,7 @@ class SparseNodeHierarchy(NodeHierarchy):
     def _node_pairs(self, layout: BucketLayout, node: NodeMean, like: torch.Tensor) -> _NodePairs:
         pairs = self._pairs.get(layout.index)
         if pairs is None or not pairs.fits(node, like):
+            check_int32_positions(layout.numel)  # the rows carry int32 positions, whatever the encoding
             pairs = self._pairs[layout.index] = _NodePairs.build(node, self.topology, like)
         return pairs
 

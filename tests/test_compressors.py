@@ -508,3 +508,20 @@ def test_a_plan_is_reused_until_its_layout_object_changes() -> None:
     assert compressor.plan(EncodeContext(layout, step=9, world_size=2, rank=1), velocity) is plan
     rebuilt = replace(layout)
     assert rebuilt == layout and compressor.plan(EncodeContext(rebuilt, step=0, world_size=2), velocity) is not plan
+
+
+def test_random_k_rescaled_into_float16_saturates_instead_of_overflowing() -> None:
+    """``rescale=True`` multiplies a sent value by its block size (1000 at ratio 0.001): in a
+    float16 bucket 70 x 1000 was ``inf`` in the decoded gradient and in what memory is told left;
+    both now saturate at float16's largest finite value, as the narrow wire formats do."""
+    from lightning_gc.calibration import layout_of_shapes
+
+    layout = layout_of_shapes([(64, 1024)])
+    compressor = create("randomk", compress_ratio=0.001, rescale=True)
+    velocity = torch.full((layout.numel,), 70.0, dtype=torch.float16)
+    out = torch.empty_like(velocity)
+    encoded = compressor.encode(velocity, out, EncodeContext(layout, 0, 2, 0))
+    encoded.summed.mul_(2)  # the all-reduce over 2 ranks holding the same velocity
+    compressor.decode(encoded, out, world_size=2)
+    assert torch.isfinite(out).all() and torch.isfinite(encoded.sent_values).all()
+    assert out.max() == torch.finfo(torch.float16).max

@@ -101,6 +101,16 @@ def test_auto_dispatch_follows_the_device(monkeypatch: pytest.MonkeyPatch) -> No
     assert kernels.backend_for(torch.zeros(1, device=DEVICE)) == "triton"
 
 
+def test_float64_runs_on_torch_whatever_is_asked() -> None:
+    """The Triton kernels compute in float32: float64 values would be rounded (an average off in its
+    8th digit) and its range overflow (every magnitude past 3.4e38 ties as inf)."""
+    for backend in ("auto", "triton"):
+        with kernels.use_backend(backend):
+            assert kernels.backend_for(torch.zeros(1, dtype=torch.float64, device=DEVICE)) == "torch"
+    with kernels.use_backend("triton"):
+        assert kernels.backend_for(torch.zeros(1, device=DEVICE)) == "triton"  # float32 still does
+
+
 def test_bad_backend_names_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"one of \['auto', 'torch', 'triton'\], got 'cuda'"):
         with kernels.use_backend("cuda"):

@@ -531,3 +531,14 @@ def test_a_dense_block_moves_large_tensors_by_copy_and_small_ones_by_one_gather(
     expected_total = torch.ones(numel)
     expected_total[positions] += expected_wire.float()
     assert torch.equal(total, expected_total)
+
+
+def test_int32_positions_past_a_bucket_of_two_to_the_31_are_refused_naming_the_way_out() -> None:
+    """A bucket (or one tensor) of more than 2^31 elements: int32 positions would wrap to negative
+    ones (an out-of-bounds write on a GPU); the plan refuses it, naming Elias--Fano, which codes
+    any position."""
+    wire = create("dgc", compress_ratio=0.001).wire
+    assert wire.payload_bytes(10, 2**31) > 0  # positions up to 2^31 - 1 fit
+    with pytest.raises(ValueError, match=r"2147483649 elements .* index_encoding='elias_fano'"):
+        wire.payload_bytes(10, 2**31 + 1)
+    create("dgc", compress_ratio=0.001, index_encoding="elias_fano").wire.payload_bytes(10, 2**31 + 1)

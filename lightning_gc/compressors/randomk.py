@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.base import (
+    AdjustableRatio,
+    EncodeContext,
+    Encoded,
+    PlannedCompressor,
+    saturating_copy_,
+    split_segments,
+)
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.rng import counter_uniform
 from lightning_gc.layout import BucketLayout, Segment, segment_positions
@@ -110,8 +117,8 @@ class RandomKCompressor(AdjustableRatio, PlannedCompressor[_RandomKPlan]):
         dense_count = plan.dense_positions.numel()
         torch.index_select(velocity, 0, plan.dense_positions, out=plan.summed[:dense_count])
         torch.index_select(velocity, 0, plan.indices, out=plan.summed[dense_count:])
-        if self.rescale:  # in float64, then rounded once into the bucket's dtype
-            plan.sent.copy_(plan.summed[dense_count:].double() * plan.block_sizes)
+        if self.rescale:  # in float64, then rounded once into the bucket's dtype, finite (fp16 ends at 65504)
+            saturating_copy_(plan.sent, plan.summed[dense_count:].double() * plan.block_sizes)
         else:
             plan.sent.copy_(plan.summed[dense_count:])
         return Encoded(
@@ -131,5 +138,7 @@ class RandomKCompressor(AdjustableRatio, PlannedCompressor[_RandomKPlan]):
         out.zero_()
         out.index_copy_(0, plan.dense_positions, mean[:dense_count])
         sampled = mean[dense_count:]
-        rescaled = (sampled.double() * plan.block_sizes).to(out.dtype) if self.rescale else sampled
+        rescaled = sampled
+        if self.rescale:
+            rescaled = saturating_copy_(torch.empty_like(sampled, dtype=out.dtype), sampled.double() * plan.block_sizes)
         out.index_copy_(0, plan.indices, rescaled)

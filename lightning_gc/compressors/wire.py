@@ -82,12 +82,24 @@ class SparseWireFormat(ABC):
         return values if values.dtype == self.value_dtype else wire_values.to(values.dtype)
 
 
+def check_int32_positions(universe: int) -> None:
+    """Raise ``ValueError`` for a bucket of more elements than int32 positions address (they would
+    wrap to negative ones: an out-of-bounds write on a GPU)."""
+    if universe > torch.iinfo(INDEX_DTYPE).max + 1:
+        raise ValueError(
+            f"a bucket of {universe} elements has positions past int32's {torch.iinfo(INDEX_DTYPE).max}; "
+            "use index_encoding='elias_fano' or a smaller bucket_cap_mb (a tensor this large alone needs "
+            "index_encoding='elias_fano')"
+        )
+
+
 class Int32Indices(SparseWireFormat):
     """``n`` int32 indices, then ``n`` values, padded to 4 bytes; pairs keep the caller's order."""
 
     name = "int32"
 
     def payload_bytes(self, n: int, universe: int) -> int:
+        check_int32_positions(universe)
         return aligned(n * (_INDEX_BYTES + self.value_bytes))
 
     def pack(self, payload: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, universe: int) -> torch.Tensor:

@@ -45,9 +45,11 @@ def requested_backend() -> str:
 
 
 def backend_for(tensor: torch.Tensor) -> str:
-    """``"triton"`` or ``"torch"``: the implementation that runs an op on ``tensor``."""
+    """``"triton"`` or ``"torch"``: the implementation that runs an op on ``tensor``. Float64 runs
+    on torch whatever is asked: the Triton kernels compute in float32, which would round its
+    values and overflow its range."""
     requested = requested_backend()
-    if requested == "torch":
+    if requested == "torch" or tensor.dtype == torch.float64:
         return "torch"
     if requested == "triton":
         if not triton_available():
