@@ -36,6 +36,7 @@ from lightning_gc import GradientCompressionStrategy
 from lightning_gc.checkpoint import IncompatibleCheckpoint
 from recipes.common import DownloadFailed
 from recipes.results import RESULT_FILE, RunRecorder, summary_line, write_result
+from recipes.trainer_args import trainer_argument_errors
 
 
 class UsageError(ValueError):
@@ -254,6 +255,11 @@ def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any
 
 def run(cfg: DictConfig, run_dir: Path, *, multirun: bool, overrides: list[str]) -> list[dict[str, Any]]:
     """Fit the configured run (and its dense twin with ``compare_dense``); return rank 0's results."""
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:
+        raise UsageError(f"`seed` must be an integer in [0, 2**32), got {cfg.seed!r}")
+    errors = trainer_argument_errors(OmegaConf.to_container(cfg.trainer, resolve=True))  # type: ignore[arg-type]
+    if errors:
+        raise UsageError("; ".join(errors))
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is not None:
         if not Path(ckpt_path).is_file():

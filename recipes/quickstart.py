@@ -112,8 +112,8 @@ class DigitsClassifier(L.LightningModule):
     ) -> None:
         super().__init__()
         check_choice("model.optimizer", optimizer, ("sgd", "adam", "adamw"))
-        for width in hidden:
-            check_int("model.hidden[]", width, 1)
+        for position, width in enumerate(hidden):
+            check_int(f"model.hidden[{position}]", width, 1)
         check_range("model.lr", lr, 0.0, None, low_inclusive=False)
         check_range("model.momentum", momentum, 0.0, 1.0, high_inclusive=False)
         check_bool("model.nesterov", nesterov)

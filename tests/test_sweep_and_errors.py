@@ -120,6 +120,30 @@ def _compose(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
+def test_trainer_values_of_the_wrong_type_fail_before_anything_starts(tmp_path: Path) -> None:
+    """Lightning takes ``max_epochs="abc"`` or ``logger="maybe"`` when it builds the Trainer and fails
+    once every process trains (a traceback from each); ``run`` refuses them first, naming each
+    option, what it takes and the value, as it does a bad ``seed``."""
+    from recipes.app import UsageError, run
+    from recipes.trainer_args import trainer_argument_errors
+
+    assert trainer_argument_errors({"max_epochs": 3, "devices": "auto", "precision": "16-mixed", "logger": False}) == []
+    assert trainer_argument_errors({"precision": 32, "deterministic": "warn", "limit_val_batches": 0.5}) == []
+    cases = {
+        "trainer.max_epochs=abc": "`trainer.max_epochs` must be an integer or null, got 'abc'",
+        "trainer.logger=maybe": (
+            "`trainer.logger` must be a Logger or an iterable or true or false or null, got 'maybe'"
+        ),
+        "+trainer.accumulate_grad_batches=0": "`trainer.accumulate_grad_batches` must be an integer >= 1, got 0",
+        "trainer.max_steps=1.5": "`trainer.max_steps` must be an integer, got 1.5",
+        "seed=abc": "`seed` must be an integer in [0, 2**32), got 'abc'",
+    }
+    for override, message in cases.items():
+        with pytest.raises(UsageError) as error:
+            run(_compose(override), tmp_path, multirun=False, overrides=[override])
+        assert str(error.value) == message
+
+
 def test_unknown_compressor_names_the_choices() -> None:
     cfg = _compose("strategy=topk", "strategy.compressor=bogus")
     with pytest.raises(ValueError, match=r"`strategy.compressor` must be one of \['bf16', 'dgc'.*got 'bogus'"):
@@ -209,7 +233,7 @@ BAD_OVERRIDES = [
     (["data.batch_size=0"], "data", "`data.batch_size` must be an integer >= 1, got 0"),  # the quickstart
     (["model.lr=-1"], "model", "`model.lr` must be in (0, inf], got -1"),
     (["model.momentum=1.5"], "model", "`model.momentum` must be in [0, 1), got 1.5"),
-    (["model.hidden=[64,0]"], "model", "`model.hidden[]` must be an integer >= 1, got 0"),
+    (["model.hidden=[64,0]"], "model", "`model.hidden[1]` must be an integer >= 1, got 0"),
 ]
 
 
