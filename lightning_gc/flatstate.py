@@ -73,9 +73,7 @@ class FlatState:
             state.setdefault(name, {k: t.clone() for k, t in pending.items()})
         return state
 
-    def snapshot(
-        self, previous: dict[str, dict[str, torch.Tensor]] | None = None
-    ) -> dict[str, dict[str, torch.Tensor]]:
+    def snapshot(self, previous: ByName | None = None) -> ByName:
         """Every parameter's state as copies on its own device (``previous``'s buffers reused where
         shape, dtype and device match), for :meth:`restore`; state loaded and not yet bound is
         taken as it is (nothing writes it until it is bound, and binding copies it)."""
@@ -83,7 +81,7 @@ class FlatState:
         taken = {}
         for name, views in self._views.items():
             kept = previous.get(name, {})
-            taken[name] = {kind: _copy_into(kept.get(kind), view) for kind, view in views.items()}
+            taken[name] = {kind: copy_into(kept.get(kind), view) for kind, view in views.items()}
         for name, pending in self._pending.items():
             taken.setdefault(name, dict(pending))
         return taken
@@ -110,7 +108,7 @@ class FlatState:
         self._pending = {name: dict(entry) for name, entry in state.items()}
 
 
-def _copy_into(buffer: torch.Tensor | None, source: torch.Tensor) -> torch.Tensor:
+def copy_into(buffer: torch.Tensor | None, source: torch.Tensor) -> torch.Tensor:
     """``source`` copied into ``buffer`` where it fits, else into a new tensor like ``source``."""
     if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype or buffer.device != source.device:
         buffer = torch.empty_like(source)

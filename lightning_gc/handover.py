@@ -112,6 +112,10 @@ class HandOver(ABC):
         memory's meaning depends on them), by their setting names; empty when any will do."""
         return {}
 
+    def step_ended(self) -> None:
+        """After every optimizer step, taken or skipped (nothing by default)."""
+        return None
+
 
 class MomentumHandOver(HandOver):
     """SGD momentum applied by ``memory`` instead of the optimizers (a no-op without momentum correction).
@@ -367,17 +371,16 @@ class AdamHandOver(HandOver):
         the fit's end released the hooks): resume with the same weighting."""
         return {"adam_weighting": self.weighting} if step > self.warmup_steps else {}
 
-    @contextmanager
-    def stepping(self, optimizers: Sequence[Any]) -> Iterator[None]:
+    def stepping(self, optimizers: Sequence[Any]) -> AbstractContextManager[Any]:
         """Around an optimizer step of the compressed phase: the optimizer's ``step`` is the
         frozen-variance step of the module docstring (the user's precision plugin and grad
-        scaler still call it as they would Adam's own). After it (taken or skipped) the next
-        step's gradients take Adam's L2 term again."""
-        try:
-            with _frozen_variance_steps(optimizers, self.scales) if self.active else nullcontext():
-                yield
-        finally:
-            self._decayed.clear()
+        scaler still call it as they would Adam's own)."""
+        return _frozen_variance_steps(optimizers, self.scales) if self.active else nullcontext()
+
+    def step_ended(self) -> None:
+        """The next step's gradients take Adam's L2 term again (also after a skipped step, whose
+        optimizer step never ran)."""
+        self._decayed.clear()
 
 
 def frozen_denominators(

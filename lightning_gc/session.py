@@ -201,6 +201,7 @@ class CompressionSession:
         """The step's ``gc/*`` metrics (``None`` when nothing was exchanged), added to ``totals``."""
         if self.hook_state is None:
             return None
+        self.hand_over.step_ended()
         metrics = self.hook_state.stats.pop_metrics()
         if metrics is not None:
             self.totals["steps"] += 1

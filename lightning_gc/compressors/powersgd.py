@@ -39,6 +39,7 @@ from lightning_gc.compressors.base import (
     encode_whole_bucket,
 )
 from lightning_gc.compressors.registry import register
+from lightning_gc.flatstate import copy_into
 from lightning_gc.layout import BucketLayout, Segment
 from lightning_gc.validation import check_bool, check_int, check_range
 
@@ -246,13 +247,7 @@ class PowerSGDCompressor(PlannedCompressor[_PowerPlan]):
     def snapshot(self, previous: Any = None) -> Any:
         """The factors ``Q`` copied on their device, into ``previous``'s buffers where they fit."""
         kept = previous if isinstance(previous, dict) else {}
-        taken = {}
-        for name, q in self._q.items():
-            copy = kept.get(name)
-            if copy is None or copy.shape != q.shape or copy.dtype != q.dtype or copy.device != q.device:
-                copy = torch.empty_like(q)
-            taken[name] = copy.copy_(q)
-        return taken
+        return {name: copy_into(kept.get(name), q) for name, q in self._q.items()}
 
     def restore(self, snapshot: Any) -> None:
         """``Q`` as :meth:`snapshot` took it, in place; one first drawn since is dropped (drawn again
@@ -260,8 +255,4 @@ class PowerSGDCompressor(PlannedCompressor[_PowerPlan]):
         for name in [name for name in self._q if name not in snapshot]:
             del self._q[name]
         for name, copy in snapshot.items():
-            q = self._q.get(name)
-            if q is not None and q.shape == copy.shape and q.dtype == copy.dtype and q.device == copy.device:
-                q.copy_(copy)
-            else:
-                self._q[name] = copy.clone()
+            self._q[name] = copy_into(self._q.get(name), copy)
