@@ -9,6 +9,7 @@ only the torch twins run: Triton needs a GPU (its CPU interpreter is for correct
 
 Ops (fp32 gradient, DGC ratio 0.1 %):
   compensate     fused momentum correction: reads g, u, v; writes u, v           (20 B/element)
+  compensate_nesterov  the same with Nesterov momentum                            (20 B/element)
   dgc_step       compensate + sampled top-k selection + masking of the k sent    (28 B/element)
   exact_topk     compensate + exact torch.topk + masking (what DGC replaces)     (not a limit row)
   pack_signs     1 bit per element                                               (4.125 B/element)
@@ -40,7 +41,7 @@ def _triton_selection() -> ModuleType:  # imported only where Triton runs (a CUD
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 RATIO = 0.001
-BYTES_PER_ELEMENT = {"compensate": 20.0, "dgc_step": 28.0, "pack_signs": 4.125, "quantize_4bit": 8.5}
+BYTES_PER_ELEMENT = {"compensate": 20.0, "compensate_nesterov": 20.0, "dgc_step": 28.0, "pack_signs": 4.125, "quantize_4bit": 8.5}
 
 
 def _sync(device: torch.device) -> None:
@@ -113,6 +114,7 @@ def make_ops(numel: int, device: torch.device) -> dict[str, Callable[[], object]
 
     return {
         "compensate": compensate,
+        "compensate_nesterov": lambda: kernels.compensate_(g, v, u, momentum=0.9, nesterov=True),
         "dgc_step": dgc_step,
         "exact_topk": exact_topk,
         "pack_signs": lambda: kernels.pack_signs(g),
@@ -155,7 +157,7 @@ def main() -> None:
             rows.append((numel, op, medians, limit))
             cells = "  ".join(f"{b} {m * 1e3:9.2f} ms" for b, m in medians.items())
             vs_limit = "  ".join(f"{b}/limit {m / limit:5.2f}" for b, m in medians.items()) if limit else ""
-            print(f"{numel:>11,}  {op:13s} {cells}  {vs_limit}")
+            print(f"{numel:>11,}  {op:19s} {cells}  {vs_limit}")
         timed = {op: medians for n, op, medians, _ in rows if n == numel}
         for b in backends:
             print(f"{numel:>11,}  exact_topk / dgc_step ({b}) = {timed['exact_topk'][b] / timed['dgc_step'][b]:.1f}x")
