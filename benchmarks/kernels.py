@@ -41,7 +41,13 @@ def _triton_selection() -> ModuleType:  # imported only where Triton runs (a CUD
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 RATIO = 0.001
-BYTES_PER_ELEMENT = {"compensate": 20.0, "compensate_nesterov": 20.0, "dgc_step": 28.0, "pack_signs": 4.125, "quantize_4bit": 8.5}
+BYTES_PER_ELEMENT = {
+    "compensate": 20.0,
+    "compensate_nesterov": 20.0,
+    "dgc_step": 28.0,
+    "pack_signs": 4.125,
+    "quantize_4bit": 8.5,
+}
 
 
 def _sync(device: torch.device) -> None:
