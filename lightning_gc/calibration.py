@@ -105,7 +105,7 @@ def parse_arguments(items: Sequence[str]) -> dict[str, dict[str, Any]]:
         per_name[name] = {k: v for k, v in parsed.items() if k in accepted}
     unused = sorted(set(parsed) - {k for args in per_name.values() for k in args})
     if unused:
-        raise ValueError(f"no registered compressor takes argument(s) {unused}")
+        raise ValueError(f"`--arg` names {unused}, which no registered compressor takes")
     return per_name
 
 

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_gc.layout import bucket_order
+from lightning_gc.layout import Segment, bucket_order
 from lightning_gc.memory import CompensationMemory
 from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_groups, sgd_momentum_specs, unwrap_optimizer
 from lightning_gc.staleness import staleness_warning
@@ -114,6 +114,13 @@ class HandOver(ABC):
 
     def step_ended(self) -> None:
         """After every optimizer step, taken or skipped (nothing by default)."""
+        return None
+
+    def owed_gradient_terms(self, grad: torch.Tensor, unused_here: Sequence[tuple[Segment, torch.Tensor]]) -> None:
+        """Add to ``grad`` (a bucket's flat local gradient) the terms this hand-over's gradient hooks
+        add to a local gradient, for ``unused_here``: (segment, parameter) pairs that got no gradient
+        on this rank in this step (DDP put a zero in their slot) but one on some other rank, so
+        the optimizer steps them (nothing by default)."""
         return None
 
 
@@ -270,6 +277,7 @@ class AdamHandOver(HandOver):
         self._hooks: list[Any] = []
         self._loss_scale = 1.0
         self._decayed: set[int] = set()  # ids of parameters whose L2 term entered this step's gradient
+        self._decays: dict[int, float] = {}  # id(param) -> Adam's L2 weight decay, once frozen (if not 0)
 
     def check(self, optimizers: Sequence[Any], *, local_update: bool, delay: int = 0) -> None:
         inner = [unwrap_optimizer(o) for o in optimizers]
@@ -346,18 +354,35 @@ class AdamHandOver(HandOver):
         power = ADAM_WEIGHTINGS[self.weighting]
         for param, (denominator, decay) in frozen_denominators(optimizers, self.compressed_steps).items():
             self.scales[param] = scales = FrozenScales.split(denominator, power)
+            if decay != 0.0:
+                self._decays[id(param)] = decay
             self._hooks.append(param.register_hook(self._preconditioner(param, scales.into, decay)))
+
+    def _l2_term(self, param: torch.Tensor, decay: float) -> torch.Tensor:
+        """Adam's L2 term of ``param``, scaled like the gradient under a grad scaler."""
+        return (decay * self._loss_scale) * param.detach()
 
     def _preconditioner(self, param: torch.Tensor, into: torch.Tensor | None, decay: float) -> Any:
         def precondition(grad: torch.Tensor) -> torch.Tensor:
-            # Adam's L2 term, scaled like the gradient under a grad scaler: once per optimizer step,
-            # not once per backward (accumulated micro-batches each run this hook)
+            # once per optimizer step, not once per backward (accumulated micro-batches each run this hook)
             if decay != 0.0 and id(param) not in self._decayed:
                 self._decayed.add(id(param))
-                grad = grad + (decay * self._loss_scale) * param.detach()
+                grad = grad + self._l2_term(param, decay)
             return FrozenScales.divide(grad, into)
 
         return precondition
+
+    def owed_gradient_terms(self, grad: torch.Tensor, unused_here: Sequence[tuple[Segment, torch.Tensor]]) -> None:
+        """Adam's preconditioned L2 term ``wd p / d^(1-a)`` of each unused parameter: torch's Adam adds
+        ``wd p`` to the averaged gradient of every parameter it steps, so under DDP each rank's
+        share of it is in the average, also from a rank where the parameter went unused."""
+        for segment, param in unused_here:
+            decay = self._decays.get(id(param))
+            if decay is None or id(param) in self._decayed or param not in self.scales:
+                continue
+            self._decayed.add(id(param))
+            term = FrozenScales.divide(self._l2_term(param, decay), self.scales[param].into)
+            segment.of(grad).add_(bucket_order(term, param))
 
     def release(self) -> None:
         """Remove the gradient hooks (at the end of a fit, or before a new hand-over)."""
@@ -365,6 +390,7 @@ class AdamHandOver(HandOver):
             handle.remove()
         self._hooks.clear()
         self.scales.clear()
+        self._decays.clear()
 
     def resume_settings(self, step: int) -> dict[str, Any]:
         """Once a step past the freeze ran, the memory holds elements weighted by ``d^a`` (also after

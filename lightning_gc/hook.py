@@ -12,6 +12,7 @@ across a checkpoint resume (which starts again with DDP's initial bucketing).
 """
 
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -110,6 +111,8 @@ class CompressionHookState:
         self.compressor = compressor
         self.find_unused_parameters = find_unused_parameters
         self.usage: GradientUsage | None = None  # set by whoever knows the model (the session)
+        # the hand-over's terms owed by a rank where a parameter went unused (the session sets it)
+        self.owed_gradient_terms: Callable[[torch.Tensor, Sequence[tuple[Segment, torch.Tensor]]], None] | None = None
         self.min_wire_ratio = min_wire_ratio
         self.pays = pays
         self.grad_scale: float | None = None
@@ -333,6 +336,15 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
         return exact_average(state, bucket)
     layout = state.layout_for(bucket)
     absent = state.unused_everywhere(layout, used_here, grad.device)
+    if state.owed_gradient_terms is not None and not all(used_here):
+        nowhere = {segment.name for segment in absent}
+        unused_here = [
+            (segment, param)
+            for segment, param, used in zip(layout.segments, params, used_here)
+            if not used and segment.name not in nowhere
+        ]
+        if unused_here:
+            state.owed_gradient_terms(grad, unused_here)
     step = state.step
     delayed = None
     out = own = None

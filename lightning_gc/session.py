@@ -104,6 +104,7 @@ class CompressionSession:
             sync_warmup_steps=settings.sync_warmup_steps or 0,  # None: a SparsityWarmup may lengthen it
             hierarchy=None if topology is None else two_level_exchange(settings.hierarchy, topology),
         )
+        self.hook_state.owed_gradient_terms = self.hand_over.owed_gradient_terms
         self.release_usage()  # a model attached again (a second fit) is watched once
         if self.hook_state.find_unused_parameters:  # else DDP refuses unused parameters: no hook per backward
             self.hook_state.usage = GradientUsage(ddp.module.parameters())
@@ -164,6 +165,7 @@ class CompressionSession:
         self.hand_over.check(optimizers, local_update=self.settings.local_update, delay=self.settings.delay)
         if self.hook_state is not None:
             self.hook_state.exact_steps = self.hand_over.exact_steps()
+            self.hook_state.owed_gradient_terms = self.hand_over.owed_gradient_terms
             self.hand_over.refresh(optimizers, self.hook_state.names, step=self.hook_state.step, announce=True)
         if self._nesterov_times_m:  # the momenta are known now: the optimizer's groups named them
             self.memory.divide_nesterov_momentum()

@@ -227,8 +227,10 @@ def test_cli_in_a_subprocess_rejects_nonsense_and_predicts():
         (["--cost", "gzip=5,1"], "`--cost compressor` must be one of ['bf16', 'dgc'"),
         (["--cost", "dgc=5,-1"], "`--cost dgc` must be in [0, inf], got -1.0"),
         (["--compressor", "dgc", "--cost", "topk=1,1"], "`--cost` names ['topk'], which `--compressor dgc` does not"),
-        (["--compressor", "dgc", "--arg", "compress_ratio=2"], "`compress_ratio` must be in (0, 1], got 2"),
-        (["--compressor", "dgc", "--arg", "sample_ratio=abc"], "`sample_ratio` must be a finite number in (0, 1]"),
+        (["--compressor", "dgc", "--arg", "compress_ratio=2"], "`--arg` for dgc: `compress_ratio` must be in (0, 1]"),
+        (["--compressor", "dgc", "--arg", "sample_ratio=abc"], "`--arg` for dgc: `sample_ratio` must be a finite"),
+        (["--arg", "dgc=compress_ratio=2"], "`--arg` names ['dgc'], which no registered compressor takes"),
+        (["--arg", "compress_ratio"], "`--arg` must look like NAME=VALUE, got 'compress_ratio'"),
     ],
 )
 def test_cli_rejects_nonsense(args, message, capsys):
