@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 import lightning_gc  # noqa: F401  (registers the strategy names)
 from lightning_gc.teardown import shut_down_process_group_at_exit
 from recipes.app import UsageError, quiet_foreign_noise, run
+from recipes.results import discard_unused_run_dir
 
 quiet_foreign_noise()  # module level: Lightning's launcher re-runs this file in the other ranks
 
@@ -37,6 +38,7 @@ def main(cfg: DictConfig) -> None:
         )
         shut_down_process_group_at_exit()  # dense runs too: Lightning leaves gloo's group to finalization
     except UsageError as error:  # the user's mistake: one line, no traceback
+        discard_unused_run_dir(Path(hydra_cfg.runtime.output_dir))
         print(f"train.py: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 

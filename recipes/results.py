@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -175,3 +176,27 @@ def summary_line(result: dict[str, Any], out_dir: Path) -> str:
 def load_results(root: str | Path) -> list[tuple[Path, dict[str, Any]]]:
     """Every ``result.json`` below ``root`` (a run or a sweep directory), sorted by path."""
     return [(path.parent, json.loads(path.read_text())) for path in sorted(Path(root).rglob(RESULT_FILE))]
+
+
+def discard_unused_run_dir(run_dir: Path) -> bool:
+    """Remove ``run_dir`` when it holds nothing but what Hydra writes before a run starts (its
+    ``.hydra/`` folder and empty log files): a run refused by its checks leaves no folder behind.
+    An emptied date folder under ``outputs/`` (Hydra's default ``outputs/<date>/<time>``) goes too.
+    Returns whether ``run_dir`` was removed; a folder holding anything else is left alone."""
+    if not run_dir.is_dir():
+        return False
+    entries = list(run_dir.iterdir())
+    hydras = [e for e in entries if e.name == ".hydra" and e.is_dir()]
+    logs = [e for e in entries if e.is_file() and e.suffix == ".log" and e.stat().st_size == 0]
+    if len(hydras) + len(logs) != len(entries):
+        return False
+    for entry in hydras:
+        shutil.rmtree(entry)
+    for entry in logs:
+        entry.unlink()
+    run_dir.rmdir()
+    parent = run_dir.parent
+    if parent.parent.name == "outputs" and not any(parent.iterdir()):
+        parent.rmdir()
+    return True
+

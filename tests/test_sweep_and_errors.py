@@ -15,6 +15,7 @@ from rich.console import Console
 from recipes.app import UsageError, build, build_strategy, run
 from recipes.report import main as report_main
 from recipes.report import report
+from recipes.results import discard_unused_run_dir
 
 
 def test_multirun_over_the_ratio_writes_one_sweep_and_the_report(tmp_path: Path) -> None:
@@ -98,13 +99,33 @@ def test_a_mistake_is_a_usage_error_naming_the_option_before_any_process_starts(
     assert not torch.distributed.is_initialized()
 
 
-def test_train_py_prints_a_mistake_as_one_line_on_stderr_with_exit_status_2() -> None:
-    done = train("strategy.compress_ratio=abc", "compare_dense=false")
+def test_train_py_prints_a_mistake_as_one_line_on_stderr_with_exit_status_2(tmp_path: Path) -> None:
+    (tmp_path / "kept").mkdir()
+    run_dir = tmp_path / "outputs" / "2026-12-01" / "10-00-00"
+    done = train("strategy.compress_ratio=abc", "compare_dense=false", f"hydra.run.dir={run_dir}")
+    assert not (tmp_path / "outputs" / "2026-12-01").exists(), output(done)  # the refused run left no folder
+    assert (tmp_path / "kept").is_dir()
     assert done.returncode == 2, output(done)
     assert done.stderr.strip().splitlines() == [done.stderr.strip()], output(done)  # exactly one line
     assert done.stderr.startswith("train.py: error: bad `strategy` config"), output(done)
     assert "`strategy.compress_ratio` must be a finite number in (0, 1], got 'abc'" in done.stderr, output(done)
     assert "Initializing distributed" not in done.stdout + done.stderr
+
+
+def test_only_a_run_folder_holding_nothing_but_hydras_own_files_is_discarded(tmp_path: Path) -> None:
+    def run_dir(name: str, log: str = "", extra: str | None = None) -> Path:
+        folder = tmp_path / "outputs" / name / "10-00-00"
+        (folder / ".hydra").mkdir(parents=True)
+        (folder / ".hydra" / "config.yaml").write_text("seed: 0\n")
+        (folder / "train.log").write_text(log)
+        if extra is not None:
+            (folder / extra).write_text("{}")
+        return folder
+
+    assert discard_unused_run_dir(run_dir("refused")) and not (tmp_path / "outputs" / "refused").exists()
+    for kept in (run_dir("logged", log="[INFO] epoch 0\n"), run_dir("finished", extra="result.json")):
+        assert not discard_unused_run_dir(kept) and (kept / ".hydra" / "config.yaml").is_file()
+    assert not discard_unused_run_dir(tmp_path / "missing")
 
 
 def test_missing_dataset_fails_before_training_saying_where_to_put_it(tmp_path: Path) -> None:
