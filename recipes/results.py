@@ -199,4 +199,3 @@ def discard_unused_run_dir(run_dir: Path) -> bool:
     if parent.parent.name == "outputs" and not any(parent.iterdir()):
         parent.rmdir()
     return True
-

@@ -1,5 +1,6 @@
 """Adam and AdamW through the strategy: dense warm-up, then frozen-variance compressed momentum
-(lightning_gc.handover.AdamHandOver), on two real gloo processes (tests/workers/fit_worker.py)."""
+(lightning_gc.handover.AdamHandOver), on two real gloo processes (tests/workers/fit_worker.py and
+adam_unused_worker.py)."""
 
 from __future__ import annotations
 
@@ -236,10 +237,9 @@ class _LateHead(torch.nn.Module):
         torch.manual_seed(0)
         self.body, self.head, self.late_head = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3), torch.nn.Linear(16, 3)
 
-    def forward(self, x: torch.Tensor, late: bool, late_weight: float = 1.0) -> torch.Tensor:
-        """``late_weight=0``: the late head is used (autograd reaches it) with a zero gradient."""
+    def forward(self, x: torch.Tensor, late: bool) -> torch.Tensor:
         h = torch.relu(self.body(x))
-        return self.head(h) + (late_weight * self.late_head(h) if late else 0)
+        return self.head(h) + (self.late_head(h) if late else 0)
 
 
 def _batch(step: int, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,45 +308,12 @@ def test_adams_l2_decay_enters_once_per_step_however_many_micro_batches(world_of
     assert _relative_difference(train(True), one_batch) < 1e-5
 
 
-def _unused_on_one_rank_worker(rank: int, store: str, out: str) -> None:
-    """Two fits of Adam(weight_decay) under the hand-over, rank 1 leaving the late head out of
-    every other step: unused there (``"skip"``), or used with a zero gradient (``"zero"``)."""
-    import lightning_gc
-
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        results = {}
-        for rank_one in ("skip", "zero"):
-            model = _LateHead()
-            ddp = DistributedDataParallel(model, find_unused_parameters=True)
-            optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.5)
-            gc = lightning_gc.attach(ddp, optimizer, "dgc", compress_ratio=1.0, adam_warmup_steps=2)
-            for step in range(8):
-                x, y = _batch(2 * step + rank)
-                optimizer.zero_grad()
-                if rank == 1 and step % 2:
-                    logits = ddp(x, rank_one == "zero", late_weight=0.0)
-                else:
-                    logits = ddp(x, True)
-                torch.nn.functional.cross_entropy(logits, y).backward()
-                gc.step()
-            gc.finish()
-            results[rank_one] = torch.cat([p.detach().flatten() for p in model.parameters()])
-        torch.save(results, f"{out}.{rank}")
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def test_adams_l2_decay_reaches_the_average_from_a_rank_where_the_parameter_went_unused(tmp_path: Path) -> None:
+def test_adams_l2_decay_reaches_the_average_from_a_rank_where_the_parameter_went_unused(run_ranks) -> None:
     """torch's Adam adds ``wd p`` to the averaged gradient of every parameter it steps, so a rank
     where a parameter went unused (find_unused_parameters) still owes its share of the L2 term,
     as if it had taken a zero gradient: the two train alike (without it the unused rank's share
     was missing from every such step)."""
-    import torch.multiprocessing as mp
-
-    out = str(tmp_path / "params")
-    mp.spawn(_unused_on_one_rank_worker, args=(str(tmp_path / "store"), out), nprocs=2)
-    rank0, rank1 = (torch.load(f"{out}.{rank}") for rank in range(2))
+    rank0, rank1 = run_ranks({"steps": 8}, worker="adam_unused_worker.py")
     assert torch.equal(rank0["skip"], rank1["skip"])
     assert _relative_difference(rank0["skip"], rank0["zero"]) < 1e-6
 
