@@ -318,6 +318,32 @@ def test_adams_l2_decay_reaches_the_average_from_a_rank_where_the_parameter_went
     assert _relative_difference(rank0["skip"], rank0["zero"]) < 1e-6
 
 
+def test_a_skipped_step_leaves_adams_l2_decay_to_the_next_step_as_if_its_batch_were_left_out(world_of_one) -> None:
+    """Under ``nonfinite="skip"`` a step whose gradient is non-finite is rolled back: after the
+    freeze, with Adam's L2 decay, training on with it skipped equals training without its batch
+    (the L2 term of the next step enters its gradient once, as any step's)."""
+    import lightning_gc
+
+    def train(batches: list[int], poisoned: int | None) -> torch.Tensor:
+        model = _LateHead()
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.5)
+        gc = lightning_gc.attach(ddp, optimizer, "dgc", compress_ratio=0.25, adam_warmup_steps=2, nonfinite="skip")
+        for batch in batches:
+            x, y = _batch(batch)
+            if batch == poisoned:
+                x[0, 0] = float("nan")
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x, True), y).backward()
+            gc.step()
+        assert gc.totals["skipped_steps"] == (poisoned is not None)
+        gc.finish()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    kept = [0, 1, 2, 3, 5, 6, 7]
+    assert torch.equal(train([0, 1, 2, 3, 4, 5, 6, 7], poisoned=4), train(kept, poisoned=None))
+
+
 def test_the_weighting_is_recorded_after_the_fit_released_its_hooks(world_of_one) -> None:
     """A checkpoint written after ``finish()`` still holds the weighted memory: it names the
     weighting, so a resume with another is refused."""
