@@ -37,6 +37,7 @@ import ast
 import dataclasses
 import hashlib
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -291,7 +292,16 @@ def codec_cost(
         gradients=gradients,
     )
     if cache is not None:
+        stored = json.loads(cache.read_text()) if cache.exists() else {}  # what others added while this timed
         stored[key] = {**cost.__dict__, **({BUSY: True} if busy else {})}
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        _write_atomically(cache, json.dumps(stored, indent=1, sort_keys=True))
     return cost
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` in one rename, so that a process reading it at the same time
+    (netbench calibrates on both of its cores at once) sees the old file or the new, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)

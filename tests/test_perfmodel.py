@@ -189,6 +189,24 @@ def test_calibration_cache_is_reused(tmp_path):
     assert (measured.encode_s, measured.decode_s, measured.bytes_sent) == (0.002, 0.001, first.bytes_sent)
 
 
+def test_a_calibration_keeps_what_another_process_cached_while_it_timed(tmp_path, monkeypatch):
+    """Two processes calibrating at once (netbench times on both cores) share the cache file: each
+    adds its entry to the file as it is when it writes, in one rename, and leaves no partial file."""
+    cache = tmp_path / "costs.json"
+    cache.write_text(json.dumps({}))
+    timed = calibration.time_codec
+
+    def timed_while_another_writes(*args, **kwargs):
+        cache.write_text(json.dumps({"another": {"name": "x"}}))  # the other process finished first
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(calibration, "time_codec", timed_while_another_writes)
+    calibration.codec_cost("topk", 4096, world_size=2, cache=cache, repeats=1)
+    stored = json.loads(cache.read_text())
+    assert "another" in stored and len(stored) == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["costs.json"]
+
+
 def _cli(*args: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "lightning_gc.perfmodel", "--params", "1e6", "--compute-ms", "100", *args]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

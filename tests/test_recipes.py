@@ -1,4 +1,5 @@
-"""Every paper recipe trains through ``train.py`` on 2 CPU processes (made-up data of the real shapes)."""
+"""Every paper recipe trains through ``train.py`` on 2 CPU processes (made-up data of the real shapes),
+launched as torchrun launches it (tests/conftest.py's ``train_under_torchrun``: warm ranks)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 from apprun import REPO, SHARED_DATA, output, results, train
+from conftest import train_under_torchrun
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from torch import nn
@@ -55,10 +57,13 @@ def test_recipe_trains_two_steps_on_two_processes(recipe: str, tmp_path: Path) -
     task = recipe.rsplit("_", 1)[0]
     asked = ["trainer.enable_checkpointing=true"] if recipe == "lstm_ptb_dense" else []
     small = [*SMALL[task], *(DGC_ONLY.get(task, []) if recipe.endswith("_dgc") else [])]
-    done = train(f"+recipe={recipe}", *SMOKE, *small, *asked, f"hydra.run.dir={tmp_path}")
+    run_dir = tmp_path / "run"
+    done = train_under_torchrun(
+        f"+recipe={recipe}", *SMOKE, *small, *asked, f"hydra.run.dir={run_dir}", logs=tmp_path / "ranks"
+    )
     # made-up data writes no checkpoint unless asked (they reach hundreds of MB)
-    assert bool(list(tmp_path.rglob("*.ckpt"))) == bool(asked)
-    _assert_two_steps_of(recipe, done, tmp_path)
+    assert bool(list(run_dir.rglob("*.ckpt"))) == bool(asked)
+    _assert_two_steps_of(recipe, done, run_dir)
 
 
 def _assert_two_steps_of(recipe: str, done: CompletedProcess[str], run_dir: Path) -> dict[str, Any]:
