@@ -9,7 +9,7 @@ from subprocess import CompletedProcess
 from typing import Any
 
 import pytest
-from apprun import REPO, SHARED_DATA, output, results, train
+from apprun import REPO, SHARED_DATA, output, results
 from conftest import train_under_torchrun
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -144,8 +144,11 @@ def test_a_run_that_stops_before_its_first_validation_validates_once_at_the_end(
     """``trainer.max_steps`` below one epoch (8 steps here): the run validates once after the fit,
     so its result and summary line carry the metric instead of ``n/a``."""
     small = [o for o in SMALL["lstm_ptb"] if not o.startswith("data.synthetic_size")]
-    done = train("+recipe=lstm_ptb_dgc", *SMOKE, *small, "data.synthetic_size=32", f"hydra.run.dir={tmp_path}")
-    result = _assert_two_steps_of("lstm_ptb_dgc", done, tmp_path)  # of 8 in the first epoch
+    run_dir = tmp_path / "run"
+    done = train_under_torchrun(
+        "+recipe=lstm_ptb_dgc", *SMOKE, *small, "data.synthetic_size=32", f"hydra.run.dir={run_dir}", logs=tmp_path
+    )
+    result = _assert_two_steps_of("lstm_ptb_dgc", done, run_dir)  # of 8 in the first epoch
     assert len(result["curve"]) == 1 and result["curve"][0][1] == 2
     assert f"{result['metric_name']} {result['metric']:.4f}" in done.stdout
     assert "v_num" not in done.stdout  # the progress bar shows metrics, not the logger's version
@@ -190,9 +193,12 @@ def test_yesno_dgc_recipe_learns_the_real_corpus(tmp_path: Path) -> None:
     machines' numerics to shift that by a few epochs."""
     root = SHARED_DATA / "yesno"
     quick = ["trainer.max_epochs=20", "+trainer.check_val_every_n_epoch=20", "trainer.enable_checkpointing=false"]
-    done = train("+recipe=speech_yesno_dgc", f"data.root={root}", *quick, f"hydra.run.dir={tmp_path}")
+    run_dir = tmp_path / "run"
+    done = train_under_torchrun(
+        "+recipe=speech_yesno_dgc", f"data.root={root}", *quick, f"hydra.run.dir={run_dir}", logs=tmp_path
+    )
     assert done.returncode == 0, output(done)
-    (result,) = results(tmp_path)
+    (result,) = results(run_dir)
     assert result["steps"] == 100 and result["world_size"] == 2 and result["final_ratio"] == 0.01
     assert result["metric"] < 0.5, result["curve"]
     # 50 dense steps, then 50 at ~1/37 of the bytes (indices and values; tensors below 1024 values dense)

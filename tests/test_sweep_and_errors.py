@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from apprun import REPO, output, results, train
+from conftest import train_under_torchrun
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from rich.console import Console
@@ -69,7 +70,10 @@ def test_unknown_recipe_lists_the_recipes() -> None:
 
 def test_a_run_that_makes_no_training_step_fails_naming_the_batch_size(tmp_path: Path) -> None:
     """1,438 training digits over 2 processes is 719 each: a batch of 1000 never fills (and is dropped)."""
-    done = train("data.batch_size=1000", "trainer.max_epochs=1", "compare_dense=false", f"hydra.run.dir={tmp_path}")
+    done = train_under_torchrun(
+        "data.batch_size=1000", "trainer.max_epochs=1", "compare_dense=false", f"hydra.run.dir={tmp_path / 'run'}",
+        logs=tmp_path,
+    )  # fmt: skip
     assert done.returncode != 0
     assert "the run made no training step" in done.stderr and "data.batch_size=1000" in done.stderr, output(done)
 
@@ -356,11 +360,16 @@ def test_the_dense_twin_shares_the_ddp_settings() -> None:
 
 def test_train_py_resumes_a_checkpoint_and_refuses_a_missing_one(tmp_path: Path) -> None:
     common = ["compare_dense=false", "trainer.enable_checkpointing=true", "model.hidden=[64]"]
-    first = train(*common, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'first'}")
+    # launched as torchrun does (warm ranks); Lightning's own launcher is the one-process run below
+    first = train_under_torchrun(
+        *common, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'first'}", logs=tmp_path / "first-ranks"
+    )
     assert first.returncode == 0, output(first)
     (checkpoint,) = (tmp_path / "first").rglob("*.ckpt")
     quoted = f'ckpt_path="{checkpoint}"'  # Lightning's file names hold "=", which Hydra's grammar needs quoted
-    resumed = train(*common, "trainer.max_epochs=2", quoted, f"hydra.run.dir={tmp_path / 'resumed'}")
+    resumed = train_under_torchrun(
+        *common, "trainer.max_epochs=2", quoted, f"hydra.run.dir={tmp_path / 'resumed'}", logs=tmp_path / "ranks"
+    )
     assert resumed.returncode == 0, output(resumed)
     (one_epoch,) = results(tmp_path / "first")
     (two_epochs,) = results(tmp_path / "resumed")
