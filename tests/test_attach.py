@@ -157,7 +157,7 @@ def train():  # the DDP model, the handle and the hook state are garbage once th
         handle.finish()
     weakref.finalize(model, print, "DDP model freed")
 
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=0, world_size=1)  # no port to race for
 train()
 print("trained")
 """
@@ -171,12 +171,10 @@ def test_finish_shuts_the_gloo_group_down_at_exit_and_frees_the_model_first(tmp_
     (training may have failed mid-step) the group is left up, as the Trainer strategy does."""
     import sys
 
-    from conftest import free_port
-
     script = tmp_path / "probe.py"
     script.write_text(_EXIT_PROBE)
     done = subprocess.run(
-        [sys.executable, str(script), run, str(free_port())], capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), run, str(tmp_path / "store")], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
