@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> None:
         )
         shut_down_process_group_at_exit()  # dense runs too: Lightning leaves gloo's group to finalization
     except UsageError as error:  # the user's mistake: one line, no traceback
-        discard_unused_run_dir(Path(hydra_cfg.runtime.output_dir))
+        discard_unused_run_dir(Path(hydra_cfg.runtime.output_dir))  # every rank: see there
         print(f"train.py: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -303,5 +303,8 @@ def _write_atomically(path: Path, text: str) -> None:
     (netbench calibrates on both of its cores at once) sees the old file or the new, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

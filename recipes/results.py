@@ -182,20 +182,25 @@ def discard_unused_run_dir(run_dir: Path) -> bool:
     """Remove ``run_dir`` when it holds nothing but what Hydra writes before a run starts (its
     ``.hydra/`` folder and empty log files): a run refused by its checks leaves no folder behind.
     An emptied date folder under ``outputs/`` (Hydra's default ``outputs/<date>/<time>``) goes too.
-    Returns whether ``run_dir`` was removed; a folder holding anything else is left alone."""
-    if not run_dir.is_dir():
-        return False
-    entries = list(run_dir.iterdir())
-    hydras = [e for e in entries if e.name == ".hydra" and e.is_dir()]
-    logs = [e for e in entries if e.is_file() and e.suffix == ".log" and e.stat().st_size == 0]
-    if len(hydras) + len(logs) != len(entries):
-        return False
-    for entry in hydras:
-        shutil.rmtree(entry)
-    for entry in logs:
-        entry.unlink()
-    run_dir.rmdir()
-    parent = run_dir.parent
-    if parent.parent.name == "outputs" and not any(parent.iterdir()):
-        parent.rmdir()
+    Returns whether no such folder is left; a folder holding anything else is left alone.
+
+    Under torchrun every rank's Hydra writes the folder and every rank refuses the run, so each
+    calls this once its own files are written: removals that another rank got to first are
+    skipped, and the last rank to finish writing leaves nothing behind."""
+    try:
+        entries = list(run_dir.iterdir())
+        hydras = [e for e in entries if e.name == ".hydra" and e.is_dir()]
+        logs = [e for e in entries if e.is_file() and e.suffix == ".log" and e.stat().st_size == 0]
+        if len(hydras) + len(logs) != len(entries):
+            return False
+        for entry in hydras:
+            shutil.rmtree(entry, ignore_errors=True)
+        for entry in logs:
+            entry.unlink(missing_ok=True)
+        run_dir.rmdir()
+        parent = run_dir.parent
+        if parent.parent.name == "outputs" and not any(parent.iterdir()):
+            parent.rmdir()
+    except OSError:  # gone already, or written again by a rank still starting: that rank removes it
+        return not run_dir.exists()
     return True

@@ -29,6 +29,22 @@ REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+LONGEST_FIRST = (
+    "test_sweep_and_errors", "test_reliability", "test_training", "test_kernels", "test_attach", "test_recipes",
+    "test_readme", "test_compressors", "test_netbench", "test_quickstart", "test_adam", "test_perfmodel",
+    "test_fabric", "test_kernels_compile", "test_hierarchy", "test_packaging", "test_two_phase",
+)  # fmt: skip
+"""The test files that take longest on 2 cores (30 s to 2 min each), longest first. The suite runs
+on pytest-xdist workers that take whole files in collection order (``--dist loadfile``): with the
+long files handed out first, the last ones are short and both workers stay busy to the end."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Collect :data:`LONGEST_FIRST` first, then the other files in their usual order."""
+    position = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: position.get(item.path.stem, len(position)))
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored() -> Iterator[None]:
     """Every test leaves the environment as it found it: an in-process Fabric or Trainer launch sets
@@ -144,11 +160,13 @@ def _run_with_retries(
 def train_under_torchrun(*overrides: str, logs: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """``torchrun --nproc_per_node=2 train.py <overrides>``, as a cluster user launches it (the
     ranks started outside Lightning, which then launches nothing), with each rank a fork of the
-    warm interpreter (:func:`start_ranks`) instead of a fresh one: it saves the ~10 s of CPU
-    that importing Lightning costs each process. ``stdout`` is rank 0's output (stdout and stderr
-    together), ``stderr`` every rank's; ``returncode`` the first non-zero exit (-9: killed at ``timeout``)."""
+    warm interpreter (:func:`start_ranks`, in this process's working directory) instead of a
+    fresh one: it saves the ~10 s of CPU that importing Lightning costs each process. ``stdout``
+    is rank 0's output (stdout and stderr together), ``stderr`` every rank's; ``returncode`` the
+    first non-zero exit (-9: killed at ``timeout``)."""
     logs.mkdir(parents=True, exist_ok=True)
-    codes, texts = _run_with_retries(REPO / "train.py", list(overrides), logs, 2, timeout, {}, None, fresh=False)
+    elastic = {"TORCHELASTIC_RUN_ID": "tests", "GROUP_RANK": "0"}  # what torchrun sets besides the ranks
+    codes, texts = _run_with_retries(REPO / "train.py", list(overrides), logs, 2, timeout, elastic, None, fresh=False)
     failed = [(-9 if code is None else code) for code in codes if code != 0]
     everything = "\n".join(
         f"--- rank {rank} (exit {code}) ---\n{text}" for rank, (code, text) in enumerate(zip(codes, texts))

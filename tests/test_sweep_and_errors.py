@@ -116,6 +116,16 @@ def test_train_py_prints_a_mistake_as_one_line_on_stderr_with_exit_status_2(tmp_
     assert "Initializing distributed" not in done.stdout + done.stderr
 
 
+def test_a_mistake_under_torchrun_exits_2_on_every_rank_and_leaves_no_folder(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = train_under_torchrun(
+        "strategy.compress_ratio=abc", "compare_dense=false", f"hydra.run.dir={run_dir}", logs=tmp_path / "ranks"
+    )
+    assert done.returncode == 2 and done.stderr.count("(exit 2)") == 2, output(done)
+    assert done.stderr.count("train.py: error: bad `strategy` config") == 2 and "Traceback" not in done.stderr
+    assert not run_dir.exists(), output(done)
+
+
 def test_only_a_run_folder_holding_nothing_but_hydras_own_files_is_discarded(tmp_path: Path) -> None:
     def run_dir(name: str, log: str = "", extra: str | None = None) -> Path:
         folder = tmp_path / "outputs" / name / "10-00-00"
@@ -129,7 +139,7 @@ def test_only_a_run_folder_holding_nothing_but_hydras_own_files_is_discarded(tmp
     assert discard_unused_run_dir(run_dir("refused")) and not (tmp_path / "outputs" / "refused").exists()
     for kept in (run_dir("logged", log="[INFO] epoch 0\n"), run_dir("finished", extra="result.json")):
         assert not discard_unused_run_dir(kept) and (kept / ".hydra" / "config.yaml").is_file()
-    assert not discard_unused_run_dir(tmp_path / "missing")
+    assert discard_unused_run_dir(tmp_path / "missing")  # nothing left: another rank removed it first
 
 
 def test_missing_dataset_fails_before_training_saying_where_to_put_it(tmp_path: Path) -> None:
@@ -360,7 +370,7 @@ def test_the_dense_twin_shares_the_ddp_settings() -> None:
 
 def test_train_py_resumes_a_checkpoint_and_refuses_a_missing_one(tmp_path: Path) -> None:
     common = ["compare_dense=false", "trainer.enable_checkpointing=true", "model.hidden=[64]"]
-    # launched as torchrun does (warm ranks); Lightning's own launcher is the one-process run below
+    # launched as torchrun does, on warm ranks (Lightning's own launcher: test_quickstart.py)
     first = train_under_torchrun(
         *common, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'first'}", logs=tmp_path / "first-ranks"
     )

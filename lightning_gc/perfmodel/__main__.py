@@ -249,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 create(name, **arguments.get(name, {}))
             except ValueError as error:
+                if not arguments.get(name):
+                    raise
                 raise ValueError(f"`--arg` for {name}: {error}") from None
     except ValueError as error:
         parser.error(str(error))
