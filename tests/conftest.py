@@ -135,23 +135,17 @@ def start_ranks(
     plan_path = out / "plan.json"
     plan_path.write_text(json.dumps(plan))
     fresh = fresh or bool(env)  # variables read at import need a fresh interpreter
-    return _run_with_retries(
-        WORKERS / worker, [str(plan_path)], out, world_size, timeout, env or {}, devices_per_node, fresh
+    script = WORKERS / worker
+    return _retried(
+        lambda: _run_once(script, [str(plan_path)], out, world_size, timeout, env or {}, devices_per_node, fresh)
     )
 
 
-def _run_with_retries(
-    script: Path,
-    argv: list[str],
-    out: Path,
-    world_size: int,
-    timeout: float,
-    env: dict[str, str],
-    devices_per_node: int | None,
-    fresh: bool,
-) -> tuple[list[int | None], list[str]]:
-    for _ in range(3):  # a free port can be taken by another process before rank 0 listens on it
-        codes, logs = _run_once(script, argv, out, world_size, timeout, env, devices_per_node, fresh)
+def _retried(launch: Callable[[], tuple[list[int | None], list[str]]]) -> tuple[list[int | None], list[str]]:
+    """``launch()``'s exit codes and logs, launched again (up to 3 times) while a rank reports
+    EADDRINUSE: a free port can be taken by another process before rank 0 listens on it."""
+    for _ in range(3):
+        codes, logs = launch()
         if not any("EADDRINUSE" in log for log in logs):
             break
     return codes, logs
@@ -166,7 +160,9 @@ def train_under_torchrun(*overrides: str, logs: Path, timeout: float = 600) -> s
     first non-zero exit (-9: killed at ``timeout``)."""
     logs.mkdir(parents=True, exist_ok=True)
     elastic = {"TORCHELASTIC_RUN_ID": "tests", "GROUP_RANK": "0"}  # what torchrun sets besides the ranks
-    codes, texts = _run_with_retries(REPO / "train.py", list(overrides), logs, 2, timeout, elastic, None, fresh=False)
+    codes, texts = _retried(
+        lambda: _run_once(REPO / "train.py", list(overrides), logs, 2, timeout, elastic, None, False)
+    )
     failed = [(-9 if code is None else code) for code in codes if code != 0]
     everything = "\n".join(
         f"--- rank {rank} (exit {code}) ---\n{text}" for rank, (code, text) in enumerate(zip(codes, texts))
