@@ -376,11 +376,10 @@ class AdamHandOver(HandOver):
         """Adam's preconditioned L2 term ``wd p / d^(1-a)`` of each unused parameter: torch's Adam adds
         ``wd p`` to the averaged gradient of every parameter it steps, so under DDP each rank's
         share of it is in the average, also from a rank where the parameter went unused."""
-        for segment, param in unused_here:
+        for segment, param in unused_here:  # their hooks never ran this step: nothing is in _decayed
             decay = self._decays.get(id(param))
-            if decay is None or id(param) in self._decayed or param not in self.scales:
+            if decay is None:
                 continue
-            self._decayed.add(id(param))
             term = FrozenScales.divide(self._l2_term(param, decay), self.scales[param].into)
             segment.of(grad).add_(bucket_order(term, param))
 

@@ -397,3 +397,10 @@ def test_point_to_point_rounds_hand_computed_and_counted_by_calibration():
         assert merged.peer_bytes == messages * gathered.gathered_bytes
         k = 656  # ceil(1 % of 65,536): agreed fp32 values, with the dense 64-element tensor
         assert merged.summed_bytes == (k + 64) * 4
+
+
+def test_cli_help_states_each_default_and_none_where_there_is_none():
+    text = " ".join(cli.build_parser().format_help().split())  # argparse wraps lines
+    for default in ("(default: 0.5)", "(default: 1gbit)", "(default: 0)", "(default: all)", "(default: 8388608)"):
+        assert default in text, default
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: [])" not in text

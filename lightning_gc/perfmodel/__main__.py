@@ -161,57 +161,58 @@ def format_table(predictions: Sequence[Prediction]) -> str:
     return "\n".join(lines)
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ``(default: ...)`` after each option's help, but for options with no default to
+    show (required ones, ``None``, flags, repeatable lists)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default is None or isinstance(action.default, (bool, list)):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_gc.perfmodel",
         description="Predict DDP step time with and without gradient compression on a cluster.",
+        formatter_class=_DefaultsShown,
     )
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", type=float, help="gradient elements per step (e.g. 25.6e6)")
     size.add_argument("--module", help="package.module:LightningModuleClass, built with no arguments")
     parser.add_argument("--compute-ms", type=float, required=True, help="per-step compute time C, no exchange")
-    parser.add_argument(
-        "--overlap", type=float, default=0.5, help="fraction f of C that hides communication (default: %(default)s)"
-    )
+    parser.add_argument("--overlap", type=float, default=0.5, help="fraction f of C that hides communication")
     parser.add_argument("--world-size", type=int, required=True, help="number of workers p")
-    parser.add_argument(
-        "--bandwidth", default="1gbit", help="link bandwidth: 1gbit, 100mbit, or bits/s (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--latency-us", type=float, default=50.0, help="per-message latency a in microseconds (default: %(default)s)"
-    )
+    parser.add_argument("--bandwidth", default="1gbit", help="link bandwidth: 1gbit, 100mbit, or bits/s")
+    parser.add_argument("--latency-us", type=float, default=50.0, help="per-message latency a in microseconds")
     parser.add_argument(
         "--host-bandwidth",
         default=None,
         help="rate H at which the compute core itself drives the transport (e.g. TCP on the training CPU), "
         "bits/s or 10gbit; that time is never hidden. Default: the transport takes no compute time",
     )
-    parser.add_argument(
-        "--rounds", type=int, default=1, help="collective rounds per step, DDP buckets (default: %(default)s)"
-    )
+    parser.add_argument("--rounds", type=int, default=1, help="collective rounds per step, DDP buckets")
     parser.add_argument(
         "--delay",
         type=int,
         default=0,
-        help="delayed synchronisation (strategy's delay): the exchange hides behind C (default: %(default)s)",
+        help="delayed synchronisation (strategy's delay): the exchange hides behind C",
     )
-    parser.add_argument(
-        "--compressor", default="all", help="a registered compressor name, or 'all' (default: %(default)s)"
-    )
+    parser.add_argument("--compressor", default="all", help="a registered compressor name, or 'all'")
     parser.add_argument("--arg", action="append", default=[], help="compressor argument NAME=VALUE (repeatable)")
     parser.add_argument("--cost", action="append", default=[], help="measured NAME=ENCODE_MS,DECODE_MS (skips timing)")
-    parser.add_argument("--device", default="cpu", help="device to calibrate encode/decode on (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="device to calibrate encode/decode on")
     parser.add_argument(
         "--calibrate-numel",
         type=float,
         default=2**23,
-        help="time codecs on at most this many elements, then scale (default: %(default)d)",
+        help="time codecs on at most this many elements, then scale",
     )
     parser.add_argument(
         "--repeats",
         type=int,
         default=1,
-        help="timed rounds per codec (median), after one warm-up (default: %(default)s)",
+        help="timed rounds per codec (median), after one warm-up",
     )
     parser.add_argument("--cache", type=Path, default=None, help="JSON file caching calibrations (default: per user)")
     parser.add_argument("--no-cache", action="store_true", help="time afresh and keep nothing")
