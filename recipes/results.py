@@ -181,7 +181,8 @@ def load_results(root: str | Path) -> list[tuple[Path, dict[str, Any]]]:
 def discard_unused_run_dir(run_dir: Path) -> bool:
     """Remove ``run_dir`` when it holds nothing but what Hydra writes before a run starts (its
     ``.hydra/`` folder and empty log files): a run refused by its checks leaves no folder behind.
-    An emptied date folder under ``outputs/`` (Hydra's default ``outputs/<date>/<time>``) goes too.
+    An emptied date folder under ``outputs/`` (Hydra's default ``outputs/<date>/<time>``) goes too, and
+    so does ``outputs/`` once empty.
     Returns whether no such folder is left; a folder holding anything else is left alone.
 
     Under torchrun every rank's Hydra writes the folder and every rank refuses the run, so each
@@ -198,9 +199,12 @@ def discard_unused_run_dir(run_dir: Path) -> bool:
         for entry in logs:
             entry.unlink(missing_ok=True)
         run_dir.rmdir()
-        parent = run_dir.parent
-        if parent.parent.name == "outputs" and not any(parent.iterdir()):
-            parent.rmdir()
+        date, outputs = run_dir.parent, run_dir.parent.parent
+        if outputs.name == "outputs":
+            for folder in (date, outputs):
+                if any(folder.iterdir()):
+                    break
+                folder.rmdir()
     except OSError:  # gone already, or written again by a rank still starting: that rank removes it
         return not run_dir.exists()
     return True
