@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 import lightning_gc  # noqa: F401  (registers the strategy names)
-from lightning_gc.teardown import shut_down_process_group_at_exit
+from lightning_gc.runtime.teardown import shut_down_process_group_at_exit
 from recipes.app import UsageError, quiet_foreign_noise, run
 from recipes.results import discard_unused_run_dir
 

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors import DGCCompressor
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.core.momentum import MomentumSpec
 from lightning_gc.kernels import topk_indices
-from lightning_gc.layout import BucketLayout
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 

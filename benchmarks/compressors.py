@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from lightning_gc.calibration import parse_arguments
+from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors import available, create
 from lightning_gc.compressors.base import EncodeContext
-from lightning_gc.layout import BucketLayout
+from lightning_gc.perfmodel.calibration import parse_arguments
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 ARGUMENTS = {"topk": {"compress_ratio": 0.01}, "randomk": {"compress_ratio": 0.01}, "dgc": {"compress_ratio": 0.001}}

@@ -5,8 +5,8 @@
 ``N`` processes (gloo on loopback) train a few steps of the model through the comm hook with
 ``onebit`` and 4-bit ``qsgd``, each with ``exchange="gather"`` and ``"two_phase"``, and with DGC at
 0.1 % with ``exchange="gather"`` and ``"global_topk"``. The hook's exchange is the real
-:class:`~lightning_gc.exchange.CollectiveExchange`, wrapped to add up what every collective it
-launches puts on the wire per rank (:func:`lightning_gc.exchange.traffic_bytes`: all-gather
+:class:`~lightning_gc.exchanges.transport.CollectiveExchange`, wrapped to add up what every collective it
+launches puts on the wire per rank (:func:`lightning_gc.exchanges.transport.traffic_bytes`: all-gather
 ``(N-1) m``, all-to-all ``(N-1)/N m``, ring all-reduce ``2 (N-1)/N m``, a point-to-point message
 ``m``). The quantisers' table compares the last step's bytes with ``2 (N-1)/N M/c``, where ``M`` is
 the dense gradient and ``c`` the gathered form's compression (dense bytes / payload bytes of one
@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import create
 from lightning_gc.compressors.base import Encoded
-from lightning_gc.exchange import CollectiveExchange, traffic_bytes
-from lightning_gc.hook import CompressionHookState, compression_hook
-from lightning_gc.settings import CompressionSettings
+from lightning_gc.exchanges.transport import CollectiveExchange, traffic_bytes
+from lightning_gc.runtime.hook import CompressionHookState, compression_hook
+from lightning_gc.runtime.settings import CompressionSettings
 
 SCHEMES = [("onebit", {}), ("qsgd", {"levels": 7})]
 EXCHANGES = ("gather", "two_phase")

@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from lightning_gc import calibration
 from lightning_gc.compressors import create
 from lightning_gc.perfmodel import (
     Network,
     allgather_s,
+    calibration,
     gather_loses_to_dense_at,
     ring_allreduce_s,
     two_phase_s,

@@ -166,10 +166,11 @@ def profile_phases(
     from torch.nn.parallel import DistributedDataParallel
 
     import lightning_gc
-    from lightning_gc import pipeline, session
     from lightning_gc.compressors.dgc import DGCCompressor
     from lightning_gc.compressors.sparse import SparseCompressor
-    from lightning_gc.guard import StepGuard
+    from lightning_gc.core.guard import StepGuard
+    from lightning_gc.exchanges import pipeline
+    from lightning_gc.runtime import session
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
@@ -334,7 +335,7 @@ def _time_collective_calls(numel: int = 1 << 20, repeats: int = 200) -> None:
     ``.then`` chaining, each the median of ``repeats`` calls."""
     import torch.distributed as dist
 
-    from lightning_gc import comm
+    from lightning_gc.exchanges import comm
 
     tensor = torch.ones(numel, device="cuda")
     parts: dict[str, list[float]] = {"all_reduce": [], "get_future": [], "then": [], "allreduce_sum": []}

@@ -65,7 +65,7 @@ def _rank(
 
     rank_zero_only.rank = rank  # as Lightning's strategies do: the library's warnings once, from rank 0
     import lightning_gc
-    from lightning_gc import session
+    from lightning_gc.runtime import session
 
     spent: list[float] = []
     registered = session.compression_hook

@@ -37,8 +37,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import lightning_gc
-from lightning_gc import comm, kernels, session
+from lightning_gc import kernels
+from lightning_gc.exchanges import comm
 from lightning_gc.kernels import launch as launching
+from lightning_gc.runtime import session
 
 PACKAGE = str(Path(lightning_gc.__file__).parent) + os.sep
 

@@ -1,6 +1,6 @@
 """Where the comm hook's time goes on one CPU core: DGC's per-step phases on a model's real gradients.
 
-The hook runs, per bucket (lightning_gc/pipeline.py, timed here by its own Timeline)::
+The hook runs, per bucket (lightning_gc/exchanges/pipeline.py, timed here by its own Timeline)::
 
     screen      all_finite(grad)                  the default nonfinite="raise" check
     compensate  u <- m*u + g;  v <- v + u          memory.compensate
@@ -47,15 +47,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.compressors import parse_row
 from benchmarks.netbench.models import gradient_shapes
 from benchmarks.netbench.predict import real_gradients
-from lightning_gc.calibration import layout_of_shapes
+from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors import Compressor, DGCCompressor, create
-from lightning_gc.exchange import LocalExchange
-from lightning_gc.guard import StepGuard
+from lightning_gc.core.guard import StepGuard
+from lightning_gc.core.memory import BucketMemory, CompensationMemory
+from lightning_gc.core.momentum import MomentumSpec
+from lightning_gc.exchanges.pipeline import Timeline, run_bucket
+from lightning_gc.exchanges.transport import LocalExchange
 from lightning_gc.kernels import selection
-from lightning_gc.layout import BucketLayout
-from lightning_gc.memory import BucketMemory, CompensationMemory
-from lightning_gc.momentum import MomentumSpec
-from lightning_gc.pipeline import Timeline, run_bucket
+from lightning_gc.perfmodel.calibration import layout_of_shapes
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 SMALL = 4096

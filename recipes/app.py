@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_gc import GradientCompressionStrategy
-from lightning_gc.checkpoint import IncompatibleCheckpoint
+from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint
 from recipes.common import DownloadFailed
 from recipes.results import RESULT_FILE, RunRecorder, summary_line, write_result
 from recipes.trainer_args import trainer_argument_errors

@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_gc.validation import check_choice, check_int, check_range
+from lightning_gc.common.validation import check_choice, check_int, check_range
 
 
 class WarmupMultiStep:

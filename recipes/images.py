@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset
 from torchvision import datasets, transforms
 
-from lightning_gc.validation import check_int
+from lightning_gc.common.validation import check_int
 from recipes.common import RecipeDataModule, SyntheticDataset, dataset_missing, fetching
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)

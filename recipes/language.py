@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics.text import Perplexity
 
-from lightning_gc.validation import check_int, check_range
+from lightning_gc.common.validation import check_int, check_range
 from recipes.common import RecipeDataModule, RecipeTask, SyntheticDataset, dataset_missing, fetching
 
 PTB_SPLITS = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_gc.validation import check_bool, check_choice, check_int, check_range
+from lightning_gc.common.validation import check_bool, check_choice, check_int, check_range
 
 NUM_FEATURES = 64
 NUM_CLASSES = 10

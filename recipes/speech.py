@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from torchmetrics.text import WordErrorRate
 
-from lightning_gc.validation import check_choice, check_int
+from lightning_gc.common.validation import check_choice, check_int
 from recipes.common import RecipeDataModule, RecipeTask, SyntheticDataset, dataset_missing, fetching
 
 ALPHABET = "_ '" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ"

@@ -8,7 +8,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchvision.models import resnet50
 from torchvision.models.resnet import BasicBlock
 
-from lightning_gc.validation import check_choice, check_int
+from lightning_gc.common.validation import check_choice, check_int
 from recipes.common import RecipeTask
 
 ARCHS = ("resnet20", "resnet32", "resnet44", "resnet56", "resnet110", "resnet50")

@@ -23,7 +23,7 @@ from unittest import mock
 import pytest
 import torch
 
-from lightning_gc.layout import BucketLayout, Segment
+from lightning_gc.common.layout import BucketLayout, Segment
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"

@@ -1,5 +1,5 @@
 """Adam and AdamW through the strategy: dense warm-up, then frozen-variance compressed momentum
-(lightning_gc.handover.AdamHandOver), on two real gloo processes (tests/workers/fit_worker.py and
+(lightning_gc.core.handover.AdamHandOver), on two real gloo processes (tests/workers/fit_worker.py and
 adam_unused_worker.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc import DGCStrategy
-from lightning_gc.checkpoint import CHECKPOINT_KEY
+from lightning_gc.runtime.checkpoint import CHECKPOINT_KEY
 
 ADAMW = {"hidden": [64, 64], "optimizer": "adamw", "lr": 3e-3, "weight_decay": 0.01}
 STEPS_PER_EPOCH = 22  # 1,437 digits / (2 ranks x 32)
@@ -166,8 +166,8 @@ def test_bad_adam_settings_fail_at_construction(kwargs: dict, message: str) -> N
     ],
 )
 def test_adam_settings_the_hand_over_cannot_honour_are_refused(optimizer, settings: dict, message: str) -> None:
-    from lightning_gc.handover import hand_over_for
-    from lightning_gc.settings import CompressionSettings
+    from lightning_gc.core.handover import hand_over_for
+    from lightning_gc.runtime.settings import CompressionSettings
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     memory = CompressionSettings(momentum_correction=True).memory_for(DGCStrategy().compressor)
@@ -182,7 +182,7 @@ def test_the_frozen_step_is_adams_update_with_the_preconditioned_momentum(weight
     denominator, ``a`` the weighting's power): the step is AdamW's with exp_avg = M' d^(1-a),
     decoupled decay and step t's first-moment bias correction, and leaves a plain AdamW state
     (exp_avg = the momentum, v untouched, step + 1), whatever the weighting."""
-    from lightning_gc.handover import ADAM_WEIGHTINGS, FrozenScales, frozen_variance_step
+    from lightning_gc.core.handover import ADAM_WEIGHTINGS, FrozenScales, frozen_variance_step
 
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(50))
@@ -208,9 +208,9 @@ def test_a_checkpoint_of_the_weighted_memory_resumes_only_with_its_weighting() -
     """The memory after the freeze holds elements scaled by the weighting's ``d^a``: a checkpoint
     written with one weighting is refused, naming both, by a run with another; entries without the
     record (written before the freeze, or by SGD) resume with any."""
-    from lightning_gc.checkpoint import CHECKPOINT_FORMAT, IncompatibleCheckpoint
-    from lightning_gc.session import CompressionSession
-    from lightning_gc.settings import CompressionSettings
+    from lightning_gc.runtime.checkpoint import CHECKPOINT_FORMAT, IncompatibleCheckpoint
+    from lightning_gc.runtime.session import CompressionSession
+    from lightning_gc.runtime.settings import CompressionSettings
 
     strategy = DGCStrategy()
 
@@ -369,7 +369,7 @@ def test_the_weighting_is_recorded_after_the_fit_released_its_hooks(world_of_one
 
 
 def test_a_freeze_without_any_second_moment_is_refused_naming_the_setting() -> None:
-    from lightning_gc.handover import frozen_denominators
+    from lightning_gc.core.handover import frozen_denominators
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(RuntimeError, match=r"Adam holds none yet.*raise adam_warmup_steps"):

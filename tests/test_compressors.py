@@ -104,7 +104,7 @@ def test_training_with_each_compressor(run_ranks) -> None:
 
 # ------------------------------------------------------------------ single-process properties
 def _layout_and_params(shapes: list[tuple[int, ...]]):
-    from lightning_gc.layout import BucketLayout
+    from lightning_gc.common.layout import BucketLayout
 
     params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
     names = {id(p): (f"p{i}", i) for i, p in enumerate(params)}
@@ -262,7 +262,7 @@ NARROW_WIRE = {"index_encoding": "elias_fano", "value_dtype": "float16", "dense_
 )
 def test_error_feedback_loses_nothing(name: str, wire: dict) -> None:
     """Over many steps: everything decoded + what memory still holds == every gradient fed in."""
-    from lightning_gc.memory import CompensationMemory
+    from lightning_gc.core.memory import CompensationMemory
 
     ratio = {"compress_ratio": 0.05} if name in ("topk", "dgc", "randomk", "fft") else {}
     compressor = create(name, **ratio, **wire)
@@ -295,7 +295,7 @@ def test_every_compressor_predicts_its_wire_bytes() -> None:
 
 
 def test_selective_compression_rule() -> None:
-    from lightning_gc.hook import reaches_wire_ratio
+    from lightning_gc.runtime.hook import reaches_wire_ratio
 
     big, _ = _layout_and_params([(1000, 100)])
     tiny, _ = _layout_and_params([(40, 40), (40,)])  # topk 1 % of 1,600: 16 pairs + 40 dense biases
@@ -332,7 +332,7 @@ def test_k_is_the_ceiling_of_the_decimal_ratio_times_the_size(ratio: str) -> Non
 def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> None:
     """fp16 bucket, 2 ranks at 40000: the sum (80000) does not fit fp16, the mean does; what this
     rank sent (for memory) is finite too, though QSGD's decoded values can reach the norm (80000)."""
-    from lightning_gc.exchange import LocalExchange
+    from lightning_gc.exchanges.transport import LocalExchange
 
     layout, _ = _layout_and_params([(4, 4)])
     velocity = torch.full((layout.numel,), 40_000.0, dtype=torch.float16)
@@ -433,8 +433,8 @@ PLAN_SHAPES = [(64, 50), (50,), (30, 40), (7,), (3, 3)]
 
 def _local_trip(compressor, velocity: torch.Tensor, layout, world: int, step: int = 0) -> tuple[torch.Tensor, int]:
     """What ``compressor`` decodes when ``world`` ranks all send what it sends (every round's
-    collectives by :class:`~lightning_gc.exchange.LocalExchange`), and the bytes it sent."""
-    from lightning_gc.exchange import LocalExchange
+    collectives by :class:`~lightning_gc.exchanges.transport.LocalExchange`), and the bytes it sent."""
+    from lightning_gc.exchanges.transport import LocalExchange
 
     out = torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, EncodeContext(layout, step=step, world_size=world))
@@ -514,7 +514,7 @@ def test_random_k_rescaled_into_float16_saturates_instead_of_overflowing() -> No
     """``rescale=True`` multiplies a sent value by its block size (1000 at ratio 0.001): in a
     float16 bucket 70 x 1000 was ``inf`` in the decoded gradient and in what memory is told left;
     both now saturate at float16's largest finite value, as the narrow wire formats do."""
-    from lightning_gc.calibration import layout_of_shapes
+    from lightning_gc.perfmodel.calibration import layout_of_shapes
 
     layout = layout_of_shapes([(64, 1024)])
     compressor = create("randomk", compress_ratio=0.001, rescale=True)

@@ -1,4 +1,5 @@
-"""The delay line on its own (lightning_gc.delay); the hook's delayed training is in test_hook_reference.py."""
+"""The delay line on its own (lightning_gc.exchanges.delay); the hook's delayed training is in
+test_hook_reference.py."""
 
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gc
-from lightning_gc.attach import AttachedCompression
-from lightning_gc.calibration import layout_of_shapes
-from lightning_gc.checkpoint import IncompatibleCheckpoint
+from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors import create
-from lightning_gc.delay import CARRY_KINDS, DelayLine
-from lightning_gc.exchange import Exchange
-from lightning_gc.hook import CompressionHookState
-from lightning_gc.layout import BucketLayout
-from lightning_gc.memory import CompensationMemory
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.exchanges.delay import CARRY_KINDS, DelayLine
+from lightning_gc.exchanges.transport import Exchange
+from lightning_gc.integrations.attach import AttachedCompression
+from lightning_gc.perfmodel.calibration import layout_of_shapes
+from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint
+from lightning_gc.runtime.hook import CompressionHookState
 
 SHAPES = [(6, 5), (4,)]
 
@@ -263,7 +264,7 @@ def test_a_static_graph_may_leave_a_parameter_unused_under_delay(run_ranks) -> N
 
 
 def _heavy_ball_grows(step: float, momentum: float, delay: int, iterations: int = 4000) -> bool:
-    """Run the delayed heavy-ball recurrence of lightning_gc.staleness on one curvature direction."""
+    """Run the delayed heavy-ball recurrence of lightning_gc.core.staleness on one curvature direction."""
     w, velocities = 1.0, [0.0] * (delay + 1)  # u_{t-1}, ..., u_{t-1-delay}
     for _ in range(iterations):
         u = momentum * velocities[0] + step * w
@@ -277,7 +278,7 @@ def _heavy_ball_grows(step: float, momentum: float, delay: int, iterations: int 
 def test_stable_step_limits_match_the_closed_forms_and_the_recurrence() -> None:
     import math
 
-    from lightning_gc.staleness import stable_step_limit
+    from lightning_gc.core.staleness import stable_step_limit
 
     for momentum in (0.0, 0.5, 0.9):
         assert stable_step_limit(momentum, 0) == pytest.approx(2 * (1 + momentum))
@@ -292,7 +293,7 @@ def test_stable_step_limits_match_the_closed_forms_and_the_recurrence() -> None:
 
 
 def test_a_delay_of_momentum_sgd_without_the_local_update_warns_with_the_factor() -> None:
-    from lightning_gc.handover import MomentumHandOver
+    from lightning_gc.core.handover import MomentumHandOver
 
     memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1, momentum=0.9)

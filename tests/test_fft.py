@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors import FFTCompressor, rangefloat
 from lightning_gc.compressors.base import EncodeContext
-from lightning_gc.layout import BucketLayout
 
 
 @pytest.mark.parametrize("bits", rangefloat.CODE_BITS)

@@ -13,6 +13,7 @@ import torch
 from conftest import launch_ranks, layout_of
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy
+from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors import registry
 from lightning_gc.compressors.base import EncodeContext, Encoded
 from lightning_gc.compressors.global_topk import (
@@ -22,8 +23,7 @@ from lightning_gc.compressors.global_topk import (
     merge_candidates,
     selection_rounds,
 )
-from lightning_gc.exchange import traffic_bytes
-from lightning_gc.layout import BucketLayout
+from lightning_gc.exchanges.transport import traffic_bytes
 
 SHAPES = [(30, 20), (50,), (7, 9), (100,), (16, 16)]
 

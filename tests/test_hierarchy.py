@@ -1,4 +1,4 @@
-"""The two-level exchange (lightning_gc.hierarchy) on 4 gloo processes as 2 nodes x 2 devices."""
+"""The two-level exchange (lightning_gc.exchanges.hierarchy) on 4 gloo processes as 2 nodes x 2 devices."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from conftest import launch_ranks, start_ranks
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy
-from lightning_gc.hierarchy import NodeTopology, resolve_hierarchy
-from lightning_gc.layout import BucketLayout, Shard
+from lightning_gc.common.layout import BucketLayout, Shard
+from lightning_gc.exchanges.hierarchy import NodeTopology, resolve_hierarchy
 
 NODE = {"hierarchy": "node"}
 ADAM = {"adam_warmup_steps": 4}

@@ -1,4 +1,4 @@
-"""The two-level exchange with a sparse node reduction (lightning_gc.hierarchy_sparse) on gloo
+"""The two-level exchange with a sparse node reduction (lightning_gc.exchanges.hierarchy_sparse) on gloo
 processes as 2 nodes x 2 devices (and 2 x 4), and its slice layout in one process."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import torch
 from conftest import launch_ranks
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy
-from lightning_gc.checkpoint import IncompatibleCheckpoint
 from lightning_gc.compressors.registry import create
-from lightning_gc.hierarchy import NodeHierarchy, NodeTopology, resolve_hierarchy
-from lightning_gc.hierarchy_sparse import NodeMean, SparseNodeHierarchy, _NodePairs
-from lightning_gc.hook import CompressionHookState
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.settings import CompressionSettings
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.exchanges.hierarchy import NodeHierarchy, NodeTopology, resolve_hierarchy
+from lightning_gc.exchanges.hierarchy_sparse import NodeMean, SparseNodeHierarchy, _NodePairs
+from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint
+from lightning_gc.runtime.hook import CompressionHookState
+from lightning_gc.runtime.settings import CompressionSettings
 
 SPARSE_NODE = {"hierarchy": "node_sparse"}
 DGC = {"compressor": "dgc", "optimizer": "sgd", "steps": 12, "kwargs": {"compress_ratio": 0.05}}

@@ -63,9 +63,9 @@ def test_compensate_kernel_equals_reference(numel: int, dtype: torch.dtype, vari
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_memory_compensate_is_the_same_on_either_backend(nesterov: bool) -> None:
-    from lightning_gc.layout import BucketLayout
-    from lightning_gc.memory import CompensationMemory
-    from lightning_gc.momentum import MomentumSpec
+    from lightning_gc.common.layout import BucketLayout
+    from lightning_gc.core.memory import CompensationMemory
+    from lightning_gc.core.momentum import MomentumSpec
 
     shapes = [(33, 31), (7,), (5, 40), (64,)]
     params = [torch.nn.Parameter(torch.randn(*shape, device=DEVICE)) for shape in shapes]

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors.base import Encoded
-from lightning_gc.layout import BucketLayout
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.core.momentum import MomentumSpec
 
 
 def _layout(index: int, params: list[torch.nn.Parameter], names: dict[int, tuple[str, int]]) -> BucketLayout:

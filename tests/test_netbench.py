@@ -14,8 +14,8 @@ import pytest
 from benchmarks.netbench import report
 from benchmarks.netbench.launch import Node, run_mode
 from benchmarks.netbench.models import gradient_shapes
-from lightning_gc.calibration import layout_of_shapes
 from lightning_gc.compressors import create
+from lightning_gc.perfmodel.calibration import layout_of_shapes
 
 STEPS, WARMUP, BATCH = 2, 2, 4
 

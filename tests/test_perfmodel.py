@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gc import calibration
 from lightning_gc.compressors import available, create
 from lightning_gc.perfmodel import (
     CodecCost,
@@ -19,6 +18,7 @@ from lightning_gc.perfmodel import (
     Workload,
     allgather_s,
     best,
+    calibration,
     comm_s,
     exchange_bytes,
     gather_loses_to_dense_at,

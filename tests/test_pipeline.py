@@ -1,4 +1,4 @@
-"""The per-bucket pipeline on one process, with the local stand-in exchange (lightning_gc.pipeline)."""
+"""The per-bucket pipeline on one process, with the local stand-in exchange (lightning_gc.exchanges.pipeline)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch.futures import Future
 
-from lightning_gc.calibration import layout_of_shapes
 from lightning_gc.compressors import create
-from lightning_gc.exchange import Exchange, LocalExchange
-from lightning_gc.guard import StepGuard
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec
-from lightning_gc.pipeline import EXCHANGE, BucketStep, RoundQueue, Timeline, run_bucket
+from lightning_gc.core.guard import StepGuard
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.core.momentum import MomentumSpec
+from lightning_gc.exchanges.pipeline import EXCHANGE, BucketStep, RoundQueue, Timeline, run_bucket
+from lightning_gc.exchanges.transport import Exchange, LocalExchange
+from lightning_gc.perfmodel.calibration import layout_of_shapes
 
 SHAPES = [(64, 50), (50,), (30, 40)]
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from test_hook_reference import make_model
 
+from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors import PowerSGDCompressor
 from lightning_gc.compressors.base import EncodeContext
 from lightning_gc.compressors.powersgd import orthonormalise_
-from lightning_gc.layout import BucketLayout
 
 
 def _layout(*shapes: tuple[int, ...]) -> BucketLayout:

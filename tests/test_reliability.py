@@ -13,11 +13,11 @@ import torch
 from conftest import REPO, launch_ranks, start_ranks
 
 from lightning_gc import available
-from lightning_gc.checkpoint import CHECKPOINT_KEY
 from lightning_gc.compressors import DGCCompressor, create
-from lightning_gc.guard import StepGuard
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec
+from lightning_gc.core.guard import StepGuard
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.core.momentum import MomentumSpec
+from lightning_gc.runtime.checkpoint import CHECKPOINT_KEY
 
 SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
 SMALL = {"hidden": [64], **SGD}
@@ -177,7 +177,7 @@ def test_non_finite_gradient_raises_naming_the_parameter(tmp_path: Path) -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_the_finiteness_screen_sees_any_single_bad_element(dtype: torch.dtype, bad: float) -> None:
-    from lightning_gc.guard import all_finite
+    from lightning_gc.core.guard import all_finite
 
     values = torch.randn(10_001, generator=torch.Generator().manual_seed(0)).to(dtype) * 1e3
     values[0], values[1] = torch.finfo(dtype).max, torch.finfo(dtype).min  # finite extremes: no false alarm
@@ -196,8 +196,8 @@ def test_zero_size_parameters_pass_every_compressor_and_a_nan_is_still_named(tmp
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_gc.compressors import create
-    from lightning_gc.hook import CompressionHookState, compression_hook
-    from lightning_gc.memory import CompensationMemory
+    from lightning_gc.core.memory import CompensationMemory
+    from lightning_gc.runtime.hook import CompressionHookState, compression_hook
 
     class WithEmpty(torch.nn.Module):
         def __init__(self) -> None:
@@ -271,7 +271,7 @@ def test_non_finite_steps_are_skipped_on_every_rank_and_rolled_back(run_ranks) -
 def test_the_guard_rolls_memory_back_exactly(world_of_one: None) -> None:
     params = [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(30))]
     names = {id(p): (f"p{i}", i) for i, p in enumerate(params)}
-    from lightning_gc.layout import BucketLayout
+    from lightning_gc.common.layout import BucketLayout
 
     layout = BucketLayout.build(0, params, names, 1230)
     memory = CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
@@ -310,7 +310,7 @@ def test_ranks_set_up_differently_fail_at_setup_naming_the_difference(tmp_path: 
 
 def test_a_checkpoint_of_another_format_is_refused_naming_both(tmp_path: Path) -> None:
     from lightning_gc import GradientCompressionStrategy
-    from lightning_gc.checkpoint import CHECKPOINT_FORMAT
+    from lightning_gc.runtime.checkpoint import CHECKPOINT_FORMAT
 
     path = tmp_path / "future.ckpt"
     torch.save({CHECKPOINT_KEY: {"format": CHECKPOINT_FORMAT + 1, "world_size": 1, "ranks": [{}]}}, path)
@@ -321,7 +321,7 @@ def test_a_checkpoint_of_another_format_is_refused_naming_both(tmp_path: Path) -
 def test_identical_non_finite_parameters_are_not_called_a_divergence(tmp_path: Path) -> None:
     import torch.distributed as dist
 
-    from lightning_gc.consistency import verify_same_parameters
+    from lightning_gc.runtime.consistency import verify_same_parameters
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -501,10 +501,10 @@ def test_a_checkpoint_resumes_only_with_the_compressor_and_momentum_correction_t
     """A DGC memory holds momentum-corrected velocity: read as plain residuals (or by another
     compressor, whose state and residual terms differ) the run would not continue exactly, so the
     resume is refused naming both values; entries written before the record resume with any."""
-    from lightning_gc.checkpoint import CHECKPOINT_FORMAT, IncompatibleCheckpoint
     from lightning_gc.compressors.registry import create as create_compressor
-    from lightning_gc.session import CompressionSession
-    from lightning_gc.settings import CompressionSettings
+    from lightning_gc.runtime.checkpoint import CHECKPOINT_FORMAT, IncompatibleCheckpoint
+    from lightning_gc.runtime.session import CompressionSession
+    from lightning_gc.runtime.settings import CompressionSettings
 
     def entry(compressor: str, saved: dict) -> dict:
         rank = {"step": 5, "memory": {}, "compressor": {}, "resume_settings": saved}

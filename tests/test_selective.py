@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from lightning_gc.calibration import layout_of_shapes
 from lightning_gc.compressors import create
 from lightning_gc.compressors.simple import NoCompressor
-from lightning_gc.hook import CompressionHookState
-from lightning_gc.memory import CompensationMemory
+from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.perfmodel import Network
-from lightning_gc.policy import agreed
-from lightning_gc.selective import CompressWhenFaster
+from lightning_gc.perfmodel.calibration import layout_of_shapes
+from lightning_gc.runtime.hook import CompressionHookState
+from lightning_gc.runtime.policy import agreed
+from lightning_gc.runtime.selective import CompressWhenFaster
 
 LAYOUT = layout_of_shapes([(1000, 1000)])  # 4 MB of fp32 gradient
 DGC = create("dgc", compress_ratio=0.001)  # 8 kB on the wire

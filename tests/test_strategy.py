@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_gc import DGCStrategy
-from lightning_gc.checkpoint import CHECKPOINT_KEY
+from lightning_gc.runtime.checkpoint import CHECKPOINT_KEY
 
 
 def test_names_are_registered_once_and_reregistration_is_harmless() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gc.checkpoint import CHECKPOINT_KEY
+from lightning_gc.runtime.checkpoint import CHECKPOINT_KEY
 from recipes.quickstart import NUM_CLASSES, NUM_FEATURES
 
 SGD = {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}

@@ -12,13 +12,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gc
 from lightning_gc import GradientCompressionStrategy
-from lightning_gc.calibration import time_codec
-from lightning_gc.checkpoint import IncompatibleCheckpoint
+from lightning_gc.common.layout import BucketLayout, Segment, chunk_segments, packed_layout
 from lightning_gc.compressors import registry
 from lightning_gc.compressors.base import EncodeContext, Encoded, compressible
 from lightning_gc.compressors.two_phase import EXCHANGES, two_phase_compressors
-from lightning_gc.exchange import LocalExchange, traffic_bytes
-from lightning_gc.layout import BucketLayout, Segment, chunk_segments, packed_layout
+from lightning_gc.exchanges.transport import LocalExchange, traffic_bytes
+from lightning_gc.perfmodel.calibration import time_codec
+from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint
 
 SHAPES = [(30, 20), (50,), (7, 9), (100,), (16, 16)]
 ALL_2D = {"min_compress_numel": 1}  # quantise every tensor of SHAPES with more than one dimension

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_gc.usage import GradientUsage
+from lightning_gc.runtime.usage import GradientUsage
 
 
 def test_a_zeroed_gradient_is_not_a_use_and_each_take_starts_afresh() -> None:

@@ -86,8 +86,8 @@ def test_the_ratio_set_reaches_the_next_encode() -> None:
     """A ratio changed between epochs makes the compressor plan afresh: each stage sends its own k."""
     import torch
 
+    from lightning_gc.common.layout import BucketLayout, Segment
     from lightning_gc.compressors import EncodeContext
-    from lightning_gc.layout import BucketLayout, Segment
 
     layout = BucketLayout(index=0, segments=(Segment("w", 0, 0, (64, 64)),), param_ids=(0,))
     trainer = _fake_trainer(epoch=0, step=0, ratio=0.001)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gc.momentum import LEGACY_GROUP_KEY, MomentumSpec, momentum_free, sgd_momentum_specs
+from lightning_gc.core.momentum import LEGACY_GROUP_KEY, MomentumSpec, momentum_free, sgd_momentum_specs
 
 
 def _sgd(**kwargs: object) -> torch.optim.SGD:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors import DGCCompressor, TopKCompressor, create
 from lightning_gc.compressors.base import GATHER_BELOW, DenseBlock, EncodeContext
 from lightning_gc.compressors.wire import (
@@ -19,9 +20,8 @@ from lightning_gc.compressors.wire import (
     elias_fano_bits,
     low_bits,
 )
-from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.core.momentum import MomentumSpec
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NARROW = {"index_encoding": "elias_fano", "value_dtype": "float16", "dense_dtype": "float16"}
@@ -367,7 +367,7 @@ def test_options_reach_config_and_accept_torch_dtypes() -> None:
 @pytest.fixture(scope="module")
 def resnet50_layout() -> BucketLayout:
     torchvision = pytest.importorskip("torchvision")
-    from lightning_gc.calibration import layout_of_shapes, module_shapes
+    from lightning_gc.perfmodel.calibration import layout_of_shapes, module_shapes
 
     with torch.device("meta"):
         model = torchvision.models.resnet50()

@@ -12,12 +12,12 @@
   bfloat16 dense tensors (the ResNet-50 recipe's settings);
 * ``<gc mode>_2p`` / ``<gc mode>_gtopk`` -- a ``gc_*`` mode with ``exchange="two_phase"`` (the
   quantisers' compressed all-reduce) / ``exchange="global_topk"`` (topk and DGC);
-* ``<gc mode>_delay1`` -- any ``gc_*`` mode with ``delay=1`` (:mod:`lightning_gc.delay`): each
+* ``<gc mode>_delay1`` -- any ``gc_*`` mode with ``delay=1`` (:mod:`lightning_gc.exchanges.delay`): each
   step applies the previous step's average and its own exchange overlaps the next step;
-* ``<gc mode>_node`` -- any ``gc_*`` mode with ``hierarchy="node"`` (:mod:`lightning_gc.hierarchy`):
+* ``<gc mode>_node`` -- any ``gc_*`` mode with ``hierarchy="node"`` (:mod:`lightning_gc.exchanges.hierarchy`):
   dense within a node, compressed across nodes (with ``--devices-per-node`` > 1);
   ``<gc mode>_delay1_node`` both; ``<gc mode>_nodesparse`` -- ``hierarchy="node_sparse"``
-  (:mod:`lightning_gc.hierarchy_sparse`, DGC and top-k): global top-k within a node, the node's
+  (:mod:`lightning_gc.exchanges.hierarchy_sparse`, DGC and top-k): global top-k within a node, the node's
   pairs gathered across nodes;
 * ``ideal`` -- one process, no distributed strategy at all (handled by the launcher).
 """

@@ -8,7 +8,7 @@ Per mode, what each rank sends and what encoding/decoding costs it per step:
 * ``torch_powersgdR``: matrices torch would compress send ``(n + m) R`` values (P, then Q),
   the rest dense; codec = timed error feedback, ``P = MQ``, QR of P, ``Q = M^T P``, ``PQ^T``;
   one bucket is ready only when backward ends, so nothing overlaps (``f = 0``);
-* ``gc_<name>``: :func:`lightning_gc.calibration.codec_cost` on the model's parameter shapes and
+* ``gc_<name>``: :func:`lightning_gc.perfmodel.calibration.codec_cost` on the model's parameter shapes and
   its real gradients on four synthetic batches (the DGC modes with momentum correction at 0.9, as
   the benchmark trains); ``gc_<name>_delay1`` costs the same and is predicted with
   ``Workload(delay=1)``: the whole next step can hide its exchange.
@@ -33,8 +33,7 @@ import torch
 
 from benchmarks.netbench.models import BenchModule, gradient_shapes, synthetic_batches
 from benchmarks.netbench.modes import DGC_MODES, IDEAL, split_delay, split_mode
-from lightning_gc import calibration
-from lightning_gc.perfmodel import CodecCost, Network, Prediction, Workload, predict
+from lightning_gc.perfmodel import CodecCost, Network, Prediction, Workload, calibration, predict
 
 ELEMENT_SIZE = 4
 DDP_BUCKET_BYTES = 25 * 2**20

@@ -2,7 +2,7 @@
 
 A compressor turns one bucket's compensated velocity into what this rank hands to the
 collectives, and turns what came back into the averaged dense gradient. It never calls a
-collective itself (see :mod:`lightning_gc.comm`) and never touches memory: it reports what it
+collective itself (see :mod:`lightning_gc.exchanges.comm`) and never touches memory: it reports what it
 sent, and the hook tells the memory.
 
 Payloads come in two kinds, and one bucket may use both:
@@ -22,7 +22,7 @@ A compressor may need several rounds of communication per bucket (PowerSGD all-r
 Q computed from the reduced P). Its :meth:`Compressor.encode` then returns the first round with
 ``next_round`` set; the hook completes each round's collectives *from the hook itself* before
 asking for the next, so every rank issues every collective in the same order (see
-:mod:`lightning_gc.comm`). Only the last round is left in flight for DDP to overlap.
+:mod:`lightning_gc.exchanges.comm`). Only the last round is left in flight for DDP to overlap.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from lightning_gc.layout import BucketLayout, Segment, segment_positions
-from lightning_gc.validation import check_range
+from lightning_gc.common.layout import BucketLayout, Segment, segment_positions
+from lightning_gc.common.validation import check_range
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Encoded:
         commit_after_decode: memory learns what was sent only after :meth:`Compressor.decode`
             (``dense_sent`` is filled there), for compressors whose residual depends on the
             aggregate (PowerSGD's ``e = M - P Q_avg^T``).
-        stand_in: for exchanges without collectives (:class:`~lightning_gc.exchange.LocalExchange`):
+        stand_in: for exchanges without collectives (:class:`~lightning_gc.exchanges.transport.LocalExchange`):
             fills ``gathered_out`` / ``scattered_out`` with what ranks holding this rank's velocity
             would send, where a copy of this rank's own payload is no valid message (a two-phase
             round's rows each have their chunk's format); ``None``: the copy is one.
@@ -428,7 +428,7 @@ class Compressor(ABC):
     the row from what encode kept (float32 buckets), ``N - 1`` decodes (calibration scales by it)."""
     needs_whole_tensors: ClassVar[bool] = False
     """Whether encoding needs each tensor whole, in its shape (PowerSGD's matrices), so that it
-    cannot work on the 1-D pieces a hierarchical exchange cuts (:mod:`lightning_gc.hierarchy`)."""
+    cannot work on the 1-D pieces a hierarchical exchange cuts (:mod:`lightning_gc.exchanges.hierarchy`)."""
     arguments: ClassVar[tuple[str, ...]] = ()
     """The constructor arguments :meth:`config` records, each read back from the attribute of
     that name (in this order, after ``name``)."""

@@ -1,7 +1,7 @@
 """Deep Gradient Compression's sparsifier: top-k chosen through a sampled threshold (Lin et al., 2018).
 
 Momentum correction, momentum factor masking and local clipping live in
-:class:`lightning_gc.memory.CompensationMemory`; this module only decides *which* values leave.
+:class:`lightning_gc.core.memory.CompensationMemory`; this module only decides *which* values leave.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from lightning_gc import kernels
+from lightning_gc.common.validation import check_range
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
 from lightning_gc.kernels import SegmentedTopK, SelectionScratch
-from lightning_gc.validation import check_range
 
 
 @register

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_gc.common.layout import BucketLayout, Segment
+from lightning_gc.common.validation import check_choice, check_int
 from lightning_gc.compressors import rangefloat
 from lightning_gc.compressors.base import (
     AdjustableRatio,
@@ -48,8 +50,6 @@ from lightning_gc.compressors.base import (
 )
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange
-from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.validation import check_choice, check_int
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_gc.common.layout import Segment, segment_positions
 from lightning_gc.compressors.base import DensePart, EncodeContext, Encoded, PeerTransfer
 from lightning_gc.compressors.wire import SparseWireFormat
-from lightning_gc.layout import Segment, segment_positions
 
 EXCHANGES = ("gather", "global_topk")
 """``exchange`` choices of the sparse compressors: every rank's pairs all-gathered, or the

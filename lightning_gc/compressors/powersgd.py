@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 
+from lightning_gc.common.flatstate import copy_into
+from lightning_gc.common.layout import BucketLayout, Segment
+from lightning_gc.common.validation import check_bool, check_int, check_range
 from lightning_gc.compressors.base import (
     DensePart,
     EncodeContext,
@@ -39,9 +42,6 @@ from lightning_gc.compressors.base import (
     encode_whole_bucket,
 )
 from lightning_gc.compressors.registry import register
-from lightning_gc.flatstate import copy_into
-from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.validation import check_bool, check_int, check_range
 
 _SEED_PARAM, _SEED_STEP = 1_000_003, 7_919
 

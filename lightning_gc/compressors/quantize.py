@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_gc import kernels
+from lightning_gc.common.layout import BucketLayout, Segment
+from lightning_gc.common.validation import check_int
 from lightning_gc.compressors.base import (
     DenseBlock,
     EncodeContext,
@@ -56,8 +58,6 @@ from lightning_gc.compressors.base import (
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange, encode_seed
 from lightning_gc.kernels.packing import packed_bytes, select_by_block, set_bits_per_block, sign_select
-from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.validation import check_int
 
 DEFAULT_CHUNK = 512
 """Elements sharing one scale in the unbiased quantisers by default (the QSGD paper's bucket size)."""

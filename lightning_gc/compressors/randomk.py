@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_gc.common.layout import BucketLayout, Segment, segment_positions
+from lightning_gc.common.validation import check_bool, check_int
 from lightning_gc.compressors.base import (
     AdjustableRatio,
     EncodeContext,
@@ -28,8 +30,6 @@ from lightning_gc.compressors.base import (
 )
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.rng import counter_uniform
-from lightning_gc.layout import BucketLayout, Segment, segment_positions
-from lightning_gc.validation import check_bool, check_int
 
 _SEED_STEP = 1_000_003
 

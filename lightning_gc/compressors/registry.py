@@ -9,8 +9,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, TypeVar
 
+from lightning_gc.common.validation import check_choice
 from lightning_gc.compressors.base import Compressor
-from lightning_gc.validation import check_choice
 
 C = TypeVar("C", bound=type[Compressor])
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors.base import (
     DenseBlock,
     EncodeContext,
@@ -22,7 +23,6 @@ from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
 from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange
 from lightning_gc.kernels import topk_indices
-from lightning_gc.layout import BucketLayout, Segment
 
 
 class _DenseChunks(TwoPhaseExchange):

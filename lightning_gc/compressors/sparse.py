@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_gc import kernels
+from lightning_gc.common.layout import BucketLayout, Segment
+from lightning_gc.common.validation import check_choice, check_int
 from lightning_gc.compressors.base import (
     AdjustableRatio,
     DensePart,
@@ -45,8 +47,6 @@ from lightning_gc.compressors.base import (
 from lightning_gc.compressors.global_topk import EXCHANGES, GlobalTopKPlan
 from lightning_gc.compressors.wire import INDEX_ENCODINGS, VALUE_DTYPES
 from lightning_gc.kernels.selection import SegmentedTopK, for_each_segment
-from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.validation import check_choice, check_int
 
 _SALT_STEP = 1_000_003  # distinct steps must map far apart before the per-parameter offset is added
 
@@ -198,7 +198,7 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
     def plan_with(self, layout: BucketLayout, like: torch.Tensor, world_size: int, *, exchange: str) -> SparsePlan:
         """A fresh plan of ``layout`` for ``exchange`` (one of :data:`EXCHANGES`), whatever this
         compressor's own: a two-level exchange agrees positions within a node by global top-k
-        while the compressor gathers across nodes (:mod:`lightning_gc.hierarchy_sparse`)."""
+        while the compressor gathers across nodes (:mod:`lightning_gc.exchanges.hierarchy_sparse`)."""
         compressed, dense, total_k = self._split(layout)
         device = like.device
         dense_all = not compressed

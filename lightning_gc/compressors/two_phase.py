@@ -24,25 +24,25 @@ what re-encoding the mean dropped
 (``server_feedback``; by default on for ``fft`` only, see
 :attr:`TwoPhaseExchange.server_feedback_default`). It lives on the rank that owns the chunk,
 and only for that chunk (``1/N`` of the bucket): this rank's piece of each tensor, stored by
-parameter name like the memory's residuals (:class:`~lightning_gc.flatstate.FlatState`: it survives
+parameter name like the memory's residuals (:class:`~lightning_gc.common.flatstate.FlatState`: it survives
 DDP's bucket rebuild) and returned by :meth:`~lightning_gc.compressors.base.Compressor.state_dict`,
 so checkpoints hold it per rank and a resume is exact. (DeepSpeed resets both buffers on load.) A
 resume with another world size is refused by the checkpoint, as for every per-rank state.
 
 Bytes per rank: phase 1 sends ``N-1`` rows of one chunk's payload ``P ~ M/(cN)`` (its own stays),
 phase 2 one row: ``N P ~ M/c`` reported as sent, as the gathered form reports its payload. On the
-wire (:func:`~lightning_gc.exchange.traffic_bytes`) phase 2's row goes to ``N-1`` peers:
+wire (:func:`~lightning_gc.exchanges.transport.traffic_bytes`) phase 2's row goes to ``N-1`` peers:
 ``2 (N-1)/N M/c`` in all, flat in ``N``, against ``(N-1) M/c`` for the gathered form. Every chunk's payload is padded to
 the largest, ``P``; scales are per piece (``N`` times a per-tensor codec's, a few bytes each).
 
 Memory: what the owner computes on its chunk (sum, mean, re-encoded mean, server error) lives in
-runs of the chunk's size, its pieces packed back to back (:func:`~lightning_gc.layout.packed_layout`;
+runs of the chunk's size, its pieces packed back to back (:func:`~lightning_gc.common.layout.packed_layout`;
 its payload format is the chunk's, byte for byte). The bucket-sized buffers are this rank's decoded
 contribution (the memory's error feedback needs it whole) and, below float32, decode's float32 sums.
 
 The cost: the first phase must arrive before the owner averages; the comm hook waits for it at
 the next bucket's hook, after launching that bucket's first phase (as for PowerSGD's first round:
-every rank launches every collective from the hooks, in one order; :mod:`lightning_gc.pipeline`),
+every rank launches every collective from the hooks, in one order; :mod:`lightning_gc.exchanges.pipeline`),
 and the owner re-encodes its chunk. The last bucket's phases cannot hide behind backward. With
 ``exchange="auto"`` the two-phase form is used from ``N = 3`` on: at ``N = 2`` both send the same
 bytes and the gathered form needs one collective less.
@@ -60,12 +60,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_gc.checkpoint import IncompatibleCheckpoint
+from lightning_gc.common.errors import IncompatibleCheckpoint
+from lightning_gc.common.flatstate import FlatState
+from lightning_gc.common.layout import BucketLayout, Segment, chunk_segments, packed_layout
+from lightning_gc.common.validation import check_bool, check_choice
 from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache, aligned, summing_dtype
 from lightning_gc.compressors.registry import available, compressor_class
-from lightning_gc.flatstate import FlatState
-from lightning_gc.layout import BucketLayout, Segment, chunk_segments, packed_layout
-from lightning_gc.validation import check_bool, check_choice
 
 EXCHANGES = ("gather", "two_phase", "auto")
 """``exchange`` choices: the gathered payload (every rank's), the two-phase compressed all-reduce,
@@ -106,7 +106,7 @@ class ChunkCodec(ABC):
         self, values: torch.Tensor, fmt: ChunkFormat, payload: torch.Tensor, decoded: torch.Tensor, seed: int
     ) -> None:
         """Encode ``fmt``'s segments of ``values`` (the flat run they address: a bucket, or a chunk
-        packed by :func:`~lightning_gc.layout.packed_layout`) into ``payload`` (uint8, ``fmt.nbytes``)
+        packed by :func:`~lightning_gc.common.layout.packed_layout`) into ``payload`` (uint8, ``fmt.nbytes``)
         and write what receivers will decode into the same segments of ``decoded``; ``seed`` (plus
         each tensor's order) salts random rounding. The payload depends on the segments' names,
         orders and shapes, never on their starts: a chunk encodes alike at bucket positions and packed."""

@@ -47,7 +47,7 @@ On a slow link ``T_host`` is a small part of ``T_comm`` and changes little; on a
 exchange is all host time and nothing of it is hidden. ``H = None`` (the default) means the
 transport has resources of its own (NCCL on a GPU, a spare core): ``T_host = 0``.
 
-Delayed synchronisation (``Workload.delay >= 1``, :mod:`lightning_gc.delay`): the exchange of
+Delayed synchronisation (``Workload.delay >= 1``, :mod:`lightning_gc.exchanges.delay`): the exchange of
 step t runs while step t+1 computes, so all of ``C`` can hide it, not only ``f C``::
 
     step(delayed) = C + T_enc + T_dec + T_host + max(0, T_comm - T_host - C)
@@ -57,7 +57,7 @@ Compression pays exactly when ``T_enc + T_dec + T_host + max(0, T_comm - T_host 
 below the same sum for dense DDP (``T_enc = T_dec = 0``, ``T_comm = T_ar(M)``).
 The world of one rank exchanges nothing: every ``T`` is 0 for ``p = 1``.
 
-``T_enc`` and ``T_dec`` come from :mod:`lightning_gc.calibration` (the real compressor timed on
+``T_enc`` and ``T_dec`` come from :mod:`lightning_gc.perfmodel.calibration` (the real compressor timed on
 this device) or are given. The model is checked against measured two-node runs by
 ``benchmarks/netbench``; it is a model, not a measurement. Command line:
 ``python -m lightning_gc.perfmodel --help`` (:mod:`lightning_gc.perfmodel.__main__`).
@@ -70,22 +70,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_gc.validation import check_choice, check_int, check_range
+from lightning_gc.common.validation import check_int, check_range
+from lightning_gc.exchanges.traffic import ALLREDUCE, GATHER, PEER, TWO_PHASE, exchange_bytes
 
 DENSE = "dense"
 """Name of the reference: plain DDP ring all-reduce, no encode/decode."""
 
 BITS_PER_BYTE = 8
-
-ALLREDUCE = "allreduce"
-"""Exchange of a summable payload: ring all-reduce (``CodecCost.summed_bytes``)."""
-GATHER = "gather"
-"""Exchange of a payload that cannot be summed: all-gather (``CodecCost.gathered_bytes``)."""
-TWO_PHASE = "two_phase"
-"""All-to-all of chunks, decode + average + re-encode, all-gather (``CodecCost.two_phase_bytes``)."""
-PEER = "peer"
-"""Point-to-point rounds, one partner each (``CodecCost.peer_bytes`` over ``peer_messages`` rounds)."""
-EXCHANGES = (ALLREDUCE, GATHER, TWO_PHASE, PEER)
 
 
 @dataclass(frozen=True)
@@ -140,7 +131,7 @@ class Workload:
             (part of backward), in [0, 1].
         element_size: bytes per gradient element (4 for fp32).
         rounds: collective rounds per step ``n`` (DDP buckets), >= 1.
-        delay: steps between a step's exchange and its use (:mod:`lightning_gc.delay`), >= 0.
+        delay: steps between a step's exchange and its use (:mod:`lightning_gc.exchanges.delay`), >= 0.
             With a delay the exchange of step t runs while step t+1 computes: the whole of ``C``
             can hide it, ``step = max(C, T_comm - T_host) + T_enc + T_dec + T_host``.
     """
@@ -190,7 +181,7 @@ class CodecCost:
             still waits for the payload).
         peer_messages: point-to-point rounds in sequence per bucket (each costs a latency).
         decode_timed_ranks: when calibration decoded fewer payloads than the world has, how many
-            (``decode_s`` is then scaled in proportion, see :mod:`lightning_gc.calibration`);
+            (``decode_s`` is then scaled in proportion, see :mod:`lightning_gc.perfmodel.calibration`);
             0 when ``decode_s`` was timed or given as it is.
     """
 
@@ -325,21 +316,6 @@ def peer_s(nbytes: float, network: Network, rounds: int = 1, messages: int = 1) 
 
 
 _EXCHANGE_S = {ALLREDUCE: ring_allreduce_s, GATHER: allgather_s, TWO_PHASE: two_phase_s}
-
-
-def exchange_bytes(kind: str, payload_bytes: float, world_size: int) -> float:
-    """Bytes one rank sends to exchange ``m = payload_bytes`` on ``p = world_size`` ranks:
-    ``"allreduce"`` ``2(p-1)/p * m`` (ring), ``"gather"`` ``(p-1) * m``, ``"two_phase"``
-    ``(p-1)/p * m + (p-1) * m/p = 2(p-1)/p * m`` (padding-free chunks), ``"peer"`` ``m`` (the
-    point-to-point payloads, one per round); 0 for ``p = 1``."""
-    check_choice("exchange", kind, EXCHANGES)
-    check_int("world_size", world_size, 1)
-    p = world_size
-    if p == 1:
-        return 0.0
-    if kind == PEER:
-        return float(payload_bytes)
-    return (p - 1) * payload_bytes if kind == GATHER else 2 * (p - 1) / p * payload_bytes
 
 
 def gather_loses_to_dense_at(compression: float) -> int:

@@ -11,7 +11,7 @@ time is too low: on a 2-core VM with 32 MiB of L3, timing 2**23 elements and sca
 came within 0.8-1.0x of timing all 25.6 M (fp16, PowerSGD, top-k, DGC), but 2**20 elements gave
 0.24x for fp16. A world of more than 4 ranks whose gathered payloads are slow to decode (the
 quantisers) has its decode timed on 4 ranks' payloads and scaled to ``--world-size`` (one decode
-per payload: :mod:`lightning_gc.calibration`), which the output names. Timings are cached per
+per payload: :mod:`lightning_gc.perfmodel.calibration`), which the output names. Timings are cached per
 machine, torch version and settings in ``$XDG_CACHE_HOME/lightning_gc/perfmodel.json``
 (``--cache``, or ``--no-cache``). The output says which costs were timed and which were given.
 Bad values exit with status 2 and a message naming the option, the value and the valid range.
@@ -37,7 +37,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from lightning_gc import calibration
+from lightning_gc.common.validation import check_choice, check_int, check_range
 from lightning_gc.compressors.registry import available, create
 from lightning_gc.compressors.two_phase import two_phase_compressors
 from lightning_gc.perfmodel import (
@@ -48,11 +48,11 @@ from lightning_gc.perfmodel import (
     Prediction,
     Workload,
     best,
+    calibration,
     parse_rate,
     predict,
     two_phase_cost,
 )
-from lightning_gc.validation import check_choice, check_int, check_range
 
 
 def two_phase_row(name: str, cost: CodecCost, arguments: dict[str, Any], world_size: int) -> CodecCost | None:

@@ -40,8 +40,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from lightning_gc.common.validation import check_int, check_range
 from lightning_gc.perfmodel import Network, allgather_s, ring_allreduce_s
-from lightning_gc.validation import check_int, check_range
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def hierarchical_topk(nbytes: float, compression: float, cluster: Cluster, value
 
 
 def sparse_node_gather(nbytes: float, compression: float, cluster: Cluster, values: float = 0.5) -> SchemeTime:
-    """``hierarchy="node_sparse"`` (:mod:`lightning_gc.hierarchy_sparse`): within the node, ``log2 L``
+    """``hierarchy="node_sparse"`` (:mod:`lightning_gc.exchanges.hierarchy_sparse`): within the node, ``log2 L``
     merge rounds of ``m`` bytes and a ring all-reduce of the agreed values (``values`` of ``m``);
     across nodes, local rank ``l`` all-gathers its ``m/L`` slice of the node's pairs among the ``K``
     nodes (the ``L`` rings share the NIC, which carries ``(K-1) m``, independent of ``L``); within

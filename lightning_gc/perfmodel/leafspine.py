@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_gc.validation import check_int, check_range
+from lightning_gc.common.validation import check_int, check_range
 
 Flow = tuple[int, int, float]
 """``(src_node, dst_node, bytes)``."""

@@ -43,7 +43,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy, SparsityWarmup
-from lightning_gc.teardown import shut_down_process_group
+from lightning_gc.runtime.teardown import shut_down_process_group
 from recipes.quickstart import NUM_CLASSES, DigitsClassifier, DigitsDataModule
 
 # as the launcher set them (Lightning rewrites WORLD_SIZE and friends once a fit has run)
@@ -166,7 +166,7 @@ class RewritesItsOptimizer(DigitsClassifier):
 
 
 class FrozenVarianceAdamW(torch.optim.AdamW):
-    """Reference, written independently of lightning_gc.handover: AdamW for the first
+    """Reference, written independently of lightning_gc.core.handover: AdamW for the first
     ``freeze_after`` steps, then ``exp_avg <- b1 exp_avg + (1 - b1) g`` over the second moment
     as it was (bias-corrected as at the freeze; where it is 0, the tensor's mean), with AdamW's
     decoupled decay."""

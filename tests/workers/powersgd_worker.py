@@ -20,8 +20,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import PowerSGDCompressor
-from lightning_gc.hook import CompressionHookState, compression_hook
-from lightning_gc.memory import CompensationMemory
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.runtime.hook import CompressionHookState, compression_hook
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rank_setup import run_gloo_rank

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_gc.teardown import shut_down_process_group
+from lightning_gc.runtime.teardown import shut_down_process_group
 
 
 def run_gloo_rank(body: Callable[[dict[str, Any], int], None]) -> None:
@@ -25,7 +25,7 @@ def run_gloo_rank(body: Callable[[dict[str, Any], int], None]) -> None:
     unreachable once it returns or raises; the group is then destroyed and that garbage collected,
     so the group's worker threads are joined now and not by interpreter finalization, where one
     still holding a collective aborts the process ("terminate called without an active exception",
-    see :mod:`lightning_gc.teardown`). A body that raised prints its traceback and exits with 1."""
+    see :mod:`lightning_gc.runtime.teardown`). A body that raised prints its traceback and exits with 1."""
     torch.set_num_threads(1)
     with open(sys.argv[1]) as f:
         plan = json.load(f)

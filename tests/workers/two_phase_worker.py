@@ -18,8 +18,8 @@ from rank_setup import run_gloo_rank
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import registry
-from lightning_gc.hook import CompressionHookState, compression_hook
-from lightning_gc.settings import CompressionSettings
+from lightning_gc.runtime.hook import CompressionHookState, compression_hook
+from lightning_gc.runtime.settings import CompressionSettings
 
 
 def make_model() -> torch.nn.Module:

@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 
-from lightning_gc import comm
+from lightning_gc.common.layout import BucketLayout
+from lightning_gc.common.validation import check_choice
 from lightning_gc.compressors.base import Compressor
-from lightning_gc.layout import BucketLayout
-from lightning_gc.memory import BucketMemory, CompensationMemory
-from lightning_gc.validation import check_choice
+from lightning_gc.core.memory import BucketMemory, CompensationMemory
 
 NONFINITE_POLICIES = ("raise", "skip")
 
@@ -54,7 +53,12 @@ class StepGuard:
         memory: the rank's compensation memory; each bucket's state is backed up while guarding.
         compressor: its state is snapshot at the step's first bucket and restored on a skip.
         rank: this rank, for error messages.
-        group: the process group :meth:`settle` agrees over.
+        any_rank: whether a 0-d bool tensor is true on any rank (blocking, called on every rank):
+            how :meth:`settle` agrees; the runtime passes an all-reduce over its process group.
+            Default: this rank alone (one process, or a caller that agrees by itself).
+        drain: called before a guarded step's compressor state is copied aside and before a
+            skipped step is rolled back, on every rank (e.g. to land a delayed exchange's earlier
+            steps, whose decodes still write that state).
     """
 
     def __init__(
@@ -64,23 +68,20 @@ class StepGuard:
         compressor: Compressor,
         *,
         rank: int = 0,
-        group: comm.ProcessGroup = None,
+        any_rank: Callable[[torch.Tensor], bool] | None = None,
+        drain: Callable[[], None] | None = None,
     ) -> None:
         self.policy = check_choice("nonfinite", policy, NONFINITE_POLICIES)
         self.memory = memory
         self.compressor = compressor
         self.rank = rank
-        self.group = group
+        self._any_rank = any_rank if any_rank is not None else bool
+        self._drain = drain
         self._seen: torch.Tensor | None = None  # any non-finite bucket in this step (device bool)
         self._open_at: int | None = None  # the step counter when the step's first bucket was screened
         self._compressor_snapshot: Any = None  # the compressor's state before this step; buffers reused
         self._backups: dict[int, tuple[BucketMemory, list[torch.Tensor]]] = {}  # by id(bucket); reused
         self._backed_up: set[int] = set()  # buckets whose backup holds the state before this step
-        self.before_snapshot: Callable[[], None] | None = None
-        """Called before a guarded step's compressor state is copied aside (e.g. to drain the previous
-        step's exchanges, whose decodes still write it); every rank calls it at its step's first bucket."""
-        self.before_roll_back: Callable[[], None] | None = None
-        """Called before a skipped step is rolled back (e.g. to drain exchanges still in flight)."""
 
     def guarding(self, loss_scaled: bool) -> bool:
         """Whether steps are backed up so that a non-finite one can be skipped on every rank."""
@@ -103,8 +104,8 @@ class StepGuard:
         if self.guarding(loss_scaled):
             if self._open_at is None:
                 self._open_at = step
-                if self.before_snapshot is not None:
-                    self.before_snapshot()
+                if self._drain is not None:
+                    self._drain()
                 self._compressor_snapshot = self.compressor.snapshot(self._compressor_snapshot)
             self._back_up(bucket)
             bad = finite.logical_not()
@@ -129,9 +130,9 @@ class StepGuard:
             return None
         assert self._seen is not None
         restored: int | None = None
-        if comm.any_rank(self._seen, self.group):
-            if self.before_roll_back is not None:
-                self.before_roll_back()
+        if self._any_rank(self._seen):
+            if self._drain is not None:
+                self._drain()
             self._roll_back()
             self.compressor.restore(self._compressor_snapshot)
             restored = self._open_at

@@ -1,7 +1,7 @@
 """Lightning Fabric front end: ``Fabric(strategy="dgc_ddp")`` and a ``"<name>_ddp"`` preset per compressor.
 
 The strategy is Fabric's ``DDPStrategy`` plus the plain-DDP handle of :mod:`lightning_gc.attach`
-(one :class:`~lightning_gc.session.CompressionSession` underneath all three front ends):
+(one :class:`~lightning_gc.runtime.session.CompressionSession` underneath all three front ends):
 
     fabric.setup(model, optimizer)      DDP wraps the model; the handle registers the comm hook and
                                         hands the optimizer's momentum over (one optimizer)
@@ -27,12 +27,12 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_gc.attach import AttachedCompression, build_session
-from lightning_gc.checkpoint import CHECKPOINT_KEY, no_entry_notice
+from lightning_gc.common.validation import check_timeout
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import available
-from lightning_gc.strategy import ddp_argument_names
-from lightning_gc.validation import check_timeout
+from lightning_gc.integrations.attach import AttachedCompression, build_session
+from lightning_gc.integrations.strategy import ddp_argument_names
+from lightning_gc.runtime.checkpoint import CHECKPOINT_KEY, no_entry_notice
 
 
 class FabricCompressionStrategy(DDPStrategy):
@@ -40,7 +40,7 @@ class FabricCompressionStrategy(DDPStrategy):
 
     Args:
         compressor: a registered compressor name (its arguments in ``kwargs``) or a Compressor.
-        **kwargs: the compressor's arguments, any :class:`~lightning_gc.settings.CompressionSettings`
+        **kwargs: the compressor's arguments, any :class:`~lightning_gc.runtime.settings.CompressionSettings`
             field (``momentum_correction``, ``delay``, ``nonfinite``, ...; ``"dgc"`` turns momentum
             correction on by default, as ``DGCStrategy`` does), and Fabric's ``DDPStrategy`` and
             ``DistributedDataParallel`` arguments. Unknown names raise ``ValueError`` here.

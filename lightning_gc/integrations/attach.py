@@ -1,6 +1,6 @@
 """Compressed gradient exchange in a plain ``DistributedDataParallel`` loop (torchrun, SLURM).
 
-The same :class:`~lightning_gc.session.CompressionSession` as the Lightning strategy, driven by
+The same :class:`~lightning_gc.runtime.session.CompressionSession` as the Lightning strategy, driven by
 a hand-written loop::
 
     model = DistributedDataParallel(net)                     # after init_process_group
@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors.base import AdjustableRatio, Compressor
-from lightning_gc.session import CompressionSession
-from lightning_gc.settings import CompressionSettings
-from lightning_gc.strategy import resolve_compressor
-from lightning_gc.teardown import shut_down_process_group_at_exit
+from lightning_gc.integrations.strategy import resolve_compressor
+from lightning_gc.runtime.session import CompressionSession
+from lightning_gc.runtime.settings import CompressionSettings
+from lightning_gc.runtime.teardown import shut_down_process_group_at_exit
 
 PRESET_SETTINGS: dict[str, dict[str, Any]] = {"dgc": {"momentum_correction": True}}
 """Settings a compressor's preset turns on by default (as ``DGCStrategy`` does for DGC)."""
@@ -45,7 +45,7 @@ class AttachedCompression:
     """The handle :func:`attach` returns: steps the optimizer, keeps statistics and state.
 
     Attributes:
-        session: the run's :class:`~lightning_gc.session.CompressionSession`.
+        session: the run's :class:`~lightning_gc.runtime.session.CompressionSession`.
         last_metrics: the last step's ``gc/*`` metrics (``None`` before the first exchange).
     """
 
@@ -170,7 +170,7 @@ def attach(
         devices_per_node: ranks per node, for a two-level ``hierarchy`` (default: torchrun's
             ``LOCAL_WORLD_SIZE``); ranks are numbered node by node.
         **kwargs: the compressor's arguments (e.g. ``compress_ratio``) and any
-            :class:`~lightning_gc.settings.CompressionSettings` field (``momentum_correction``,
+            :class:`~lightning_gc.runtime.settings.CompressionSettings` field (``momentum_correction``,
             ``clip_norm``, ``nonfinite``, ``delay``, ``adam_warmup_steps``, ...); ``"dgc"`` turns
             momentum correction on by default, as ``DGCStrategy`` does.
 
@@ -188,7 +188,7 @@ def build_session(
     compressor: str | Compressor, kwargs: dict[str, Any], *, owner: str, others: dict[str, set[str]] | None = None
 ) -> CompressionSession:
     """The session of a front end given a compressor (name or object) and keyword arguments: the
-    compressor's arguments and the :class:`~lightning_gc.settings.CompressionSettings` fields are
+    compressor's arguments and the :class:`~lightning_gc.runtime.settings.CompressionSettings` fields are
     taken out of ``kwargs`` (a preset's settings, e.g. DGC's momentum correction, as defaults);
     whatever remains must be a name of ``others`` (e.g. DDP's arguments) and stays in ``kwargs``.
 

@@ -1,11 +1,11 @@
 """One bucket through one step: screen -> compensate -> encode -> exchange -> decode -> commit.
 
 The one implementation of the per-bucket pipeline, driven by the comm hook with real collectives
-(:class:`~lightning_gc.exchange.CollectiveExchange`) and by calibration and the benchmarks with a
-local stand-in (:class:`~lightning_gc.exchange.LocalExchange`)::
+(:class:`~lightning_gc.exchanges.transport.CollectiveExchange`) and by calibration and the benchmarks with a
+local stand-in (:class:`~lightning_gc.exchanges.transport.LocalExchange`)::
 
-    guard.screen(g)                              non-finite policy (lightning_gc.guard)
-    v   = memory.compensate(g)                   DGC's momentum correction, clipping (lightning_gc.memory)
+    guard.screen(g)                              non-finite policy (lightning_gc.core.guard)
+    v   = memory.compensate(g)                   DGC's momentum correction, clipping (lightning_gc.core.memory)
     enc = compressor.encode(v)                   what this rank sends (lightning_gc.compressors)
     memory.commit(enc)                           v (and u) forget what was sent; momentum masking
     exchange.launch(enc)                         the collectives, from the caller, in bucket order
@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded
-from lightning_gc.exchange import Exchange
-from lightning_gc.guard import StepGuard
-from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.memory import BucketMemory, CompensationMemory
+from lightning_gc.core.guard import StepGuard
+from lightning_gc.core.memory import BucketMemory, CompensationMemory
+from lightning_gc.exchanges.transport import Exchange
 
 EXCHANGE = "exchange"
 """The phase of waiting for an earlier round's collectives: not the codec's own work."""
@@ -115,7 +115,7 @@ class BucketStep:
 
     ``finish``, when set, is work left for the caller's thread (it launches a collective, so it
     must run where the hook runs, on every rank in bucket order) before ``averaged`` can resolve:
-    a delayed two-level bucket's intra-node all-gather (:mod:`lightning_gc.hierarchy`)."""
+    a delayed two-level bucket's intra-node all-gather (:mod:`lightning_gc.exchanges.hierarchy`)."""
 
     averaged: Future[torch.Tensor]
     bytes_sent: int
@@ -281,7 +281,7 @@ def complete(sent: BucketStep) -> None:
 
 def _in_flight(encoded: Encoded) -> bool:
     """Whether a launched round leaves collectives in flight: a point-to-point round alone (global
-    top-k's merges) completes inside the launch (:func:`lightning_gc.comm.transfer` blocks)."""
+    top-k's merges) completes inside the launch (:func:`lightning_gc.exchanges.comm.transfer` blocks)."""
     return encoded.summed is not None or encoded.gathered is not None or encoded.scattered is not None
 
 

@@ -2,7 +2,7 @@
 
 Modelled on torch's ``powerSGD_hook``: a state object plus a hook function. The hook works out what
 the bucket is (its layout, rebuilt when DDP re-buckets; which parameters got no gradient anywhere;
-whether compressing it pays) and hands it to :func:`lightning_gc.pipeline.run_bucket`, which runs
+whether compressing it pays) and hands it to :func:`lightning_gc.exchanges.pipeline.run_bucket`, which runs
 screen -> compensate -> encode -> exchange -> decode -> commit with real collectives.
 
 The step counter advances on DDP's last bucket of each synchronising backward pass; it salts the
@@ -13,26 +13,28 @@ across a checkpoint resume (which starts again with DDP's initial bucketing).
 
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_gc.checkpoint import IncompatibleCheckpoint
+from lightning_gc.common.errors import IncompatibleCheckpoint
+from lightning_gc.common.layout import BucketLayout, Segment
+from lightning_gc.common.validation import check_int
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.simple import NoCompressor
-from lightning_gc.delay import DelayLine
-from lightning_gc.exchange import CollectiveExchange, Exchange
-from lightning_gc.guard import StepGuard
-from lightning_gc.hierarchy import NodeHierarchy
-from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.pipeline import EXCHANGE, BucketStep, RoundQueue, Timeline, run_bucket
-from lightning_gc.policy import CompressionPolicy
-from lightning_gc.stats import CompressionStats
-from lightning_gc.usage import GradientUsage
-from lightning_gc.validation import check_int
+from lightning_gc.core.guard import StepGuard
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.exchanges import comm
+from lightning_gc.exchanges.delay import DelayLine
+from lightning_gc.exchanges.hierarchy import NodeHierarchy
+from lightning_gc.exchanges.pipeline import EXCHANGE, BucketStep, RoundQueue, Timeline, run_bucket
+from lightning_gc.exchanges.transport import CollectiveExchange, Exchange
+from lightning_gc.runtime.policy import CompressionPolicy
+from lightning_gc.runtime.stats import CompressionStats
+from lightning_gc.runtime.usage import GradientUsage
 
 _WHOLE = "whole residuals (hierarchy 'flat' or 'node_sparse')"
 """How a resume error names the compression state of a rank that holds every tensor's residual whole."""
@@ -55,10 +57,10 @@ class CompressionHookState:
             bytes / bytes sent) are sent exactly through one all-reduce instead. The decision
             depends on the layout and the compressor's settings only, so every rank agrees.
         pays: optional further rule ``pays(compressor, layout, element_size) -> bool``; buckets
-            where it is false are sent exactly (e.g. :class:`lightning_gc.selective.CompressWhenFaster`).
+            where it is false are sent exactly (e.g. :class:`lightning_gc.runtime.selective.CompressWhenFaster`).
             It must decide the same on every rank.
         nonfinite: what a NaN/Inf in a local gradient does, ``"raise"`` or ``"skip"`` (see
-            :mod:`lightning_gc.guard`); :meth:`settle_step` ends each step.
+            :mod:`lightning_gc.core.guard`); :meth:`settle_step` ends each step.
         find_unused_parameters: the DDP setting of the same name. Then a parameter without a
             gradient on this rank may still have one on another: each bucket first all-reduces
             which of its parameters got a gradient (a few bytes). One unused on every rank keeps
@@ -68,23 +70,23 @@ class CompressionHookState:
         exchange: how payloads move between ranks (default: all-reduce / all-gather over
             ``process_group``).
         delay: hand DDP the average of the exchange launched ``delay`` steps earlier and let this
-            step's exchange run during the next step's compute (:mod:`lightning_gc.delay`); 0:
+            step's exchange run during the next step's compute (:mod:`lightning_gc.exchanges.delay`); 0:
             every step waits for its own exchange.
         local_update: with ``delay``, apply this rank's own contribution at once and swap it for
             the average when that arrives (OD-SGD).
         sync_warmup_steps: with ``delay``, the first steps are synchronous.
         hierarchy: a two-level exchange (dense within nodes, compressed across them,
-            :mod:`lightning_gc.hierarchy`); ``None``: one flat exchange over ``process_group``.
+            :mod:`lightning_gc.exchanges.hierarchy`); ``None``: one flat exchange over ``process_group``.
         defer_rounds: a multi-round compressor's earlier round (the two-phase exchange's
             all-to-all, PowerSGD's first all-reduce) is waited for at the next bucket's hook, after
             that bucket's first round is launched, instead of at its own, so it travels while
             backward computes and the next bucket encodes (flat exchange, without
-            ``local_update``; :mod:`lightning_gc.pipeline`). The result is the same bit for bit.
+            ``local_update``; :mod:`lightning_gc.exchanges.pipeline`). The result is the same bit for bit.
 
     Attributes:
         exact_steps: steps before this one are averaged exactly as DDP's own all-reduce does
             (``g / N`` summed over ranks), bypassing memory and compressor: a dense warm-up, e.g.
-            Adam's before its variance freezes (:mod:`lightning_gc.handover`). Set by the session.
+            Adam's before its variance freezes (:mod:`lightning_gc.core.handover`). Set by the session.
         grad_scale: the loss scale of a mixed-precision grad scaler, set by the strategy before
             each step (``None``: none). Memory then works on unscaled gradients (``g / s``) and
             the decoded result is scaled back, so the scaler's unscaling and overflow checks see
@@ -123,7 +125,6 @@ class CompressionHookState:
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.exchange: Exchange = exchange if exchange is not None else CollectiveExchange(process_group)
-        self.guard = StepGuard(nonfinite, memory, compressor, rank=self.rank, group=process_group)
         self.delay_line = (
             DelayLine(delay, local_update, carry_unused=find_unused_parameters)
             if check_int("delay", delay, 0)
@@ -131,6 +132,16 @@ class CompressionHookState:
         )
         if self.delay_line is None and local_update:
             raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
+        # the previous step's exchanges must land before the guard snapshots the compressor state,
+        # and a skipped step's own before it is rolled back
+        self.guard = StepGuard(
+            nonfinite,
+            memory,
+            compressor,
+            rank=self.rank,
+            any_rank=partial(comm.any_rank, group=process_group),
+            drain=None if self.delay_line is None else self.delay_line.drain,
+        )
         self._resumed_delayed_since: int | None = None  # a resumed run that was delayed from this step on
         self.sync_warmup_steps = sync_warmup_steps
         if hierarchy is not None and local_update:
@@ -141,10 +152,6 @@ class CompressionHookState:
         self.defer_rounds = defer_rounds
         self.rounds = RoundQueue()  # buckets whose earlier round is still in flight (defer_rounds)
         memory.seed_view = None if hierarchy is None else hierarchy.seed_view
-        if self.delay_line is not None:
-            # the previous step's exchanges must land before the guard snapshots the compressor
-            # state, and a skipped step's own before it is rolled back
-            self.guard.before_snapshot = self.guard.before_roll_back = self.delay_line.drain
         self.step = 0
         self._resumed_step = 0  # the step counter a checkpoint restored
         self.exact_steps = 0

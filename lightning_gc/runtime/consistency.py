@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_gc import comm
+from lightning_gc.exchanges import comm
 
 
 def _first_difference(mine: Any, theirs: Any, path: str = "") -> str | None:

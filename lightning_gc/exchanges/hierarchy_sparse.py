@@ -1,6 +1,6 @@
 """Two-level exchange whose traffic inside the node is sparse too (``hierarchy="node_sparse"``).
 
-``hierarchy="node"`` (:mod:`lightning_gc.hierarchy`) sums each node's gradients densely: a
+``hierarchy="node"`` (:mod:`lightning_gc.exchanges.hierarchy`) sums each node's gradients densely: a
 reduce-scatter and an all-gather of the whole bucket over the node's link. That is what an
 NVLink-class link is for; over PCIe without peer access, on CPU nodes, or wherever the node's link
 is not much faster than the network, moving the dense bucket twice costs more than the compressed
@@ -39,12 +39,12 @@ Below 1 the update differs from the flat one (``k`` positions per tensor per nod
 
 Steps 1 and 2 are launched from the bucket's comm hook; step 1 completes there (the merge
 rounds are blocking point-to-point swaps). Step 2 is left in flight and steps 3 and 4 run at the
-next bucket's hook (the comm hook's :class:`~lightning_gc.pipeline.RoundQueue`, as the two-phase
+next bucket's hook (the comm hook's :class:`~lightning_gc.exchanges.pipeline.RoundQueue`, as the two-phase
 exchange's second phase does), so the slow-link all-gather travels while backward computes; the
 last bucket's hook finishes every bucket. Every rank launches the same collectives in the same
 order. With a delayed exchange (``delay >= 1``) steps 3 and 4 run instead when the delay line next
-waits for the bucket (:class:`~lightning_gc.pipeline.BucketStep` ``finish``), as in
-:mod:`lightning_gc.hierarchy`.
+waits for the bucket (:class:`~lightning_gc.exchanges.pipeline.BucketStep` ``finish``), as in
+:mod:`lightning_gc.exchanges.hierarchy`.
 
 A bucket whose compressor is not sparse (a dense one chosen by ``compress_when``) goes through
 the comm hook's flat exchange (:meth:`SparseNodeHierarchy.takes`).
@@ -60,17 +60,27 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from lightning_gc import comm, kernels
+from lightning_gc import kernels
+from lightning_gc.common.layout import BucketLayout, Segment, piece_bounds
 from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlannedCompressor, mean_into
 from lightning_gc.compressors.global_topk import GlobalTopKPlan
 from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan
 from lightning_gc.compressors.wire import check_int32_positions
-from lightning_gc.exchange import CollectiveExchange
-from lightning_gc.guard import StepGuard
-from lightning_gc.hierarchy import NodeHierarchy, NodeTopology, delayed_finisher
-from lightning_gc.layout import BucketLayout, Segment, piece_bounds
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.pipeline import EXCHANGE, BucketStep, Timeline, pending_like, reported, run_bucket, settle, wait
+from lightning_gc.core.guard import StepGuard
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.exchanges import comm
+from lightning_gc.exchanges.hierarchy import NodeHierarchy, NodeTopology, delayed_finisher
+from lightning_gc.exchanges.pipeline import (
+    EXCHANGE,
+    BucketStep,
+    Timeline,
+    pending_like,
+    reported,
+    run_bucket,
+    settle,
+    wait,
+)
+from lightning_gc.exchanges.transport import CollectiveExchange
 
 _ALIGN = 4  # slots per slice rounded up to this: the values (2, 4 or 8 bytes) then the int32 positions stay aligned
 
@@ -298,8 +308,8 @@ class SparseNodeHierarchy(NodeHierarchy):
         out: torch.Tensor | None = None,
     ) -> BucketStep:
         """One bucket through steps 1-4; ``averaged`` resolves to ``grad`` holding the mean once the
-        returned step's ``rounds`` are completed (:func:`lightning_gc.pipeline.complete`; the comm
-        hook's :class:`~lightning_gc.pipeline.RoundQueue` does it at the next bucket's hook, so the
+        returned step's ``rounds`` are completed (:func:`lightning_gc.exchanges.pipeline.complete`; the comm
+        hook's :class:`~lightning_gc.exchanges.pipeline.RoundQueue` does it at the next bucket's hook, so the
         cross-node all-gather travels while backward goes on). With ``out`` (a delayed exchange's
         slot) the mean is left there unscaled, after the returned step's ``finish``."""
         if not isinstance(compressor, SparseCompressor):

@@ -3,7 +3,7 @@
 A policy is any callable ``policy(compressor, layout, element_size) -> bool``; a bucket it says
 ``False`` to is sent exactly through one all-reduce. It must decide the same on every rank, which
 :func:`agreed` ensures by handing every rank rank 0's policy. The strategy stands on this protocol
-only: :class:`lightning_gc.selective.CompressWhenFaster` (the performance model's policy) is one
+only: :class:`lightning_gc.runtime.selective.CompressWhenFaster` (the performance model's policy) is one
 implementation, and nothing here imports the model.
 """
 
@@ -13,8 +13,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
+from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors.base import Compressor
-from lightning_gc.layout import BucketLayout
 
 
 class CompressionPolicy(Protocol):

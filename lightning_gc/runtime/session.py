@@ -28,21 +28,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gc.checkpoint import IncompatibleCheckpoint, gather_entry, rank_state
+from lightning_gc.common.layout import shaped_like
+from lightning_gc.common.log import warn_on_rank_zero
 from lightning_gc.compressors.base import Compressor
-from lightning_gc.consistency import verify_same_parameters, verify_same_setup
-from lightning_gc.handover import HandOver, MomentumHandOver, hand_over_for
-from lightning_gc.hierarchy import agreed_topology
-from lightning_gc.hierarchy_sparse import two_level_exchange
-from lightning_gc.hook import CompressionHookState, compression_hook, refuse_sparse_gradients
-from lightning_gc.layout import shaped_like
-from lightning_gc.momentum import unwrap_optimizer
-from lightning_gc.policy import agreed
-from lightning_gc.settings import CompressionSettings
-from lightning_gc.usage import GradientUsage
+from lightning_gc.core.handover import HandOver, MomentumHandOver, hand_over_for
+from lightning_gc.core.momentum import unwrap_optimizer
+from lightning_gc.exchanges.hierarchy import agreed_topology
+from lightning_gc.exchanges.hierarchy_sparse import two_level_exchange
+from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint, gather_entry, rank_state
+from lightning_gc.runtime.consistency import verify_same_parameters, verify_same_setup
+from lightning_gc.runtime.hook import CompressionHookState, compression_hook, refuse_sparse_gradients
+from lightning_gc.runtime.policy import agreed
+from lightning_gc.runtime.settings import CompressionSettings
+from lightning_gc.runtime.usage import GradientUsage
 
 
 class CompressionSession:
@@ -50,7 +50,7 @@ class CompressionSession:
 
     Args:
         compressor: the compressor (built and validated).
-        settings: everything else the run does (see :class:`~lightning_gc.settings.CompressionSettings`).
+        settings: everything else the run does (see :class:`~lightning_gc.runtime.settings.CompressionSettings`).
         owner: the front end's name, used in errors.
     """
 
@@ -116,7 +116,7 @@ class CompressionSession:
         # the compressed exchange runs among the nodes under a two-level hierarchy
         exchanging = dist.get_world_size(ddp.process_group) if topology is None else topology.nodes
         for inert in self.compressor.inert_settings(exchanging):
-            rank_zero_warn(f"lightning_gc: {inert}")
+            warn_on_rank_zero(f"lightning_gc: {inert}")
         self.take_over_pending(ddp)
         ddp.register_comm_hook(self.hook_state, compression_hook)
 

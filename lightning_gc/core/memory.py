@@ -18,7 +18,7 @@ after which the compressor sends part of ``v`` and the memory is told what left:
 Invariant: for every element, ``v + (everything sent so far) == sum of the inputs to v``: nothing
 is lost, only delayed.
 
-State is *keyed by parameter name* but *stored flat per bucket* (:mod:`lightning_gc.flatstate`):
+State is *keyed by parameter name* but *stored flat per bucket* (:mod:`lightning_gc.common.flatstate`):
 one contiguous velocity (and momentum) buffer per bucket, so the update is a few vectorised passes,
 carried over by name when DDP rebuilds its buckets.
 """
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_gc import kernels
+from lightning_gc.common.flatstate import FlatState
+from lightning_gc.common.layout import BucketLayout, Segment, bucket_order, bucket_view
 from lightning_gc.compressors.base import Encoded
-from lightning_gc.flatstate import FlatState
-from lightning_gc.layout import BucketLayout, Segment, bucket_order, bucket_view
-from lightning_gc.momentum import NO_MOMENTUM, MomentumSpec
+from lightning_gc.core.momentum import NO_MOMENTUM, MomentumSpec
 
 _STATE_NAMES = ("velocity", "momentum")
 
@@ -244,7 +244,7 @@ class CompensationMemory:
     ) -> None:
         """Clip each tensor of a bucket's local gradient in place to :meth:`clip_threshold`, as
         :meth:`compensate` would (``loss_scale``: ``grad`` is scaled by it). For an exchange that
-        sums gradients before they reach the memory (a node's, :mod:`lightning_gc.hierarchy`)."""
+        sums gradients before they reach the memory (a node's, :mod:`lightning_gc.exchanges.hierarchy`)."""
         threshold = self.clip_threshold(world_size)
         if threshold is None:
             return
@@ -384,13 +384,13 @@ class CompensationMemory:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every parameter's state by name, as standalone CPU tensors (see :mod:`lightning_gc.flatstate`)."""
+        """Every parameter's state by name, as standalone CPU tensors (see :mod:`lightning_gc.common.flatstate`)."""
         return self._state.state_dict()
 
     def seed_momentum(self, moments: dict[str, torch.Tensor]) -> None:
         """Start each named parameter's momentum ``u`` from the given tensor (1-D, in bucket order:
-        :func:`~lightning_gc.layout.bucket_order`), keeping its velocity (Adam's first moment at the
-        freeze, :mod:`lightning_gc.handover`)."""
+        :func:`~lightning_gc.common.layout.bucket_order`), keeping its velocity (Adam's first moment at the
+        freeze, :mod:`lightning_gc.core.handover`)."""
         state = self.state_dict()
         for name, moment in moments.items():
             flat = moment.detach().reshape(-1)

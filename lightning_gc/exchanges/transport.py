@@ -1,9 +1,9 @@
 """Exchanges: how one round of a bucket's encoded payload moves between ranks.
 
-The per-bucket pipeline (:mod:`lightning_gc.pipeline`) is fixed; only the exchange varies. An
+The per-bucket pipeline (:mod:`lightning_gc.exchanges.pipeline`) is fixed; only the exchange varies. An
 exchange takes one round of :class:`~lightning_gc.compressors.base.Encoded` and launches its
 collectives *from the caller's thread* (the comm hook, in bucket order on every rank, see
-:mod:`lightning_gc.comm`), returning a future of the round that decode is to read, whose
+:mod:`lightning_gc.exchanges.comm`), returning a future of the round that decode is to read, whose
 
 * ``summed`` holds the sum over ranks of what they put there;
 * ``gathered_out`` holds every rank's ``gathered`` payload, in rank order;
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch.futures import Future, collect_all
 
-from lightning_gc import comm
 from lightning_gc.compressors.base import Encoded
-from lightning_gc.perfmodel import ALLREDUCE, GATHER, exchange_bytes
+from lightning_gc.exchanges import comm
+from lightning_gc.exchanges.traffic import ALLREDUCE, GATHER, exchange_bytes
 
 
 class Exchange(ABC):

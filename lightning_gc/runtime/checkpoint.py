@@ -17,18 +17,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_gc.common.errors import IncompatibleCheckpoint
+
 CHECKPOINT_KEY = "lightning_gc"
 CHECKPOINT_FORMAT = 2
 READABLE_FORMATS = (1, 2)
 """Formats this version resumes. Format 1 kept a Nesterov parameter's momentum as ``m`` times
 ``torch.optim.SGD``'s buffer (DGC's paper form); format 2 keeps the buffer itself, and a format 1
-entry is converted when the fit starts (:meth:`~lightning_gc.session.CompressionSession.start_fit`)."""
-
-
-class IncompatibleCheckpoint(ValueError):
-    """A checkpoint's compression state cannot be resumed by this run (another number of ranks,
-    format, delay settings or hierarchy): the user's choice of checkpoint or settings, which front
-    ends report as such (the app: one line, exit status 2)."""
+entry is converted when the fit starts (:meth:`~lightning_gc.runtime.session.CompressionSession.start_fit`)."""
 
 
 def no_entry_notice(source: Any) -> str:

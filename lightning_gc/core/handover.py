@@ -5,9 +5,9 @@ not apply that momentum again. This module is the one place that knows how an op
 maps onto the memory; :func:`hand_over_for` picks the hand-over for the optimizers a fit uses.
 
 **SGD** (:class:`MomentumHandOver`, DGC): the memory applies each SGD param group's momentum,
-Nesterov flag and weight decay (:func:`lightning_gc.momentum.sgd_momentum_specs`, read again before
+Nesterov flag and weight decay (:func:`lightning_gc.core.momentum.sgd_momentum_specs`, read again before
 every step so schedulers that rewrite them are followed), and the optimizer steps without them
-(:func:`lightning_gc.momentum.momentum_free`). Parameters without SGD momentum get
+(:func:`lightning_gc.core.momentum.momentum_free`). Parameters without SGD momentum get
 ``explicit_momentum`` when the user gave one, else plain error feedback.
 
 **Adam / AdamW** (:class:`AdamHandOver`, frozen-variance compressed momentum as in 1-bit Adam,
@@ -67,12 +67,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_gc.layout import Segment, bucket_order
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec, momentum_free, sgd_groups, sgd_momentum_specs, unwrap_optimizer
-from lightning_gc.staleness import staleness_warning
+from lightning_gc.common.layout import Segment, bucket_order
+from lightning_gc.common.log import notify_on_rank_zero, warn_on_rank_zero
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.core.momentum import MomentumSpec, momentum_free, sgd_groups, sgd_momentum_specs, unwrap_optimizer
+from lightning_gc.core.staleness import staleness_warning
 
 
 class HandOver(ABC):
@@ -145,11 +145,11 @@ class MomentumHandOver(HandOver):
 
     def check(self, optimizers: Sequence[Any], *, local_update: bool, delay: int = 0) -> None:
         """Raise ``ValueError`` for optimizers the run cannot hand over or update locally; warn
-        when a delay shrinks momentum SGD's stable learning rate (:mod:`lightning_gc.staleness`)."""
+        when a delay shrinks momentum SGD's stable learning rate (:mod:`lightning_gc.core.staleness`)."""
         momenta = [float(group.get("momentum", 0.0)) for group in sgd_groups(optimizers)]
         warning = staleness_warning(max([*momenta, self.explicit_momentum or 0.0]), delay, local_update)
         if warning is not None:
-            rank_zero_warn(f"lightning_gc: {warning}")
+            warn_on_rank_zero(f"lightning_gc: {warning}")
         if self.active and len(optimizers) > 1:
             raise ValueError(
                 f"momentum_correction=True moves one optimizer's momentum into the compression memory, but "
@@ -197,7 +197,7 @@ class MomentumHandOver(HandOver):
         self.memory.set_specs(specs)
         if announce and all(spec.momentum == 0.0 for spec in specs.values()):
             kinds = sorted({type(unwrap_optimizer(o)).__name__ for o in optimizers})
-            rank_zero_info(
+            notify_on_rank_zero(
                 f"lightning_gc: no SGD momentum to correct in {kinds}; compressed updates use plain error "
                 "feedback under the optimizer's own state (SGD with momentum, Adam and AdamW get their "
                 "momentum handed over: see the README)"
@@ -315,7 +315,7 @@ class AdamHandOver(HandOver):
         preconditioned by the frozen ``sqrt(v_hat) + eps`` (built again after a resume) and the
         memory's momentum starts, at the freeze, from ``exp_avg`` preconditioned the same way."""
         if announce:
-            rank_zero_info(
+            notify_on_rank_zero(
                 f"lightning_gc: Adam hand-over: plain Adam for the first {self.warmup_steps} steps (gradients "
                 "averaged exactly), then the second moment freezes and the first moment is compressed"
             )

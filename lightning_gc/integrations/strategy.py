@@ -1,8 +1,8 @@
 """Lightning strategies: DDP whose gradient exchange goes through a compressor.
 
 :class:`GradientCompressionStrategy` is wiring: it parses its arguments into a compressor and
-:class:`~lightning_gc.settings.CompressionSettings`, and calls a
-:class:`~lightning_gc.session.CompressionSession` (which owns the hook, the memory, the momentum
+:class:`~lightning_gc.runtime.settings.CompressionSettings`, and calls a
+:class:`~lightning_gc.runtime.session.CompressionSession` (which owns the hook, the memory, the momentum
 hand-over, the statistics and the checkpoint state) at Lightning's points: registration on every
 device (Lightning's own ``DDPStrategy`` only registers comm hooks on CUDA and silently ignores them
 on CPU), each optimizer step, logging ``gc/*`` statistics, the end of training, and saving and
@@ -27,20 +27,20 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gc.checkpoint import CHECKPOINT_KEY, no_entry_notice
+from lightning_gc.common.validation import check_timeout
 from lightning_gc.compressors.base import AdjustableRatio, Compressor
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
 from lightning_gc.compressors.registry import available as available_compressors
 from lightning_gc.compressors.registry import create as create_compressor
 from lightning_gc.compressors.two_phase import two_phase_compressors
-from lightning_gc.hook import CompressionHookState
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.policy import CompressionPolicy
-from lightning_gc.session import CompressionSession
-from lightning_gc.settings import CompressionSettings
-from lightning_gc.teardown import shut_down_process_group_at_exit
-from lightning_gc.validation import check_timeout
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.runtime.checkpoint import CHECKPOINT_KEY, no_entry_notice
+from lightning_gc.runtime.hook import CompressionHookState
+from lightning_gc.runtime.policy import CompressionPolicy
+from lightning_gc.runtime.session import CompressionSession
+from lightning_gc.runtime.settings import CompressionSettings
+from lightning_gc.runtime.teardown import shut_down_process_group_at_exit
 
 PRESET_CLASSES: dict[str, str] = {"dgc": "DGCStrategy"}
 """Compressors whose ``<name>_ddp`` preset is a dedicated class (with that method's defaults)."""
@@ -153,8 +153,8 @@ class GradientCompressionStrategy(DDPStrategy):
             (dense bytes / bytes sent) would be below this is sent exactly by one all-reduce.
             The default 1.0 never sends more bytes than plain DDP.
         compress_when: ``None`` (default): compress every bucket that passes ``min_wire_ratio``; or
-            a :class:`~lightning_gc.policy.CompressionPolicy`, e.g.
-            :class:`~lightning_gc.selective.CompressWhenFaster`: compress a bucket only where the
+            a :class:`~lightning_gc.runtime.policy.CompressionPolicy`, e.g.
+            :class:`~lightning_gc.runtime.selective.CompressWhenFaster`: compress a bucket only where the
             performance model predicts a faster step. Rank 0's policy is used on all ranks.
         log_stats: log ``gc/bytes_sent``, ``gc/dense_bytes``, ``gc/wire_ratio``, ``gc/density``
             and ``gc/compress_s`` after every optimizer step. Running sums over all steps are kept
@@ -166,7 +166,7 @@ class GradientCompressionStrategy(DDPStrategy):
         verify_every_n_steps: every so many optimizer steps, compare a checksum of every
             parameter across ranks and raise naming the first that differs (``None``: only the
             setup check of configuration and model layout, which always runs).
-        delay: delayed synchronisation (:mod:`lightning_gc.delay`): each step applies the average
+        delay: delayed synchronisation (:mod:`lightning_gc.exchanges.delay`): each step applies the average
             of the exchange launched ``delay`` steps earlier, and its own exchange runs during the
             next step's compute. 0 (default): every step waits for its own exchange. What is still
             owed when training ends is applied then, so every rank ends with the same parameters.
@@ -179,20 +179,20 @@ class GradientCompressionStrategy(DDPStrategy):
             the delay starts at the target density, where the update is small; 0 without one.
         adam_warmup_steps: with ``torch.optim.Adam``/``AdamW`` and ``momentum_correction``, the
             optimizer steps of plain Adam (gradients averaged exactly as DDP does) before the second
-            moment freezes and the first moment is compressed (:mod:`lightning_gc.handover`;
+            moment freezes and the first moment is compressed (:mod:`lightning_gc.core.handover`;
             1-bit Adam freezes after 15-25 % of training).
         adam_weighting: after the freeze, how the compressed momentum weights elements against each
             other (what top-k favours): ``"step"`` (default) by each element's pending Adam step,
             ``"decrease"`` by the first-order loss decrease of applying it (the step times
             ``sqrt(d)``, ``d`` the frozen denominator), ``"gradient"`` by its gradient sum (the step
             times ``d``, SGD's ranking). What is eventually applied is the same; see
-            :mod:`lightning_gc.handover`.
+            :mod:`lightning_gc.core.handover`.
         hierarchy: ``"flat"`` (default): one compressed exchange over all ranks. ``"node"``: two
-            levels (:mod:`lightning_gc.hierarchy`): a dense sum within each node over its fast link,
+            levels (:mod:`lightning_gc.exchanges.hierarchy`): a dense sum within each node over its fast link,
             the compressed exchange across nodes with every device carrying ``1/devices`` of each
             bucket, then a dense all-gather within the node; residuals stay exact on the device that
             owns each piece. ``"node_sparse"`` (``topk``, ``dgc``): two levels with nothing dense on
-            any link (:mod:`lightning_gc.hierarchy_sparse`): global top-k within each node, the
+            any link (:mod:`lightning_gc.exchanges.hierarchy_sparse`): global top-k within each node, the
             node's agreed pairs gathered across nodes (``1/devices`` of them per device), every rank
             keeping its whole residual; for nodes whose link is not much faster than the network.
             ``"auto"``: ``"node"`` when there is more than one node and more than one device per
@@ -379,7 +379,7 @@ class GradientCompressionStrategy(DDPStrategy):
         self.finish_training()
         super().on_train_end()
         # Lightning shuts NCCL groups down at exit but leaves gloo's to interpreter finalization,
-        # where its worker threads can abort a finished run (see lightning_gc.teardown). Only after
+        # where its worker threads can abort a finished run (see lightning_gc.runtime.teardown). Only after
         # training ended normally: a rank failing mid-step could wait there for its collectives.
         shut_down_process_group_at_exit()
 

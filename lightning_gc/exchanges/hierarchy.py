@@ -6,9 +6,9 @@ device's payload: with ``L`` devices per node, ``L`` times what one node's gradi
 and torchrun's numbering), one bucket with local gradient ``g_r`` goes::
 
     1. local rank l owns shard l: the l-th of L pieces of every tensor of the bucket
-       (lightning_gc.layout.chunk_segments, as the two-phase exchange's chunks)
+       (lightning_gc.common.layout.chunk_segments, as the two-phase exchange's chunks)
     2. within node k (fast link), reduce-scatter: local rank l gets S_k[shard l], S_k = sum_l g_(k,l)
-    3. the pipeline on the shard (lightning_gc.pipeline), among the K ranks of local rank l:
+    3. the pipeline on the shard (lightning_gc.exchanges.pipeline), among the K ranks of local rank l:
            v <- compensate(S_k[shard l]) ; enc = encode(v) ; memory.commit(enc)
            exchange enc across nodes (slow link) ; decode -> (1/K) sum_k decode(enc_k)
            divide by L                          -> the mean over all N ranks, on shard l
@@ -21,7 +21,7 @@ one bucket's payload across instead of ``L``, and all ``L`` local ranks keep the
 
 Memory is exact: the residual and momentum of shard ``l`` live on local rank ``l`` only, by parameter
 name (each rank holds its piece of each tensor), and what a shard did not send stays there; the
-invariant of :mod:`lightning_gc.memory` holds for node sums, to which weight decay (added once
+invariant of :mod:`lightning_gc.core.memory` holds for node sums, to which weight decay (added once
 per rank) is added ``L`` times, and a momentum handed over (Adam's first moment) is seeded as ``L``
 times this rank's piece. Local clipping happens where DGC puts it, on each rank's own gradient per
 tensor before the node sum, so it is the flat exchange's exactly.
@@ -32,9 +32,9 @@ on a node sum differs from the flat one's on each rank's gradient, so sparse res
 
 The shard's encode and exchange complete inside the comm hook (as the two-phase exchange's first
 phase does): only the final intra-node all-gather runs while backward goes on, so every collective is
-launched from the hook in bucket order on every rank (:mod:`lightning_gc.comm`).
+launched from the hook in bucket order on every rank (:mod:`lightning_gc.exchanges.comm`).
 
-With a delayed exchange (``delay >= 1``, :mod:`lightning_gc.delay`) the shard's cross-node
+With a delayed exchange (``delay >= 1``, :mod:`lightning_gc.exchanges.delay`) the shard's cross-node
 exchange is left in flight instead, overlapping the next step's compute, and steps 3's division and
 4 run when the delay line next waits for the bucket: at the bucket's next hook call, or when the
 line drains (a checkpoint, the end of training, a bucket rebuild). Both happen on the hook's
@@ -49,23 +49,23 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.futures import Future
 
-from lightning_gc import comm
+from lightning_gc.common.layout import BucketLayout, Segment, Shard, piece_bounds
+from lightning_gc.common.log import warn_on_rank_zero
+from lightning_gc.common.validation import check_choice
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.simple import NoCompressor
-from lightning_gc.exchange import CollectiveExchange
-from lightning_gc.guard import StepGuard
-from lightning_gc.layout import BucketLayout, Segment, Shard, piece_bounds
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.pipeline import BucketStep, Timeline, reported, run_bucket, wait
-from lightning_gc.validation import check_choice
+from lightning_gc.core.guard import StepGuard
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.exchanges import comm
+from lightning_gc.exchanges.pipeline import BucketStep, Timeline, reported, run_bucket, wait
+from lightning_gc.exchanges.transport import CollectiveExchange
 
 HIERARCHIES = ("flat", "node", "node_sparse", "auto")
 """``hierarchy`` choices: one flat exchange over all ranks; two levels (nodes, then devices) with
 a dense sum within the node; two levels with a sparse reduction within the node
-(:mod:`lightning_gc.hierarchy_sparse`, sparse compressors); or ``"node"`` when there is more than
+(:mod:`lightning_gc.exchanges.hierarchy_sparse`, sparse compressors); or ``"node"`` when there is more than
 one node and more than one device per node."""
 
 
@@ -118,7 +118,7 @@ def resolve_hierarchy(hierarchy: str, world_size: int, rank: int, devices_per_no
     if topology.nodes == 1 or topology.per_node == 1:
         if hierarchy == "auto":
             return None
-        rank_zero_warn(
+        warn_on_rank_zero(
             f"lightning_gc: hierarchy={hierarchy!r} on {topology.nodes} node(s) x {topology.per_node} device(s): "
             + (
                 (

@@ -8,9 +8,9 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_gc.common.validation import check_choice, check_int, check_range
 from lightning_gc.compressors.base import AdjustableRatio
-from lightning_gc.strategy import GradientCompressionStrategy
-from lightning_gc.validation import check_choice, check_int, check_range
+from lightning_gc.integrations.strategy import GradientCompressionStrategy
 
 PAPER_WARMUP_DENSITIES: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625)
 """DGC's warm-up (Lin et al. 2018, §3.4): 75 %, 93.75 %, 98.4375 %, 99.6 % sparsity, one stage per epoch,

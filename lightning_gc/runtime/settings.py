@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_gc.common.validation import check_bool, check_choice, check_int, check_range
 from lightning_gc.compressors.base import Compressor
-from lightning_gc.guard import NONFINITE_POLICIES
-from lightning_gc.handover import ADAM_WEIGHTINGS
-from lightning_gc.hierarchy import HIERARCHIES
-from lightning_gc.hierarchy_sparse import check_sparse_hierarchy
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.policy import CompressionPolicy
-from lightning_gc.validation import check_bool, check_choice, check_int, check_range
+from lightning_gc.core.guard import NONFINITE_POLICIES
+from lightning_gc.core.handover import ADAM_WEIGHTINGS
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.exchanges.hierarchy import HIERARCHIES
+from lightning_gc.exchanges.hierarchy_sparse import check_sparse_hierarchy
+from lightning_gc.runtime.policy import CompressionPolicy
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class CompressionSettings:
         if self.compress_when is not None and not callable(self.compress_when):
             raise ValueError(
                 f"`compress_when` must be None or a policy called with (compressor, layout, element_size),"
-                f" e.g. lightning_gc.selective.CompressWhenFaster; got {self.compress_when!r}"
+                f" e.g. lightning_gc.runtime.selective.CompressWhenFaster; got {self.compress_when!r}"
             )
         if self.hierarchy != "flat" and self.local_update:
             raise ValueError(

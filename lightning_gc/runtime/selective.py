@@ -21,7 +21,7 @@ point-to-point rounds, as in :func:`~lightning_gc.perfmodel.comm_s`.
 
 Every input is either the bucket layout, the compressor's settings, or a number of the policy,
 so ranks holding the same policy decide the same. Calibrating in each process would give each
-rank different numbers: :func:`lightning_gc.policy.agreed` hands every rank rank 0's policy (the
+rank different numbers: :func:`lightning_gc.runtime.policy.agreed` hands every rank rank 0's policy (the
 strategy calls it once when it registers its hook).
 """
 
@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from lightning_gc.common.layout import BucketLayout
+from lightning_gc.common.validation import check_int, check_range
 from lightning_gc.compressors.base import Compressor
-from lightning_gc.layout import BucketLayout
 from lightning_gc.perfmodel import DENSE, CodecCost, Network, exchange_cost_s
-from lightning_gc.validation import check_int, check_range
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,8 @@ class CompressWhenFaster:
         ``gradients``: flat ``numel``-element gradients of the real model to time on (default:
         Gaussian data, which underestimates data-dependent selection such as DGC's).
         """
-        from lightning_gc.calibration import codec_cost, layout_of_shapes, representative_shapes
         from lightning_gc.compressors import create
+        from lightning_gc.perfmodel.calibration import codec_cost, layout_of_shapes, representative_shapes
 
         cost = codec_cost(
             compressor, numel, world_size=network.world_size, arguments=arguments, device=device, gradients=gradients

@@ -1,6 +1,6 @@
 """What a delayed update costs momentum SGD: the largest stable step on a quadratic.
 
-Delayed synchronisation (:mod:`lightning_gc.delay`) applies the update of step ``t`` at step
+Delayed synchronisation (:mod:`lightning_gc.exchanges.delay`) applies the update of step ``t`` at step
 ``t + d``: DGC's momentum-corrected velocity, or, without momentum correction, a stale average
 that the optimizer's own momentum then accumulates (the same recurrence). On one direction of
 curvature ``lambda`` of a quadratic, with ``h = lr * lambda`` and momentum ``m`` (heavy ball, as
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_gc.validation import check_int, check_range
+from lightning_gc.common.validation import check_int, check_range
 
 
 def spectral_radius(step: float, momentum: float, delay: int) -> float:

@@ -1,6 +1,6 @@
 """Encode/decode cost of a compressor on this device, measured on a representative gradient.
 
-Times exactly what the comm hook runs per step on one rank (see :mod:`lightning_gc.hook`)::
+Times exactly what the comm hook runs per step on one rank (see :mod:`lightning_gc.runtime.hook`)::
 
     encode_s = finiteness screen + compensate (memory) + every round of compressor.encode + commit
                (- the optimizer's momentum update, when momentum correction takes it over)
@@ -46,16 +46,16 @@ from typing import Any
 
 import torch
 
+from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import argument_names, available, create
 from lightning_gc.compressors.two_phase import TwoPhaseExchange
-from lightning_gc.exchange import LocalExchange
-from lightning_gc.guard import StepGuard
-from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.memory import CompensationMemory
-from lightning_gc.momentum import MomentumSpec
+from lightning_gc.core.guard import StepGuard
+from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.core.momentum import MomentumSpec
+from lightning_gc.exchanges.pipeline import DECODE_SIDE, ENCODE_SIDE, Timeline, run_bucket
+from lightning_gc.exchanges.transport import LocalExchange
 from lightning_gc.perfmodel import CodecCost
-from lightning_gc.pipeline import DECODE_SIDE, ENCODE_SIDE, Timeline, run_bucket
 
 COLUMNS = 1024
 STEADY_STEP = 1_000_000

@@ -30,7 +30,7 @@ the parameter applies (or to what :meth:`DelayLine.pending` owes at the end). Th
 slots by step parity, step ``t`` reading ``(t-1) mod 2`` and writing ``t mod 2``, so that a step
 skipped and retried (non-finite gradient, grad-scaler overflow) reads the same carry again.
 
-Slots are stored by parameter name (:class:`~lightning_gc.flatstate.FlatState`): they survive DDP's
+Slots are stored by parameter name (:class:`~lightning_gc.common.flatstate.FlatState`): they survive DDP's
 bucket rebuild and are saved in checkpoints after draining what is in flight, so a resume continues
 exactly.
 """
@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.futures import Future
 
-from lightning_gc.checkpoint import IncompatibleCheckpoint
-from lightning_gc.flatstate import FlatState
-from lightning_gc.layout import BucketLayout, Segment
-from lightning_gc.validation import check_bool, check_int
+from lightning_gc.common.errors import IncompatibleCheckpoint
+from lightning_gc.common.flatstate import FlatState
+from lightning_gc.common.layout import BucketLayout, Segment
+from lightning_gc.common.validation import check_bool, check_int
 
 CARRY_KINDS = ("carry.0", "carry.1")
 """The state kinds of averages carried past steps that did not use their parameter (by step parity)."""

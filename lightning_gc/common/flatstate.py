@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from lightning_gc.layout import BucketLayout
+from lightning_gc.common.layout import BucketLayout
 
 ByName = dict[str, dict[str, torch.Tensor]]
 """State by parameter name, then by kind."""

@@ -3,7 +3,7 @@
 DGC's momentum correction accumulates *momentum*, not raw gradients, in the residual. The user
 keeps writing ``torch.optim.SGD(params, lr, momentum=m, nesterov=..., weight_decay=wd)``; the
 memory applies ``m``, ``nesterov`` and ``wd`` of every SGD param group with momentum (see
-:mod:`lightning_gc.memory`), and the optimizer takes a momentum-free, decay-free step on the
+:mod:`lightning_gc.core.memory`), and the optimizer takes a momentum-free, decay-free step on the
 aggregated update.
 
 torch's SGD adds weight decay *before* momentum (``buf = m*buf + g + wd*p``), so decay must move

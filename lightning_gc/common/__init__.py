@@ -1,0 +1,10 @@
+"""The vocabulary every layer shares, importing nothing else of the package.
+
+* :mod:`~lightning_gc.common.layout`: a flat tensor (a DDP bucket, a fragment of parameters) as
+  per-parameter segments; codecs encode per segment and memory keeps state per segment, so the
+  layout sits below both (docs/ARCHITECTURE.md says why it is not in ``core/``).
+* :mod:`~lightning_gc.common.flatstate`: per-parameter state stored flat, carried across re-bucketing.
+* :mod:`~lightning_gc.common.validation`: one-line errors for bad arguments.
+* :mod:`~lightning_gc.common.errors`: the exceptions front ends report to users.
+* :mod:`~lightning_gc.common.log`: warnings and notices from rank zero, without Lightning.
+"""

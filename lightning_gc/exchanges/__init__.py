@@ -1,0 +1,12 @@
+"""How a flat tensor's encoded rounds move between ranks, and the pipeline that runs them.
+
+* :mod:`~lightning_gc.exchanges.pipeline`: one flat tensor through screen -> compensate -> encode
+  -> exchange -> decode -> commit (``run_bucket``), the same for a DDP bucket and any other.
+* :mod:`~lightning_gc.exchanges.transport`: moving one round (``Exchange``): torch.distributed
+  collectives over any process group, or a local stand-in for calibration and benchmarks.
+* :mod:`~lightning_gc.exchanges.comm`: the collectives as futures of their output.
+* :mod:`~lightning_gc.exchanges.traffic`: bytes on the wire per kind of exchange.
+* :mod:`~lightning_gc.exchanges.delay`: a delayed exchange (the average applied steps later).
+* :mod:`~lightning_gc.exchanges.hierarchy`, :mod:`~lightning_gc.exchanges.hierarchy_sparse`: the
+  two-level node exchanges.
+"""
