@@ -24,7 +24,6 @@ momentum between steps is followed, as under the Trainer.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -32,13 +31,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors.base import AdjustableRatio, Compressor
-from lightning_gc.integrations.strategy import resolve_compressor
+from lightning_gc.runtime.build import build_session, preset_for
 from lightning_gc.runtime.session import CompressionSession
-from lightning_gc.runtime.settings import CompressionSettings
 from lightning_gc.runtime.teardown import shut_down_process_group_at_exit
-
-PRESET_SETTINGS: dict[str, dict[str, Any]] = {"dgc": {"momentum_correction": True}}
-"""Settings a compressor's preset turns on by default (as ``DGCStrategy`` does for DGC)."""
 
 
 class AttachedCompression:
@@ -180,25 +175,5 @@ def attach(
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    session = build_session(compressor, kwargs, owner="attach")
+    session = build_session(compressor, kwargs, owner="attach", preset=preset_for(compressor))
     return AttachedCompression(ddp_model, optimizer, session, scaler, devices_per_node)
-
-
-def build_session(
-    compressor: str | Compressor, kwargs: dict[str, Any], *, owner: str, others: dict[str, set[str]] | None = None
-) -> CompressionSession:
-    """The session of a front end given a compressor (name or object) and keyword arguments: the
-    compressor's arguments and the :class:`~lightning_gc.runtime.settings.CompressionSettings` fields are
-    taken out of ``kwargs`` (a preset's settings, e.g. DGC's momentum correction, as defaults);
-    whatever remains must be a name of ``others`` (e.g. DDP's arguments) and stays in ``kwargs``.
-
-    Raises:
-        ValueError: an unknown name (with the close name) or a bad value, naming ``owner``.
-    """
-    fields = {field.name for field in dataclasses.fields(CompressionSettings)}
-    name = compressor if isinstance(compressor, str) else compressor.name
-    for setting, value in PRESET_SETTINGS.get(name, {}).items():
-        kwargs.setdefault(setting, value)
-    built = resolve_compressor(compressor, kwargs, owner=owner, others={owner: fields, **(others or {})})
-    settings = CompressionSettings(**{k: kwargs.pop(k) for k in list(kwargs) if k in fields})
-    return CompressionSession(built, settings, owner=owner)

@@ -30,8 +30,9 @@ from torch.optim import Optimizer
 from lightning_gc.common.validation import check_timeout
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import available
-from lightning_gc.integrations.attach import AttachedCompression, build_session
+from lightning_gc.integrations.attach import AttachedCompression
 from lightning_gc.integrations.strategy import ddp_argument_names
+from lightning_gc.runtime.build import build_session, preset_for
 from lightning_gc.runtime.checkpoint import CHECKPOINT_KEY, no_entry_notice
 
 
@@ -49,7 +50,11 @@ class FabricCompressionStrategy(DDPStrategy):
     def __init__(self, compressor: str | Compressor = "none", **kwargs: Any) -> None:
         kwargs = dict(kwargs)
         self.session = build_session(
-            compressor, kwargs, owner=type(self).__name__, others={"DDP": ddp_argument_names(DDPStrategy)}
+            compressor,
+            kwargs,
+            owner=type(self).__name__,
+            preset=preset_for(compressor),
+            others={"DDP": ddp_argument_names(DDPStrategy)},
         )
         if "timeout" in kwargs:
             kwargs["timeout"] = check_timeout("timeout", kwargs["timeout"])

@@ -172,6 +172,13 @@ class CompressionSession:
             self._nesterov_times_m = False
 
     # ------------------------------------------------------------------ each step
+    def synchronous_until(self, steps: int) -> None:
+        """Make the first ``steps`` optimizer steps synchronous when ``sync_warmup_steps`` was left
+        to its default (``None``): a sparsity warm-up calls it as training starts, before any step,
+        so that a delay starts at the target density."""
+        if self.settings.sync_warmup_steps is None and self.hook_state is not None:
+            self.hook_state.sync_warmup_steps = steps
+
     def before_step(self, optimizers: Sequence[Any], grad_scale: float | None) -> None:
         """Follow momentum a scheduler rewrote; tell the hook the loss scale of this step's gradients."""
         if self.hook_state is None:

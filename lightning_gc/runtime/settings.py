@@ -27,11 +27,75 @@ from lightning_gc.runtime.policy import CompressionPolicy
 
 @dataclass(frozen=True)
 class CompressionSettings:
-    """What a compressed run does around its compressor (see ``GradientCompressionStrategy`` for
-    the meaning of each field; the names and defaults are the strategy's arguments).
+    """What a compressed run does around its compressor. Every front end takes these fields as
+    keyword arguments under the same names (the Trainer strategies, Fabric, ``attach``, the Hydra
+    ``strategy.*`` options).
 
     Invariants after construction: ``momentum`` is set only with ``momentum_correction``;
     ``local_update`` only with ``delay >= 1``; every number is in its documented range.
+
+    Attributes:
+        momentum_correction: hand the momentum (and the weight decay inside it) of every
+            ``torch.optim.SGD`` param group over to the compression memory, which accumulates
+            momentum-corrected updates (DGC); the optimizer then takes momentum-free steps. With
+            ``torch.optim.Adam``/``AdamW``: after ``adam_warmup_steps`` the second moment freezes
+            and the first moment is handed over the same way. Parameters of other optimizers (or
+            SGD without momentum) use plain error feedback.
+        momentum: momentum applied by the memory for parameters whose optimizer has none to hand
+            over (e.g. Adam, or SGD with ``momentum=0``); ``None`` takes it from SGD only.
+        momentum_masking: zero the momentum where values were sent sparsely (DGC §3.3).
+        clip_norm: local gradient clipping before accumulation: each tensor's local gradient is
+            clipped to L2 norm ``clip_norm / sqrt(world_size)`` (DGC §3.2). ``None``: off.
+        error_feedback: keep what was not sent (the residual) for later steps; ``None`` (default)
+            turns it on for biased compressors and with momentum correction, which requires it.
+        min_wire_ratio: selective compression: a bucket whose wire ratio under the compressor
+            (dense bytes / bytes sent) would be below this is sent exactly by one all-reduce.
+            The default 1.0 never sends more bytes than plain DDP.
+        compress_when: ``None`` (default): compress every bucket that passes ``min_wire_ratio``; or
+            a :class:`~lightning_gc.runtime.policy.CompressionPolicy`, e.g.
+            :class:`~lightning_gc.runtime.selective.CompressWhenFaster`: compress a bucket only where the
+            performance model predicts a faster step. Rank 0's policy is used on all ranks.
+        log_stats: log ``gc/bytes_sent``, ``gc/dense_bytes``, ``gc/wire_ratio``, ``gc/density``
+            and ``gc/compress_s`` after every optimizer step. Running sums over all steps are kept
+            in :attr:`totals` either way.
+        nonfinite: a NaN/Inf in a local gradient: ``"raise"`` (default) stops with
+            ``FloatingPointError`` naming the parameters before anything enters memory;
+            ``"skip"`` skips the step on every rank and rolls memory back. Under a mixed-precision
+            grad scaler ("16-mixed") such steps are always skipped and the scaler backs off.
+        verify_every_n_steps: every so many optimizer steps, compare a checksum of every
+            parameter across ranks and raise naming the first that differs (``None``: only the
+            setup check of configuration and model layout, which always runs).
+        delay: delayed synchronisation (:mod:`lightning_gc.exchanges.delay`): each step applies the average
+            of the exchange launched ``delay`` steps earlier, and its own exchange runs during the
+            next step's compute. 0 (default): every step waits for its own exchange. What is still
+            owed when training ends is applied then, so every rank ends with the same parameters.
+        local_update: with ``delay``, apply this rank's own contribution at once and swap it for
+            the average when that arrives (OD-SGD); ranks then differ by their own recent terms
+            during training. Needs ``torch.optim.SGD`` (a linear update) and a compressor that
+            knows what it sent before the exchange (not PowerSGD).
+        sync_warmup_steps: with ``delay``, the first optimizer steps are synchronous. ``None``
+            (default): as many as a :class:`~lightning_gc.SparsityWarmup` callback's stages last, so
+            the delay starts at the target density, where the update is small; 0 without one.
+        adam_warmup_steps: with ``torch.optim.Adam``/``AdamW`` and ``momentum_correction``, the
+            optimizer steps of plain Adam (gradients averaged exactly as DDP does) before the second
+            moment freezes and the first moment is compressed (:mod:`lightning_gc.core.handover`;
+            1-bit Adam freezes after 15-25 % of training).
+        adam_weighting: after the freeze, how the compressed momentum weights elements against each
+            other (what top-k favours): ``"step"`` (default) by each element's pending Adam step,
+            ``"decrease"`` by the first-order loss decrease of applying it (the step times
+            ``sqrt(d)``, ``d`` the frozen denominator), ``"gradient"`` by its gradient sum (the step
+            times ``d``, SGD's ranking). What is eventually applied is the same; see
+            :mod:`lightning_gc.core.handover`.
+        hierarchy: ``"flat"`` (default): one compressed exchange over all ranks. ``"node"``: two
+            levels (:mod:`lightning_gc.exchanges.hierarchy`): a dense sum within each node over its fast link,
+            the compressed exchange across nodes with every device carrying ``1/devices`` of each
+            bucket, then a dense all-gather within the node; residuals stay exact on the device that
+            owns each piece. ``"node_sparse"`` (``topk``, ``dgc``): two levels with nothing dense on
+            any link (:mod:`lightning_gc.exchanges.hierarchy_sparse`): global top-k within each node, the
+            node's agreed pairs gathered across nodes (``1/devices`` of them per device), every rank
+            keeping its whole residual; for nodes whose link is not much faster than the network.
+            ``"auto"``: ``"node"`` when there is more than one node and more than one device per
+            node. Not with ``local_update`` nor PowerSGD (which needs whole matrices).
     """
 
     momentum_correction: bool = False
