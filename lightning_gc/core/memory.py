@@ -6,6 +6,7 @@ Per parameter, with local gradient ``g`` (DGC §3, Lin et al. 2018)::
     g <- g + wd * p                              only where momentum moved here (see momentum.py)
     g <- (1 - dampening) * g                     Adam's first moment: dampening = beta1
     u <- m*u + g                                 torch.optim.SGD's momentum buffer
+    v <- beta*v                                  error decay (beta = 1 unless set; SparseLoCo's 0.95)
     v <- v + u            (Nesterov: v <- v + (g + m*u))  with m == 0: v <- v + g (error feedback)
 
 after which the compressor sends part of ``v`` and the memory is told what left:
@@ -15,8 +16,9 @@ after which the compressor sends part of ``v`` and the memory is told what left:
 * dense positions (tensors sent whole): ``v <- 0`` and ``u`` is kept, so a tensor that is always
   sent dense follows exactly ``torch.optim.SGD``'s momentum recurrence.
 
-Invariant: for every element, ``v + (everything sent so far) == sum of the inputs to v``: nothing
-is lost, only delayed.
+Invariant (``beta = 1``): for every element, ``v + (everything sent so far) == sum of the inputs
+to v``: nothing is lost, only delayed. With ``beta < 1`` an input ``t`` steps old that was never
+sent is weighed ``beta**t``.
 
 State is *keyed by parameter name* but *stored flat per bucket* (:mod:`lightning_gc.common.flatstate`):
 one contiguous velocity (and momentum) buffer per bucket, so the update is a few vectorised passes,
@@ -34,6 +36,7 @@ import torch
 from lightning_gc import kernels
 from lightning_gc.common.flatstate import FlatState
 from lightning_gc.common.layout import BucketLayout, Segment, bucket_order, bucket_view
+from lightning_gc.common.validation import check_range
 from lightning_gc.compressors.base import Encoded
 from lightning_gc.core.momentum import NO_MOMENTUM, MomentumSpec
 
@@ -103,6 +106,9 @@ class CompensationMemory:
             errors average out, and the momentum recurrence is unaffected.
             Clipping is per tensor because a comm hook sees one bucket at a time, never the
             whole model's gradient.
+        error_decay: ``beta`` in ``v <- beta*v`` before each accumulation, in (0, 1]: 1 keeps the
+            residual whole (plain error feedback); below 1 old, unsent residual fades (SparseLoCo
+            uses 0.95 on pseudo-gradients).
     """
 
     def __init__(
@@ -112,9 +118,11 @@ class CompensationMemory:
         momentum_masking: bool,
         clip_norm: float | None,
         error_feedback: bool = True,
+        error_decay: float = 1.0,
     ) -> None:
         self.momentum_correction = momentum_correction
         self.error_feedback = error_feedback
+        self.error_decay = check_range("error_decay", error_decay, 0.0, 1.0, low_inclusive=False)
         self.momentum_masking = momentum_masking
         self.clip_norm = clip_norm
         self._specs: dict[str, MomentumSpec] = {}
@@ -127,13 +135,17 @@ class CompensationMemory:
 
     # ------------------------------------------------------------------ configuration
     def config(self) -> dict[str, object]:
-        """The settings every rank must share (plain data)."""
-        return {
+        """The settings every rank must share (plain data); ``error_decay`` only where it is not 1,
+        so that a checkpoint written before it existed describes the same memory."""
+        config: dict[str, object] = {
             "momentum_correction": self.momentum_correction,
             "momentum_masking": self.momentum_masking,
             "clip_norm": self.clip_norm,
             "error_feedback": self.error_feedback,
         }
+        if self.error_decay != 1.0:
+            config["error_decay"] = self.error_decay
+        return config
 
     def set_specs(self, specs: dict[str, MomentumSpec]) -> None:
         """Set each parameter's momentum recurrence (by name); ignored without momentum correction."""
@@ -223,6 +235,8 @@ class CompensationMemory:
         if loss_scale is not None:
             grad.div_(loss_scale)
         memory.aside = self.set_aside(memory, absent) if absent else []
+        if self.error_decay != 1.0:
+            memory.velocity.mul_(self.error_decay)
         velocity = self._accumulate(memory, grad, params, world_size, summed_ranks, clip)
         for segment, _ in memory.aside:
             segment.of(velocity).zero_()

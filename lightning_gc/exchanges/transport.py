@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.futures import Future, collect_all
 
 from lightning_gc.compressors.base import Encoded
@@ -33,7 +34,14 @@ from lightning_gc.exchanges.traffic import ALLREDUCE, GATHER, exchange_bytes
 
 
 class Exchange(ABC):
-    """Moves one round of a bucket's payload between ranks (see the module docstring)."""
+    """Moves one round of a bucket's payload between ranks (see the module docstring).
+
+    Attributes:
+        world_size: the ranks taking part; ``rank``: this one's place among them.
+    """
+
+    world_size: int
+    rank: int
 
     @abstractmethod
     def launch(self, encoded: Encoded) -> Future[Encoded]:
@@ -63,6 +71,14 @@ class CollectiveExchange(Exchange):
 
     def __init__(self, group: comm.ProcessGroup = None) -> None:
         self.group = group
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return dist.get_rank(self.group)
 
     def launch(self, encoded: Encoded) -> Future[Encoded]:
         _payloads(encoded)
