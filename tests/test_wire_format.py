@@ -12,7 +12,8 @@ import torch
 
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors import DGCCompressor, TopKCompressor, create
-from lightning_gc.compressors.base import GATHER_BELOW, DenseBlock, EncodeContext
+from lightning_gc.compressors.base import EncodeContext
+from lightning_gc.compressors.dense import GATHER_BELOW, DenseBlock
 from lightning_gc.compressors.wire import (
     INDEX_ENCODINGS,
     EliasFanoIndices,
@@ -428,7 +429,7 @@ def test_the_resnet50_recipe_uses_the_narrow_wire(resnet50_layout: BucketLayout)
 
 # ------------------------------------------------------------------ saturation of narrow wires
 def test_saturating_copy_clamps_to_what_a_sum_of_summands_can_hold() -> None:
-    from lightning_gc.compressors.base import saturating_copy_
+    from lightning_gc.compressors.numerics import saturating_copy_
 
     values = torch.tensor([1e6, -1e6, 1.5, 40_000.0, float("nan")])
     wire = saturating_copy_(torch.empty(5, dtype=torch.float16), values, summands=2)
@@ -442,7 +443,7 @@ def test_saturating_copy_clamps_to_what_a_sum_of_summands_can_hold() -> None:
 def test_saturated_values_summed_over_any_world_size_stay_finite(dtype: torch.dtype) -> None:
     """max / N rounded to nearest can lie above max / N (fp16, N = 3: 21840, and 3 * 21840 = inf);
     the limit is rounded down, so N saturated values summed one by one in the wire dtype stay finite."""
-    from lightning_gc.compressors.base import saturating_copy_, saturation_limit
+    from lightning_gc.compressors.numerics import saturating_copy_, saturation_limit
 
     huge = torch.tensor([torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max])
     for world in range(1, 65):

@@ -1,6 +1,7 @@
 """Gradient compressors behind one interface (:class:`Compressor`), registered by name."""
 
-from lightning_gc.compressors.base import Compressor, DensePart, EncodeContext, Encoded
+from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded
+from lightning_gc.compressors.dense import DensePart
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.fft import FFTCompressor
 from lightning_gc.compressors.powersgd import PowerSGDCompressor

@@ -23,11 +23,14 @@ Q computed from the reduced P). Its :meth:`Compressor.encode` then returns the f
 ``next_round`` set; the hook completes each round's collectives *from the hook itself* before
 asking for the next, so every rank issues every collective in the same order (see
 :mod:`lightning_gc.exchanges.comm`). Only the last round is left in flight for DDP to overlap.
+
+This module holds the interface only (and the per-bucket plan cache compressors build on); the
+arithmetic of wire values is in :mod:`lightning_gc.compressors.numerics`, the tensors that leave
+whole (biases, norms, small tensors, uncompressed buckets) in :mod:`lightning_gc.compressors.dense`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -36,7 +39,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from lightning_gc.common.layout import BucketLayout, Segment, segment_positions
+from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_range
 
 
@@ -80,7 +83,7 @@ class Encoded:
         dense_all: every element of the bucket left this rank (exactly, or as ``dense_sent``).
         dense_sent: the dense values as receivers decode them, when the wire rounds them (e.g.
             fp16); ``None`` means they left exactly. Valid until decode, which may overwrite it
-            (see :func:`widened_for_commit`).
+            (see :func:`~lightning_gc.compressors.numerics.widened_for_commit`).
         context: compressor-private data needed by :meth:`Compressor.decode`.
         next_round: for multi-round compressors, called once this round's collectives have
             completed; returns the next round. ``None`` on the last round.
@@ -147,242 +150,6 @@ def split_segments(segments: Sequence[Segment], min_numel: int) -> tuple[list[Se
     compressed = [s for s in segments if compressible(s, min_numel)]
     dense = [s for s in segments if not compressible(s, min_numel)]
     return compressed, dense
-
-
-WIRE_ALIGNMENT = 4
-"""Bytes every field of a gathered payload is padded to, so the next one can be viewed as int32/fp32."""
-
-
-def aligned(size: int) -> int:
-    """``size`` rounded up to a multiple of :data:`WIRE_ALIGNMENT`."""
-    return -(-size // WIRE_ALIGNMENT) * WIRE_ALIGNMENT
-
-
-@functools.cache
-def saturation_limit(dtype: torch.dtype, summands: int) -> float:
-    """The largest value of ``dtype`` whose ``summands``-fold sum, accumulated in ``dtype`` one term
-    at a time (as a ring all-reduce adds), stays finite: ``finfo(dtype).max / summands`` rounded
-    toward zero in ``dtype`` (rounding to nearest can land above it: fp16 at 3 ranks gives 21840,
-    and 3 * 21840 overflows), then lowered while the accumulated sum still overflows."""
-    limit = torch.tensor(torch.finfo(dtype).max / summands, dtype=torch.float64).to(dtype)
-    toward_zero = torch.zeros((), dtype=dtype)
-    while True:
-        total = torch.zeros((), dtype=dtype)
-        for _ in range(summands):
-            total = total + limit
-        if limit.double() * summands <= torch.finfo(dtype).max and torch.isfinite(total):
-            return float(limit)
-        limit = torch.nextafter(limit, toward_zero)
-
-
-def saturating_copy_(wire: torch.Tensor, values: torch.Tensor, summands: int = 1) -> torch.Tensor:
-    """``wire <- values``, clamped to ``+-saturation_limit(wire.dtype, summands)`` (about
-    ``finfo(wire.dtype).max / summands``); returns ``wire``.
-
-    A narrow wire dtype (fp16: largest finite 65504) turns large values into ``inf``, and a
-    collective summing ``summands`` of them can overflow even when each is finite. Clamping
-    instead keeps every value and every sum finite; with error feedback the clipped excess stays
-    in memory (memory subtracts what receivers decode), so it is delayed, not lost. NaN stays NaN.
-    A wire dtype at least as wide as the values' is a plain copy.
-    """
-    wire.copy_(values)
-    if torch.finfo(wire.dtype).max < torch.finfo(values.dtype).max:
-        limit = saturation_limit(wire.dtype, summands)
-        wire.clamp_(-limit, limit)
-    return wire
-
-
-def widened_for_commit(wire: torch.Tensor, velocity: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """What memory should subtract from ``velocity`` for the narrow ``wire`` values (its
-    ``Encoded.dense_sent``): on CPU a copy of ``wire`` in ``velocity``'s dtype, written into
-    ``scratch`` (a bucket-sized buffer free until decode) when the dtypes match; else ``wire``.
-
-    Why: CPU kernels for in-place arithmetic across dtypes (``v -= fp16``) are not vectorised and
-    run about 4x slower than a widening copy plus a same-dtype subtraction (22 vs 6 ms for ResNet-18's
-    11.2 M gradients on one core). On GPUs the mixed-dtype subtraction is one fused kernel that
-    reads less, so ``wire`` is returned as it is.
-    """
-    if velocity.device.type != "cpu" or scratch.dtype != velocity.dtype or scratch.numel() < wire.numel():
-        return wire
-    return scratch[: wire.numel()].copy_(wire)
-
-
-def summing_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the ranks' decoded values are summed in for a bucket of ``dtype``: float32 for
-    the narrower floats (their sum over ranks could overflow before it is divided), the bucket's
-    own dtype from float32 up (a float64 bucket keeps float64's precision)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def mean_into(out: torch.Tensor, summed: torch.Tensor, world_size: int) -> torch.Tensor:
-    """``out <- summed / world_size``, divided in the wider of the two dtypes: a sum over ranks
-    that ``out``'s dtype cannot hold (fp16: 2 x 40000) can still have a mean that it can.
-    ``summed`` may be ``out`` itself, and may be overwritten; returns ``out``."""
-    if summed is out:
-        return out.div_(world_size)
-    if torch.finfo(summed.dtype).max > torch.finfo(out.dtype).max:
-        return out.copy_(summed.div_(world_size))
-    return out.copy_(summed).div_(world_size)
-
-
-@dataclass
-class DensePart:
-    """The tensors of a bucket sent whole (through an all-reduce) while the rest is compressed.
-
-    ``values`` is the send buffer: :meth:`gather` fills it from the velocity, the collective sums
-    it over ranks in place, :meth:`write_mean` writes the mean back into the bucket. A send buffer
-    narrower than the velocity (e.g. fp16) is summed in that dtype; as with the ``fp16``
-    compressor, :attr:`sent` then hands memory the rounded values so the rounding stays in the
-    residual. ``staging`` is the velocity-dtype scratch such a buffer needs (else ``None``).
-    """
-
-    positions: torch.Tensor  # int64 bucket positions, in segment order
-    values: torch.Tensor
-    staging: torch.Tensor | None = None
-
-    @staticmethod
-    def of(
-        segments: Sequence[Segment],
-        like: torch.Tensor,
-        values: torch.Tensor | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> DensePart | None:
-        """The dense part made of ``segments`` (``None`` if there are none); ``values`` may be a
-        caller-owned buffer of their total size (e.g. the tail of a larger send buffer), ``dtype``
-        the wire dtype of a buffer made here (default: ``like``'s)."""
-        if not segments:
-            return None
-        return DensePart.over(segment_positions(segments, like.device), like, values, dtype)
-
-    @staticmethod
-    def over(
-        positions: torch.Tensor,
-        like: torch.Tensor,
-        values: torch.Tensor | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> DensePart:
-        """The dense part at the distinct bucket ``positions`` (int64; the caller may rewrite them
-        in place between steps, e.g. the positions a global top-k agreed on); ``values`` and
-        ``dtype`` as for :meth:`of`."""
-        if values is None:
-            values = torch.empty(positions.numel(), dtype=dtype or like.dtype, device=like.device)
-        elif values.numel() != positions.numel():
-            raise ValueError(f"dense buffer holds {values.numel()} elements, the positions {positions.numel()}")
-        staging = None if values.dtype == like.dtype else like.new_empty(positions.numel())
-        return DensePart(positions=positions, values=values, staging=staging)
-
-    @property
-    def sent(self) -> torch.Tensor | None:
-        """What receivers decode when the wire dtype differs from the velocity's (``Encoded.dense_sent``:
-        memory subtracts it before the collective overwrites it); ``None`` when the values leave exactly."""
-        return None if self.staging is None else self.values
-
-    def gather(self, velocity: torch.Tensor, world_size: int = 1) -> torch.Tensor:
-        """Copy the dense positions of ``velocity`` into the send buffer and return it; a narrow
-        buffer saturates so that the sum over ``world_size`` ranks stays finite."""
-        if self.staging is None:
-            return torch.index_select(velocity, 0, self.positions, out=self.values)
-        exact = torch.index_select(velocity, 0, self.positions, out=self.staging)
-        return saturating_copy_(self.values, exact, world_size)
-
-    def write_mean(self, out: torch.Tensor, world_size: int) -> None:
-        """After the all-reduce: ``out[positions] = summed values / world_size``."""
-        mean = mean_into(self.values if self.staging is None else self.staging, self.values, world_size)
-        out.index_copy_(0, self.positions, mean)
-
-
-GATHER_BELOW = 4096
-"""Tensors of a :class:`DenseBlock` with fewer elements move in one gather for all of them; larger
-ones are copied one by one, at full bandwidth (a gather also reads an int64 position per value)."""
-
-
-@dataclass(frozen=True)
-class DenseBlock:
-    """Whole tensors carried inside a payload as one block of values in the wire ``dtype``, from
-    byte ``start`` (a multiple of the dtype's size): first the values of each tensor of at least
-    :data:`GATHER_BELOW` elements, then those of the smaller ones, each group in segment order.
-
-    In float32 (the default) every fp16, bf16 and float32 value leaves exactly: what receivers
-    decode equals the velocity, and error feedback keeps nothing of it. A narrower wire dtype
-    saturates (:func:`saturating_copy_`) and rounds, and the decoded values say so. Each large
-    tensor is one copy; all the small ones together are one gather on encode and one scatter-add on
-    decode, however many there are (a model's dozens of biases and norms would otherwise cost a few
-    ops each, which on a GPU are kernel launches). The gather's positions are built once per device.
-    """
-
-    segments: tuple[Segment, ...]
-    start: int
-    dtype: torch.dtype = torch.float32
-    numel: int = field(init=False)
-    copied: tuple[Segment, ...] = field(init=False)
-    gathered: tuple[Segment, ...] = field(init=False)
-    _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "numel", sum(segment.numel for segment in self.segments))
-        object.__setattr__(self, "copied", tuple(s for s in self.segments if s.numel >= GATHER_BELOW))
-        object.__setattr__(self, "gathered", tuple(s for s in self.segments if s.numel < GATHER_BELOW))
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    def positions(self, device: torch.device) -> torch.Tensor:
-        """The bucket positions (int64) of the gathered tensors' values, in block order."""
-        cached = self._positions.get(device)
-        if cached is None:
-            cached = self._positions[device] = segment_positions(self.gathered, device)
-        return cached
-
-    def values_in(self, payload: torch.Tensor) -> torch.Tensor:
-        """The block's view inside ``payload`` (uint8), in the wire dtype."""
-        return payload[self.start : self.start + self.nbytes].view(self.dtype)
-
-    def encode(self, values: torch.Tensor, payload: torch.Tensor, decoded: torch.Tensor) -> None:
-        """Copy the segments of ``values`` (bucket-sized) into the block of ``payload``, and what
-        receivers will read (the wire values, in ``decoded``'s dtype) into ``decoded``."""
-        block, offset = self.values_in(payload), 0
-        for segment in self.copied:
-            wire = block[offset : offset + segment.numel]
-            segment.of(decoded).copy_(saturating_copy_(wire, segment.of(values)))
-            offset += segment.numel
-        if not self.gathered:
-            return
-        tail, positions = block[offset:], self.positions(values.device)
-        if values.dtype == self.dtype:
-            torch.index_select(values, 0, positions, out=tail)
-        else:
-            saturating_copy_(tail, values.index_select(0, positions))
-        decoded.index_copy_(0, positions, tail.to(decoded.dtype))
-
-    def add_into(self, payload: torch.Tensor, total: torch.Tensor) -> None:
-        """``total[segments] += `` the block's values (``total`` bucket-sized)."""
-        block, offset = self.values_in(payload), 0
-        for segment in self.copied:
-            segment.of(total).add_(block[offset : offset + segment.numel])
-            offset += segment.numel
-        if self.gathered:
-            total.index_add_(0, self.positions(total.device), block[offset:].to(total.dtype))
-
-
-def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor) -> Encoded:
-    """The bucket's velocity, sent whole and exactly through one all-reduce in ``out``; the
-    compressor's decode finishes it with :func:`decode_whole_bucket`."""
-    return Encoded(
-        summed=out.copy_(velocity),
-        dense_all=True,
-        bytes_sent=velocity.numel() * velocity.element_size(),
-        elements_sent=velocity.numel(),
-    )
-
-
-def decode_whole_bucket(encoded: Encoded, out: torch.Tensor, world_size: int) -> bool:
-    """Finish a bucket from :func:`encode_whole_bucket` (``out`` was the all-reduce buffer, so the
-    mean is ``out / N``) and return ``True``; return ``False`` for any other encoding."""
-    if encoded.summed is not out:
-        return False
-    out.div_(world_size)
-    return True
 
 
 class AdjustableRatio:

@@ -36,18 +36,9 @@ import torch
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_choice, check_int
 from lightning_gc.compressors import rangefloat
-from lightning_gc.compressors.base import (
-    AdjustableRatio,
-    DenseBlock,
-    DensePart,
-    EncodeContext,
-    Encoded,
-    PlannedCompressor,
-    aligned,
-    decode_whole_bucket,
-    encode_whole_bucket,
-    split_segments,
-)
+from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.dense import DenseBlock, DensePart, decode_whole_bucket, encode_whole_bucket
+from lightning_gc.compressors.numerics import aligned
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange
 

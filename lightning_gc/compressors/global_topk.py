@@ -53,7 +53,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_gc.common.layout import Segment, segment_positions
-from lightning_gc.compressors.base import DensePart, EncodeContext, Encoded, PeerTransfer
+from lightning_gc.compressors.base import EncodeContext, Encoded, PeerTransfer
+from lightning_gc.compressors.dense import DensePart
 from lightning_gc.compressors.wire import SparseWireFormat
 
 EXCHANGES = ("gather", "global_topk")

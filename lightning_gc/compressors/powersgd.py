@@ -33,14 +33,8 @@ import torch
 from lightning_gc.common.flatstate import copy_into
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_bool, check_int, check_range
-from lightning_gc.compressors.base import (
-    DensePart,
-    EncodeContext,
-    Encoded,
-    PlannedCompressor,
-    decode_whole_bucket,
-    encode_whole_bucket,
-)
+from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor
+from lightning_gc.compressors.dense import DensePart, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.registry import register
 
 _SEED_PARAM, _SEED_STEP = 1_000_003, 7_919

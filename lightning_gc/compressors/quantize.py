@@ -9,7 +9,7 @@ A quantised tensor has one block of scales, or one per ``chunk_size`` elements w
 compressor takes ``chunk_size``. Each tensor's codes start on a byte boundary. As in DGC (§3) and
 the other compressors, 1-D tensors (biases, norms) and those under ``min_compress_numel`` elements
 are not quantised: they leave exactly, as float32 values in one block
-(:class:`~lightning_gc.compressors.base.DenseBlock`). They are a small part of the bytes (0.09 % of
+(:class:`~lightning_gc.compressors.dense.DenseBlock`). They are a small part of the bytes (0.09 % of
 ResNet-18's gradient), but quantised one by one they took half of the codec's ops. Decoding sums
 every rank's values and divides by the world size.
 
@@ -45,16 +45,9 @@ import torch
 from lightning_gc import kernels
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_int
-from lightning_gc.compressors.base import (
-    DenseBlock,
-    EncodeContext,
-    Encoded,
-    PlannedCompressor,
-    aligned,
-    mean_into,
-    split_segments,
-    summing_dtype,
-)
+from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.dense import DenseBlock
+from lightning_gc.compressors.numerics import aligned, mean_into, summing_dtype
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange, encode_seed
 from lightning_gc.kernels.packing import packed_bytes, select_by_block, set_bits_per_block, sign_select

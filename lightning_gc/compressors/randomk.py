@@ -20,14 +20,8 @@ import torch
 
 from lightning_gc.common.layout import BucketLayout, Segment, segment_positions
 from lightning_gc.common.validation import check_bool, check_int
-from lightning_gc.compressors.base import (
-    AdjustableRatio,
-    EncodeContext,
-    Encoded,
-    PlannedCompressor,
-    saturating_copy_,
-    split_segments,
-)
+from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.numerics import saturating_copy_
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.rng import counter_uniform
 

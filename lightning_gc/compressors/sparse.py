@@ -34,16 +34,8 @@ import torch
 from lightning_gc import kernels
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_choice, check_int
-from lightning_gc.compressors.base import (
-    AdjustableRatio,
-    DensePart,
-    EncodeContext,
-    Encoded,
-    PlannedCompressor,
-    decode_whole_bucket,
-    encode_whole_bucket,
-    split_segments,
-)
+from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.dense import DensePart, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.global_topk import EXCHANGES, GlobalTopKPlan
 from lightning_gc.compressors.wire import INDEX_ENCODINGS, VALUE_DTYPES
 from lightning_gc.kernels.selection import SegmentedTopK, for_each_segment

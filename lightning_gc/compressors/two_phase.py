@@ -64,7 +64,8 @@ from lightning_gc.common.errors import IncompatibleCheckpoint
 from lightning_gc.common.flatstate import FlatState
 from lightning_gc.common.layout import BucketLayout, Segment, chunk_segments, packed_layout
 from lightning_gc.common.validation import check_bool, check_choice
-from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache, aligned, summing_dtype
+from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache
+from lightning_gc.compressors.numerics import aligned, summing_dtype
 from lightning_gc.compressors.registry import available, compressor_class
 
 EXCHANGES = ("gather", "two_phase", "auto")

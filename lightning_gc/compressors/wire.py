@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from lightning_gc import kernels
-from lightning_gc.compressors.base import aligned, saturating_copy_
+from lightning_gc.compressors.numerics import aligned, saturating_copy_
 
 VALUE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

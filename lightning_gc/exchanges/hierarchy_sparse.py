@@ -62,8 +62,9 @@ from torch.futures import Future
 
 from lightning_gc import kernels
 from lightning_gc.common.layout import BucketLayout, Segment, piece_bounds
-from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlannedCompressor, mean_into
+from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlannedCompressor
 from lightning_gc.compressors.global_topk import GlobalTopKPlan
+from lightning_gc.compressors.numerics import mean_into
 from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan
 from lightning_gc.compressors.wire import check_int32_positions
 from lightning_gc.core.guard import StepGuard
