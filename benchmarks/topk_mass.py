@@ -8,7 +8,7 @@ that costs depends on how concentrated the update is: the fraction of its square
 
 is 1 for a vector with at most k non-zeros per tensor and ``ratio`` for one whose elements are all
 the same size. Momentum SGD's update is its first moment; frozen-variance Adam's is that moment
-over the frozen denominator ``d`` (:func:`lightning_gc.core.handover.frozen_denominators`, the
+over the frozen denominator ``d`` (:func:`lightning_gc.core.adam.frozen_denominators`, the
 hand-over's own), which moves every element by about ``lr``: the question is whether that
 flattens the distribution DGC relies on.
 
@@ -34,7 +34,7 @@ import torch
 
 from lightning_gc.compressors import create
 from lightning_gc.compressors.base import split_segments
-from lightning_gc.core.handover import frozen_denominators
+from lightning_gc.core.adam import frozen_denominators
 from lightning_gc.perfmodel.calibration import layout_of_shapes
 from recipes.language import PTBDataModule, TransformerLanguageModel
 

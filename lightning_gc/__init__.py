@@ -10,9 +10,10 @@ Importing the package registers the strategy names (``"dgc_ddp"``, ``"dgc_ddp_sp
 from lightning_gc.compressors import Compressor, DGCCompressor, available
 from lightning_gc.integrations.attach import AttachedCompression, attach
 from lightning_gc.integrations.callbacks import PAPER_WARMUP_DENSITIES, SparsityWarmup
+from lightning_gc.integrations.dgc import DGCStrategy
 from lightning_gc.integrations.fabric import FabricCompressionStrategy
 from lightning_gc.integrations.registry import register_strategies
-from lightning_gc.integrations.strategy import DGCStrategy, GradientCompressionStrategy
+from lightning_gc.integrations.strategy import GradientCompressionStrategy
 
 __version__ = "0.1.0.dev0"
 

@@ -1,5 +1,5 @@
 """Adam and AdamW through the strategy: dense warm-up, then frozen-variance compressed momentum
-(lightning_gc.core.handover.AdamHandOver), on two real gloo processes (tests/workers/fit_worker.py and
+(lightning_gc.core.adam.AdamHandOver), on two real gloo processes (tests/workers/fit_worker.py and
 adam_unused_worker.py)."""
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def test_bad_adam_settings_fail_at_construction(kwargs: dict, message: str) -> N
     ],
 )
 def test_adam_settings_the_hand_over_cannot_honour_are_refused(optimizer, settings: dict, message: str) -> None:
-    from lightning_gc.core.handover import hand_over_for
+    from lightning_gc.core.handover_choice import hand_over_for
     from lightning_gc.runtime.settings import CompressionSettings
 
     params = [torch.nn.Parameter(torch.zeros(3))]
@@ -182,7 +182,7 @@ def test_the_frozen_step_is_adams_update_with_the_preconditioned_momentum(weight
     denominator, ``a`` the weighting's power): the step is AdamW's with exp_avg = M' d^(1-a),
     decoupled decay and step t's first-moment bias correction, and leaves a plain AdamW state
     (exp_avg = the momentum, v untouched, step + 1), whatever the weighting."""
-    from lightning_gc.core.handover import ADAM_WEIGHTINGS, FrozenScales, frozen_variance_step
+    from lightning_gc.core.adam import ADAM_WEIGHTINGS, FrozenScales, frozen_variance_step
 
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(50))
@@ -369,7 +369,7 @@ def test_the_weighting_is_recorded_after_the_fit_released_its_hooks(world_of_one
 
 
 def test_a_freeze_without_any_second_moment_is_refused_naming_the_setting() -> None:
-    from lightning_gc.core.handover import frozen_denominators
+    from lightning_gc.core.adam import frozen_denominators
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(RuntimeError, match=r"Adam holds none yet.*raise adam_warmup_steps"):

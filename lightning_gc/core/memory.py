@@ -404,7 +404,7 @@ class CompensationMemory:
     def seed_momentum(self, moments: dict[str, torch.Tensor]) -> None:
         """Start each named parameter's momentum ``u`` from the given tensor (1-D, in bucket order:
         :func:`~lightning_gc.common.layout.bucket_order`), keeping its velocity (Adam's first moment at the
-        freeze, :mod:`lightning_gc.core.handover`)."""
+        freeze, :mod:`lightning_gc.core.adam`)."""
         state = self.state_dict()
         for name, moment in moments.items():
             flat = moment.detach().reshape(-1)

@@ -31,7 +31,7 @@ from lightning_gc.common.validation import check_timeout
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import available
 from lightning_gc.integrations.attach import AttachedCompression
-from lightning_gc.integrations.strategy import ddp_argument_names
+from lightning_gc.integrations.ddp_arguments import ddp_argument_names
 from lightning_gc.runtime.build import build_session, preset_for
 from lightning_gc.runtime.checkpoint import CHECKPOINT_KEY, no_entry_notice
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_gc.integrations.dgc import DGCStrategy
 from lightning_gc.integrations.fabric import register_fabric_strategies
-from lightning_gc.integrations.strategy import DGCStrategy, GradientCompressionStrategy
+from lightning_gc.integrations.strategy import GradientCompressionStrategy
 
 
 def register_strategies() -> None:

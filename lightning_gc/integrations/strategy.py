@@ -8,13 +8,12 @@ device (Lightning's own ``DDPStrategy`` only registers comm hooks on CUDA and si
 on CPU), each optimizer step, logging ``gc/*`` statistics, the end of training, and saving and
 restoring every rank's state in checkpoints.
 
-:class:`DGCStrategy` is the Deep Gradient Compression preset, registered as ``"dgc_ddp"`` and
-``"dgc_ddp_spawn"``.
+The Deep Gradient Compression preset, :class:`~lightning_gc.integrations.dgc.DGCStrategy`, is its
+subclass.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -30,22 +29,12 @@ from lightning_gc.common.validation import check_timeout
 from lightning_gc.compressors.base import AdjustableRatio, Compressor
 from lightning_gc.compressors.registry import available as available_compressors
 from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.integrations.ddp_arguments import OWNED_DDP_ARGUMENTS, ddp_argument_names
 from lightning_gc.runtime.build import PRESETS, build_session
 from lightning_gc.runtime.checkpoint import CHECKPOINT_KEY, no_entry_notice
 from lightning_gc.runtime.hook import CompressionHookState
 from lightning_gc.runtime.settings import CompressionSettings
 from lightning_gc.runtime.teardown import shut_down_process_group_at_exit
-
-_OWNED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
-
-
-def ddp_argument_names(strategy_class: type = DDPStrategy) -> set[str]:
-    """Keyword arguments a Lightning (or Fabric) DDP strategy class accepts, its own and those it
-    forwards to DistributedDataParallel, less those the compression strategies set themselves."""
-    set_by_lightning = {"self", "module", "device_ids", "output_device", "kwargs", *_OWNED_DDP_ARGUMENTS}
-    names = set(inspect.signature(strategy_class.__init__).parameters)
-    names |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
-    return names - set_by_lightning
 
 
 class _SkippedStep(Exception):
@@ -87,7 +76,7 @@ class GradientCompressionStrategy(DDPStrategy):
     """The :data:`~lightning_gc.runtime.build.PRESETS` entry whose settings this class defaults to."""
 
     def __init__(self, compressor: str | Compressor = "none", **kwargs: Any) -> None:
-        owned = sorted(set(kwargs) & set(_OWNED_DDP_ARGUMENTS))
+        owned = sorted(set(kwargs) & set(OWNED_DDP_ARGUMENTS))
         if owned:
             raise ValueError(
                 f"{type(self).__name__} installs its own DDP comm hook; remove {owned} "
@@ -254,50 +243,3 @@ class GradientCompressionStrategy(DDPStrategy):
         if own_optimizer_states is not None:  # local updates: this rank's, which Lightning restores next
             checkpoint["optimizer_states"] = own_optimizer_states
         return checkpoint
-
-
-class DGCStrategy(GradientCompressionStrategy):
-    """Deep Gradient Compression over DDP (Lin et al., ICLR 2018).
-
-    Keep a plain ``torch.optim.SGD(momentum=..., nesterov=..., weight_decay=...)``: its momentum
-    and weight decay move into the compression memory (momentum correction), each large tensor
-    sends exactly ``ceil(compress_ratio * numel)`` values chosen by a sampled threshold, the
-    momentum is masked where values were sent, and the rest stays in the velocity for later steps.
-    With ``compress_ratio=1`` training equals plain DDP with the same SGD.
-
-    Args:
-        compress_ratio: fraction of elements sent per compressed tensor, in (0, 1].
-        momentum_correction: on by default (the ``"dgc"`` preset); ``momentum``,
-            ``momentum_masking``, ``clip_norm``: see
-            :class:`~lightning_gc.runtime.settings.CompressionSettings`.
-        sample_ratio: fraction of each tensor sampled for the threshold, in (0, 1].
-        min_compress_numel: tensors with fewer elements, and 1-D tensors, go dense.
-        value_dtype: values on the wire, ``"float32"``, ``"float16"`` or ``"bfloat16"``.
-        index_encoding: indices on the wire, ``"int32"`` or ``"elias_fano"`` (sorted,
-            Elias--Fano coded: ~12 bits per index at ratio 0.001; same training result).
-        dense_dtype: dtype of the tensors sent dense (1-D, small) next to compressed ones,
-            ``"float32"``, ``"float16"``, ``"bfloat16"`` or ``None`` (the gradient's); what
-            rounding drops stays in the residual.
-        exchange: ``"gather"`` (every rank's pairs all-gathered) or ``"global_topk"`` (ranks
-            agree on ``k`` positions per tensor in ``log2 N`` pairwise merge rounds, then
-            all-reduce their values: traffic per rank grows as ``log N``, not ``N``; see
-            :mod:`lightning_gc.compressors.global_topk`).
-        **kwargs: :class:`GradientCompressionStrategy` / ``DDPStrategy`` arguments.
-    """
-
-    preset = "dgc"
-
-    def __init__(self, compress_ratio: float = 0.001, **kwargs: Any) -> None:
-        super().__init__("dgc", compress_ratio=compress_ratio, **kwargs)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``"dgc_ddp"`` and ``"dgc_ddp_spawn"`` (no-op for names already present)."""
-        for name, start_method in (("dgc_ddp", "popen"), ("dgc_ddp_spawn", "spawn")):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"Deep Gradient Compression over DDP, start_method={start_method!r}",
-                    start_method=start_method,
-                )

@@ -86,7 +86,7 @@ class CompressionHookState:
     Attributes:
         exact_steps: steps before this one are averaged exactly as DDP's own all-reduce does
             (``g / N`` summed over ranks), bypassing memory and compressor: a dense warm-up, e.g.
-            Adam's before its variance freezes (:mod:`lightning_gc.core.handover`). Set by the session.
+            Adam's before its variance freezes (:mod:`lightning_gc.core.adam`). Set by the session.
         grad_scale: the loss scale of a mixed-precision grad scaler, set by the strategy before
             each step (``None``: none). Memory then works on unscaled gradients (``g / s``) and
             the decoded result is scaled back, so the scaler's unscaling and overflow checks see

@@ -33,7 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gc.common.layout import shaped_like
 from lightning_gc.common.log import warn_on_rank_zero
 from lightning_gc.compressors.base import Compressor
-from lightning_gc.core.handover import HandOver, MomentumHandOver, hand_over_for
+from lightning_gc.core.handover import HandOver, MomentumHandOver
+from lightning_gc.core.handover_choice import hand_over_for
 from lightning_gc.core.momentum import unwrap_optimizer
 from lightning_gc.exchanges.hierarchy import agreed_topology
 from lightning_gc.exchanges.hierarchy_sparse import two_level_exchange

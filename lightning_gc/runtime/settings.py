@@ -17,8 +17,8 @@ from typing import Any
 
 from lightning_gc.common.validation import check_bool, check_choice, check_int, check_range
 from lightning_gc.compressors.base import Compressor
+from lightning_gc.core.adam import ADAM_WEIGHTINGS
 from lightning_gc.core.guard import NONFINITE_POLICIES
-from lightning_gc.core.handover import ADAM_WEIGHTINGS
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.exchanges.hierarchy import HIERARCHIES
 from lightning_gc.exchanges.hierarchy_sparse import check_sparse_hierarchy
@@ -78,14 +78,14 @@ class CompressionSettings:
             the delay starts at the target density, where the update is small; 0 without one.
         adam_warmup_steps: with ``torch.optim.Adam``/``AdamW`` and ``momentum_correction``, the
             optimizer steps of plain Adam (gradients averaged exactly as DDP does) before the second
-            moment freezes and the first moment is compressed (:mod:`lightning_gc.core.handover`;
+            moment freezes and the first moment is compressed (:mod:`lightning_gc.core.adam`;
             1-bit Adam freezes after 15-25 % of training).
         adam_weighting: after the freeze, how the compressed momentum weights elements against each
             other (what top-k favours): ``"step"`` (default) by each element's pending Adam step,
             ``"decrease"`` by the first-order loss decrease of applying it (the step times
             ``sqrt(d)``, ``d`` the frozen denominator), ``"gradient"`` by its gradient sum (the step
             times ``d``, SGD's ranking). What is eventually applied is the same; see
-            :mod:`lightning_gc.core.handover`.
+            :mod:`lightning_gc.core.adam`.
         hierarchy: ``"flat"`` (default): one compressed exchange over all ranks. ``"node"``: two
             levels (:mod:`lightning_gc.exchanges.hierarchy`): a dense sum within each node over its fast link,
             the compressed exchange across nodes with every device carrying ``1/devices`` of each

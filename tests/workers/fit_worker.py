@@ -166,7 +166,7 @@ class RewritesItsOptimizer(DigitsClassifier):
 
 
 class FrozenVarianceAdamW(torch.optim.AdamW):
-    """Reference, written independently of lightning_gc.core.handover: AdamW for the first
+    """Reference, written independently of lightning_gc.core.adam: AdamW for the first
     ``freeze_after`` steps, then ``exp_avg <- b1 exp_avg + (1 - b1) g`` over the second moment
     as it was (bias-corrected as at the freeze; where it is 0, the tensor's mean), with AdamW's
     decoupled decay."""
