@@ -5,7 +5,7 @@
 ``N`` processes (gloo on loopback) train a few steps of the model through the comm hook with
 ``onebit`` and 4-bit ``qsgd``, each with ``exchange="gather"`` and ``"two_phase"``, and with DGC at
 0.1 % with ``exchange="gather"`` and ``"global_topk"``. The hook's exchange is the real
-:class:`~lightning_gc.exchanges.transport.CollectiveExchange`, wrapped to add up what every collective it
+:class:`~lightning_gc.exchanges.transport.GroupTransport`, wrapped to add up what every collective it
 launches puts on the wire per rank (:func:`lightning_gc.exchanges.transport.traffic_bytes`: all-gather
 ``(N-1) m``, all-to-all ``(N-1)/N m``, ring all-reduce ``2 (N-1)/N m``, a point-to-point message
 ``m``). The quantisers' table compares the last step's bytes with ``2 (N-1)/N M/c``, where ``M`` is
@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import create
 from lightning_gc.compressors.base import Encoded
-from lightning_gc.exchanges.transport import CollectiveExchange, traffic_bytes
+from lightning_gc.exchanges.base import FlatExchange
+from lightning_gc.exchanges.transport import GroupTransport, traffic_bytes
 from lightning_gc.runtime.hook import CompressionHookState, compression_hook
 from lightning_gc.runtime.settings import CompressionSettings
 
@@ -38,12 +39,11 @@ SPARSE_EXCHANGES = ("gather", "global_topk")
 STEPS = 3
 
 
-class CountingExchange(CollectiveExchange):
+class CountingTransport(GroupTransport):
     """The real collectives, counting each rank's bytes on the wire (``traffic``) for the current step."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.world_size = world_size
         self.traffic = 0.0
         self.payload = 0
 
@@ -71,9 +71,9 @@ def worker(rank: int, world_size: int, port: int, model_name: str, results: dict
         ddp = DistributedDataParallel(model)
         compressor = create(name, exchange=exchange, **arguments)
         names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
-        counting = CountingExchange(world_size)
+        counting = CountingTransport()
         memory = CompressionSettings().memory_for(compressor)
-        state = CompressionHookState(compressor, memory, names, exchange=counting)
+        state = CompressionHookState(compressor, memory, names, exchange=FlatExchange(counting))
         ddp.register_comm_hook(state, compression_hook)
         for _ in range(STEPS):  # the last step runs on DDP's rebuilt buckets
             counting.traffic, counting.payload = 0.0, 0

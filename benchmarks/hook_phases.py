@@ -52,8 +52,9 @@ from lightning_gc.compressors import Compressor, DGCCompressor, create
 from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import BucketMemory, CompensationMemory
 from lightning_gc.core.momentum import MomentumSpec
-from lightning_gc.exchanges.pipeline import Timeline, run_bucket
-from lightning_gc.exchanges.transport import LocalExchange
+from lightning_gc.exchanges.pipeline import BucketJob, run_bucket
+from lightning_gc.exchanges.timeline import Timeline
+from lightning_gc.exchanges.transport import LocalTransport
 from lightning_gc.kernels import selection
 from lightning_gc.perfmodel.calibration import layout_of_shapes
 
@@ -97,7 +98,7 @@ def bucket_steps(
     guard: StepGuard | None = None,
 ) -> Iterator[tuple[torch.Tensor, Timeline, float, BucketMemory]]:
     """``repeats`` + 2 steps of the whole gradient as one bucket on ``world_size`` ranks that send
-    alike (:class:`LocalExchange`), the gradients used in turn; for each step after the first two
+    alike (:class:`LocalTransport`), the gradients used in turn; for each step after the first two
     (they fill buffers and plans): its gradient, its phases, its seconds in all, the bucket's memory."""
     grad = torch.empty(layout.numel)
     bucket = memory.bucket(layout, grad)
@@ -107,9 +108,10 @@ def bucket_steps(
         timeline = Timeline()
         started = time.perf_counter()
         run_bucket(
-            compressor, memory, bucket, grad, layout, LocalExchange(world_size), step=step, world_size=world_size,
-            guard=guard, timeline=timeline,
-        ).averaged.wait()  # fmt: skip
+            BucketJob(compressor, memory, grad, layout, step, guard=guard, timeline=timeline),
+            bucket,
+            LocalTransport(world_size),
+        ).averaged.wait()
         seconds = time.perf_counter() - started
         if step >= 2:
             yield gradient, timeline, seconds, bucket

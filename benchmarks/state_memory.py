@@ -4,7 +4,7 @@ compressor's plans and state (payload buffers, decoded values, sums, server erro
 On a GPU all of it is device memory beside the model, its gradients and the optimizer's state, so
 it decides how large a model fits. Counted here on the CPU: after two steps of a model's whole
 gradient as one bucket (:func:`benchmarks.hook_phases.bucket_steps`: ``N`` ranks that send alike
-through :class:`~lightning_gc.exchanges.transport.LocalExchange`), the bytes of every distinct tensor storage
+through :class:`~lightning_gc.exchanges.transport.LocalTransport`), the bytes of every distinct tensor storage
 reachable from the compressor and from the memory through ``lightning_gc`` objects, dicts and
 sequences. A count, not a timing: it is exact and the same on every machine. DDP's buckets split
 the same buffers into pieces, so a multi-bucket run holds about the same (plus a few payload

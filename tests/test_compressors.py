@@ -332,7 +332,7 @@ def test_k_is_the_ceiling_of_the_decimal_ratio_times_the_size(ratio: str) -> Non
 def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> None:
     """fp16 bucket, 2 ranks at 40000: the sum (80000) does not fit fp16, the mean does; what this
     rank sent (for memory) is finite too, though QSGD's decoded values can reach the norm (80000)."""
-    from lightning_gc.exchanges.transport import LocalExchange
+    from lightning_gc.exchanges.transport import LocalTransport
 
     layout, _ = _layout_and_params([(4, 4)])
     velocity = torch.full((layout.numel,), 40_000.0, dtype=torch.float16)
@@ -340,7 +340,7 @@ def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> 
     out = torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, EncodeContext(layout, step=0, world_size=2, rank=0))
     assert encoded.dense_sent is None or encoded.dense_sent.isfinite().all()
-    LocalExchange(2).launch(encoded)
+    LocalTransport(2).launch(encoded)
     compressor.decode(encoded, out, world_size=2)
     assert out.isfinite().all()
     if name != "qsgd":  # QSGD is stochastic: unbiased, not exact
@@ -433,17 +433,17 @@ PLAN_SHAPES = [(64, 50), (50,), (30, 40), (7,), (3, 3)]
 
 def _local_trip(compressor, velocity: torch.Tensor, layout, world: int, step: int = 0) -> tuple[torch.Tensor, int]:
     """What ``compressor`` decodes when ``world`` ranks all send what it sends (every round's
-    collectives by :class:`~lightning_gc.exchanges.transport.LocalExchange`), and the bytes it sent."""
-    from lightning_gc.exchanges.transport import LocalExchange
+    collectives by :class:`~lightning_gc.exchanges.transport.LocalTransport`), and the bytes it sent."""
+    from lightning_gc.exchanges.transport import LocalTransport
 
     out = torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, EncodeContext(layout, step=step, world_size=world))
     bytes_sent = encoded.bytes_sent
-    LocalExchange(world).launch(encoded)
+    LocalTransport(world).launch(encoded)
     while encoded.next_round is not None:
         encoded = encoded.next_round()
         bytes_sent += encoded.bytes_sent
-        LocalExchange(world).launch(encoded)
+        LocalTransport(world).launch(encoded)
     compressor.decode(encoded, out, world_size=world)
     return out, bytes_sent
 

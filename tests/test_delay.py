@@ -21,7 +21,7 @@ from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors import create
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.exchanges.delay import CARRY_KINDS, DelayLine
-from lightning_gc.exchanges.transport import Exchange
+from lightning_gc.exchanges.transport import Transport
 from lightning_gc.integrations.attach import AttachedCompression
 from lightning_gc.perfmodel.calibration import layout_of_shapes
 from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint
@@ -89,12 +89,13 @@ def test_hand_over_and_pending_follow_the_rule_and_survive_a_checkpoint(local_up
     assert list(restored.pending(step=3, since=3)) == []  # nothing owed from before the first delayed step
 
 
-class LaggingExchange(Exchange):
+class LaggingTransport(Transport):
     """The real collectives, each round landing ``lag`` seconds after it completed: a slow network,
     so that a step starts while the previous step's exchanges are still decoding."""
 
-    def __init__(self, inner: Exchange, lag: float) -> None:
+    def __init__(self, inner: Transport, lag: float) -> None:
         self.inner, self.lag = inner, lag
+        self.world_size, self.rank = inner.world_size, inner.rank
 
     def launch(self, encoded: Any) -> Future[Any]:
         late: Future[Any] = Future()
@@ -123,7 +124,7 @@ def _lagging_powersgd(**settings: Any) -> tuple[AttachedCompression, torch.nn.Mo
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     gc = lightning_gc.attach(model, optimizer, "powersgd", delay=1, sync_warmup_steps=0, **settings)
     state = gc.session.hook_state
-    state.exchange = LaggingExchange(state.exchange, lag=0.3)
+    state.exchange.transport = LaggingTransport(state.exchange.transport, lag=0.3)
 
     def step(scale: float = 1.0) -> None:
         optimizer.zero_grad()

@@ -190,8 +190,8 @@ def test_a_sharded_residual_does_not_resume_where_residuals_are_whole() -> None:
     def memory() -> CompensationMemory:
         return CompensationMemory(momentum_correction=True, momentum_masking=True, clip_norm=None)
 
-    def hook_state(hierarchy: object) -> CompressionHookState:
-        return CompressionHookState(create("dgc", compress_ratio=0.01), memory(), {}, hierarchy=hierarchy)
+    def hook_state(hierarchy: NodeHierarchy | None) -> CompressionHookState:
+        return CompressionHookState(create("dgc", compress_ratio=0.01), memory(), {}, exchange=hierarchy)
 
     sharded = hook_state(NodeHierarchy(topology)).state_dict()
     flat = hook_state(None).state_dict()

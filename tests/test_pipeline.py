@@ -14,8 +14,9 @@ from lightning_gc.compressors import create
 from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.core.momentum import MomentumSpec
-from lightning_gc.exchanges.pipeline import EXCHANGE, BucketStep, RoundQueue, Timeline, run_bucket
-from lightning_gc.exchanges.transport import Exchange, LocalExchange
+from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, RoundQueue, run_bucket
+from lightning_gc.exchanges.timeline import EXCHANGE, Timeline
+from lightning_gc.exchanges.transport import LocalTransport, Transport
 from lightning_gc.perfmodel.calibration import layout_of_shapes
 
 SHAPES = [(64, 50), (50,), (30, 40)]
@@ -41,9 +42,7 @@ def test_identity_codec_returns_the_average_and_keeps_nothing(world_size: int) -
     grad = _gradient(0)
     expected = grad.clone()
     bucket = memory.bucket(layout, grad)
-    sent = run_bucket(
-        create("none"), memory, bucket, grad, layout, LocalExchange(world_size), step=0, world_size=world_size
-    )
+    sent = run_bucket(BucketJob(create("none"), memory, grad, layout, 0), bucket, LocalTransport(world_size))
     assert sent.averaged.wait() is grad
     torch.testing.assert_close(grad, expected)
     assert sent.bytes_sent == layout.numel * 4 and sent.elements_sent == layout.numel
@@ -62,7 +61,7 @@ def test_nothing_is_lost_through_the_pipeline(name: str) -> None:
         grad = _gradient(step)
         fed += grad.double()
         bucket = memory.bucket(layout, grad)
-        sent = run_bucket(compressor, memory, bucket, grad, layout, LocalExchange(1), step=step, world_size=1)
+        sent = run_bucket(BucketJob(compressor, memory, grad, layout, step), bucket, LocalTransport(1))
         received += sent.averaged.wait().double()
     torch.testing.assert_close(received + bucket.velocity.double(), fed, rtol=0, atol=1e-4)
 
@@ -75,9 +74,10 @@ def test_timeline_records_every_phase_in_order_and_rounds_as_exchange_waits() ->
     seen: list[Timeline] = []
     timeline = Timeline()
     run_bucket(
-        create("powersgd"), memory, bucket, grad, layout, LocalExchange(2), step=0, world_size=2, guard=guard,
-        timeline=timeline, on_decoded=seen.append,
-    ).averaged.wait()  # fmt: skip
+        BucketJob(create("powersgd"), memory, grad, layout, 0, guard=guard, timeline=timeline, on_decoded=seen.append),
+        bucket,
+        LocalTransport(2),
+    ).averaged.wait()
     names = [name for name, _ in timeline.phases]
     assert names == ["screen", "compensate", "encode", EXCHANGE, "encode", "launch", "decode", "commit after decode"]
     assert seen == [timeline]
@@ -106,9 +106,10 @@ def test_loss_scale_is_taken_out_for_memory_and_put_back_on_the_average() -> Non
     grad = unscaled * 1024.0
     bucket = memory.bucket(layout, grad)
     run_bucket(
-        create("dgc", compress_ratio=0.05), memory, bucket, grad, layout, LocalExchange(1), step=0, world_size=1,
-        loss_scale=1024.0,
-    ).averaged.wait()  # fmt: skip
+        BucketJob(create("dgc", compress_ratio=0.05), memory, grad, layout, 0, loss_scale=1024.0),
+        bucket,
+        LocalTransport(1),
+    ).averaged.wait()
     sent = grad / 1024.0
     torch.testing.assert_close(sent + bucket.velocity, unscaled)  # memory kept the unscaled remainder
     assert bucket.velocity.abs().max() <= unscaled.abs().max()
@@ -118,12 +119,12 @@ def test_absent_parameters_send_nothing_and_keep_their_state() -> None:
     layout, memory = layout_of_shapes(SHAPES), _memory(momentum=0.9)
     first = _gradient(3)
     bucket = memory.bucket(layout, first)
-    run_bucket(create("none"), memory, bucket, first, layout, LocalExchange(1), step=0, world_size=1).averaged.wait()
+    run_bucket(BucketJob(create("none"), memory, first, layout, 0), bucket, LocalTransport(1)).averaged.wait()
     absent = [layout.segments[2]]
     before = [absent[0].of(t).clone() for t in bucket.state()]
     grad = _gradient(4)
     run_bucket(
-        create("none"), memory, bucket, grad, layout, LocalExchange(1), step=1, world_size=1, absent=absent
+        BucketJob(create("none"), memory, grad, layout, 1, absent=absent), bucket, LocalTransport(1)
     ).averaged.wait()
     assert torch.count_nonzero(absent[0].of(grad)) == 0  # nothing of it was sent
     for after, kept in zip(bucket.state(), before):
@@ -132,7 +133,9 @@ def test_absent_parameters_send_nothing_and_keep_their_state() -> None:
     assert bucket.aside == []
 
 
-class _Failing(Exchange):
+class _Failing(Transport):
+    world_size, rank = 2, 0
+
     def launch(self, encoded):  # type: ignore[no-untyped-def]
         future: Future[object] = Future()
         future.set_exception(ConnectionError("peer gone"))
@@ -144,9 +147,12 @@ def test_a_failed_exchange_raises_the_error_the_caller_asked_for() -> None:
     grad = _gradient(5)
     bucket = memory.bucket(layout, grad)
     sent = run_bucket(
-        create("none"), memory, bucket, grad, layout, _Failing(), step=7, world_size=2,
-        failure=lambda error: RuntimeError(f"bucket 0 failed: {error}"),
-    )  # fmt: skip
+        BucketJob(
+            create("none"), memory, grad, layout, 7, failure=lambda error: RuntimeError(f"bucket 0 failed: {error}")
+        ),
+        bucket,
+        _Failing(),
+    )
     with pytest.raises(RuntimeError, match="bucket 0 failed: peer gone"):
         sent.averaged.wait()
 
@@ -158,17 +164,16 @@ def test_the_guard_stops_a_non_finite_gradient_before_memory_sees_it() -> None:
     bucket = memory.bucket(layout, grad)
     guard = StepGuard("raise", memory, create("none"))
     with pytest.raises(FloatingPointError, match=r"on rank 0 in \['t1'\]"):
-        run_bucket(create("none"), memory, bucket, grad, layout, LocalExchange(1), step=0, world_size=1, guard=guard)
+        run_bucket(BucketJob(create("none"), memory, grad, layout, 0, guard=guard), bucket, LocalTransport(1))
     assert torch.count_nonzero(bucket.velocity) == 0
     # a node's sum (hierarchy="node"): the non-finite value may be any of its ranks', not this one's
     with pytest.raises(FloatingPointError, match=r"in the sum over the 2 ranks of rank 0's node \(its shard\)"):
         run_bucket(
-            create("none"), memory, bucket, grad, layout, LocalExchange(1), step=0, world_size=1, guard=guard,
-            summed_ranks=2,
-        )  # fmt: skip
+            BucketJob(create("none"), memory, grad, layout, 0, guard=guard, summed_ranks=2), bucket, LocalTransport(1)
+        )
 
 
-class _FailingAllToAll(LocalExchange):
+class _FailingAllToAll(LocalTransport):
     """The local stand-in, whose all-to-all rounds fail once launched (a dead peer)."""
 
     def launch(self, encoded):
@@ -181,7 +186,7 @@ class _FailingAllToAll(LocalExchange):
 
 
 def _deferred_two_phase_runs(
-    count: int, exchange: Exchange, queue: RoundQueue, launched: Callable[[BucketStep], None]
+    count: int, exchange: Transport, queue: RoundQueue, launched: Callable[[BucketStep], None]
 ) -> list[BucketStep]:
     """``count`` buckets of onebit's two-phase exchange on 2 ranks, each left with its all-to-all in
     flight (``defer_rounds``) and queued in ``queue``."""
@@ -189,9 +194,10 @@ def _deferred_two_phase_runs(
     for index in range(count):
         memory, grad = _memory(), _gradient(index)
         sent = run_bucket(
-            create("onebit", exchange="two_phase"), memory, memory.bucket(layout, grad), grad, layout,
-            exchange, step=0, world_size=2, defer_rounds=True,
-        )  # fmt: skip
+            BucketJob(create("onebit", exchange="two_phase"), memory, grad, layout, 0, defer_rounds=True),
+            memory.bucket(layout, grad),
+            exchange,
+        )
         queue.add(sent, launched)
         runs.append(sent)
     return runs
@@ -219,9 +225,10 @@ def test_a_deferred_run_ends_as_the_run_that_waits_at_once() -> None:
     for defer in (False, True):
         memory, grad, queue, counted = _memory(), _gradient(3), RoundQueue(), []
         sent = run_bucket(
-            create("onebit", exchange="two_phase"), memory, memory.bucket(layout, grad), grad, layout,
-            LocalExchange(2), step=0, world_size=2, defer_rounds=defer,
-        )  # fmt: skip
+            BucketJob(create("onebit", exchange="two_phase"), memory, grad, layout, 0, defer_rounds=defer),
+            memory.bucket(layout, grad),
+            LocalTransport(2),
+        )
         queue.add(sent, counted.append)
         assert counted == ([] if defer else [sent])
         queue.finish()
@@ -236,7 +243,7 @@ def test_finishing_the_oldest_runs_leaves_the_newer_one_in_flight() -> None:
     """``finish(count)`` (the comm hook's call once its own bucket's first round is out) runs only
     the ``count`` oldest waiting runs to their last launch, oldest first; ``finish()`` the rest."""
     queue, counted = RoundQueue(), []
-    runs = _deferred_two_phase_runs(3, LocalExchange(2), queue, counted.append)
+    runs = _deferred_two_phase_runs(3, LocalTransport(2), queue, counted.append)
     queue.finish(2)
     assert counted == runs[:2] and len(queue) == 1 and runs[2].rounds is not None
     queue.finish(5)  # more than are waiting: all of them

@@ -16,7 +16,7 @@ from lightning_gc.common.layout import BucketLayout, Segment, chunk_segments, pa
 from lightning_gc.compressors import registry
 from lightning_gc.compressors.base import EncodeContext, Encoded, compressible
 from lightning_gc.compressors.two_phase import EXCHANGES, two_phase_compressors
-from lightning_gc.exchanges.transport import LocalExchange, traffic_bytes
+from lightning_gc.exchanges.transport import LocalTransport, traffic_bytes
 from lightning_gc.perfmodel.calibration import time_codec
 from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint
 
@@ -656,8 +656,8 @@ def test_fft_two_phase_transforms_each_piece_and_is_near_exact_when_it_keeps_eve
 
 
 def local_round_trip(compressor, velocity: torch.Tensor, layout: BucketLayout, world_size: int, rank: int):
-    """One bucket through :class:`LocalExchange` (no collectives: every rank holds ``velocity``)."""
-    exchange, out = LocalExchange(world_size, rank), torch.empty_like(velocity)
+    """One bucket through :class:`LocalTransport` (no collectives: every rank holds ``velocity``)."""
+    exchange, out = LocalTransport(world_size, rank), torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, EncodeContext(layout, 0, world_size, rank))
     while encoded.next_round is not None:
         exchange.launch(encoded).wait()
@@ -669,7 +669,7 @@ def local_round_trip(compressor, velocity: torch.Tensor, layout: BucketLayout, w
 
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_the_local_stand_in_sends_what_ranks_holding_this_velocity_would(world_size: int) -> None:
-    """Calibration and the benchmarks run the two-phase rounds through :class:`LocalExchange`, a
+    """Calibration and the benchmarks run the two-phase rounds through :class:`LocalTransport`, a
     world of ranks that hold this rank's velocity: each row must be a message of its own chunk's
     format, so the average is that velocity (exactly with `none`, to the codec's rounding with a
     near-exact fft), at every rank, and fft's timing runs on chunks of unequal sizes. A copy of

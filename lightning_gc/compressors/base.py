@@ -90,7 +90,7 @@ class Encoded:
         commit_after_decode: memory learns what was sent only after :meth:`Compressor.decode`
             (``dense_sent`` is filled there), for compressors whose residual depends on the
             aggregate (PowerSGD's ``e = M - P Q_avg^T``).
-        stand_in: for exchanges without collectives (:class:`~lightning_gc.exchanges.transport.LocalExchange`):
+        stand_in: for exchanges without collectives (:class:`~lightning_gc.exchanges.transport.LocalTransport`):
             fills ``gathered_out`` / ``scattered_out`` with what ranks holding this rank's velocity
             would send, where a copy of this rank's own payload is no valid message (a two-phase
             round's rows each have their chunk's format); ``None``: the copy is one.

@@ -32,9 +32,10 @@ from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import create
 from lightning_gc.core.memory import CompensationMemory
+from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.comm import ProcessGroup
-from lightning_gc.exchanges.pipeline import run_bucket
-from lightning_gc.exchanges.transport import CollectiveExchange, Exchange
+from lightning_gc.exchanges.pipeline import BucketJob
+from lightning_gc.exchanges.transport import GroupTransport, Transport
 
 STATE_FORMAT = 1
 
@@ -66,8 +67,8 @@ class CompressedAverager:
         error_feedback: keep what was not sent; ``None`` (default): on for biased codecs.
         error_decay: ``beta`` in ``e <- beta e + x``, in (0, 1].
         transport: how rounds move; default the real collectives over ``group``
-            (:class:`~lightning_gc.exchanges.transport.CollectiveExchange`), or e.g.
-            :class:`~lightning_gc.exchanges.transport.LocalExchange` to time or test without peers.
+            (:class:`~lightning_gc.exchanges.transport.GroupTransport`), or e.g.
+            :class:`~lightning_gc.exchanges.transport.LocalTransport` to time or test without peers.
         **compressor_arguments: the named compressor's arguments (e.g. ``compress_ratio``).
 
     Raises:
@@ -82,7 +83,7 @@ class CompressedAverager:
         group: ProcessGroup = None,
         error_feedback: bool | None = None,
         error_decay: float = 1.0,
-        transport: Exchange | None = None,
+        transport: Transport | None = None,
         **compressor_arguments: Any,
     ) -> None:
         if isinstance(compressor, str):
@@ -102,7 +103,7 @@ class CompressedAverager:
             error_decay=error_decay,
         )
         self.group = group
-        self.transport = transport if transport is not None else CollectiveExchange(group)
+        self.exchange = FlatExchange(transport if transport is not None else GroupTransport(group))
         self.calls = 0
         self.bytes_sent = 0
         """Payload bytes this rank handed to the transport over all calls (indices included)."""
@@ -118,20 +119,8 @@ class CompressedAverager:
         (default: ``tensor``). Every rank of the group calls this in the same order."""
         if tensor.dim() != 1 or tensor.numel() != self.numel:
             raise ValueError(f"expected a flat tensor of {self.numel} elements, got shape {tuple(tensor.shape)}")
-        world_size, rank = self.transport.world_size, self.transport.rank
-        bucket = self.memory.bucket(self.layout, tensor)
-        sent = run_bucket(
-            self.compressor,
-            self.memory,
-            bucket,
-            tensor,
-            self.layout,
-            self.transport,
-            step=self.calls,
-            world_size=world_size,
-            rank=rank,
-            out=out,
-        )
+        job = BucketJob(self.compressor, self.memory, tensor, self.layout, self.calls, out=out)
+        sent = self.exchange.run(job)
         self.calls += 1
         self.bytes_sent += sent.bytes_sent
         return sent.averaged

@@ -51,16 +51,14 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_gc.common.layout import BucketLayout, Segment, Shard, piece_bounds
+from lightning_gc.common.layout import BucketLayout, Shard, piece_bounds
 from lightning_gc.common.log import warn_on_rank_zero
 from lightning_gc.common.validation import check_choice
-from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.simple import NoCompressor
-from lightning_gc.core.guard import StepGuard
-from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.exchanges import comm
-from lightning_gc.exchanges.pipeline import BucketStep, Timeline, reported, run_bucket, wait
-from lightning_gc.exchanges.transport import CollectiveExchange
+from lightning_gc.exchanges.base import Exchange
+from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, reported, run_bucket, wait
+from lightning_gc.exchanges.transport import GroupTransport
 
 HIERARCHIES = ("flat", "node", "node_sparse", "auto")
 """``hierarchy`` choices: one flat exchange over all ranks; two levels (nodes, then devices) with
@@ -170,7 +168,7 @@ class _ShardPlan:
     averaged: torch.Tensor  # P: a delayed exchange's shard average, unscaled (run_bucket's `out`)
 
 
-class NodeHierarchy:
+class NodeHierarchy(Exchange):
     """The process groups and per-bucket shards of a two-level exchange (module docstring).
 
     Construction creates ``nodes + per_node`` process groups and must run on every rank in the
@@ -188,15 +186,10 @@ class NodeHierarchy:
         node_groups = [dist.new_group([node * per_node + j for j in range(per_node)]) for node in range(nodes)]
         cross_groups = [dist.new_group([node * per_node + j for node in range(nodes)]) for j in range(per_node)]
         self.node_group = node_groups[topology.node]
-        self.cross_exchange = CollectiveExchange(cross_groups[topology.local])
+        self.cross_transport = GroupTransport(cross_groups[topology.local])
         self._plans: dict[int, tuple[BucketLayout, _ShardPlan]] = {}
         # one node: nothing crosses a slower link, so each shard's node sum goes exact (as warned)
         self._exact = NoCompressor() if nodes == 1 else None
-
-    def takes(self, compressor: Compressor) -> bool:
-        """Whether a bucket with ``compressor`` goes through the two levels (every one does here);
-        the hook sends the others through its flat exchange."""
-        return True
 
     @property
     def state_shape(self) -> tuple[int, ...]:
@@ -235,30 +228,16 @@ class NodeHierarchy:
         self._plans[layout.index] = (layout, plan)
         return plan
 
-    def run(
-        self,
-        compressor: Compressor,
-        memory: CompensationMemory,
-        grad: torch.Tensor,
-        layout: BucketLayout,
-        *,
-        step: int,
-        params: list[torch.Tensor],
-        absent: list[Segment],
-        loss_scale: float | None,
-        guard: StepGuard | None,
-        timeline: Timeline,
-        on_decoded: Callable[[Timeline], None] | None,
-        failure: Callable[[Exception], Exception] | None,
-        out: torch.Tensor | None = None,
-    ) -> BucketStep:
-        """One bucket through the two levels; ``averaged`` resolves to ``grad`` holding the mean.
+    def run(self, job: BucketJob) -> BucketStep:
+        """One bucket through the two levels; ``averaged`` resolves to ``job.grad`` holding the mean.
 
-        With ``out`` (a delayed exchange's slot, bucket-sized) the mean is left unscaled in ``out``
-        instead: the cross-node exchange is left in flight, and the returned step's ``finish``
-        completes the bucket, after which ``averaged`` resolves (see the module docstring)."""
+        With ``job.out`` (a delayed exchange's slot, bucket-sized) the mean is left unscaled in
+        ``out`` instead: the cross-node exchange is left in flight, and the returned step's
+        ``finish`` completes the bucket, after which ``averaged`` resolves (see the module docstring)."""
+        grad, layout, out, failure = job.grad, job.layout, job.out, job.failure
+        memory, guard, step, loss_scale, timeline = job.memory, job.guard, job.step, job.loss_scale, job.timeline
         topology = self.topology
-        compressor = compressor if self._exact is None else self._exact
+        compressor = job.compressor if self._exact is None else self._exact
         plan = self.plan(layout, grad)
         memory.clip_local_(grad, layout, topology.world_size, loss_scale)
         for positions, row in zip(plan.positions, plan.rows):
@@ -272,27 +251,20 @@ class NodeHierarchy:
         averaged = local if out is None else plan.averaged[: shard.numel]
         in_flight: Future[torch.Tensor] | None = None
         if shard.numel:  # every rank of this local rank has the same (empty) shard: none exchanges
-            sent = run_bucket(
-                compressor,
-                memory,
-                bucket_memory,
-                local,
-                shard.layout,
-                self.cross_exchange,
+            shard_job = job.but(
+                compressor=compressor,
+                grad=local,
+                layout=shard.layout,
                 out=None if out is None else averaged,
-                step=step,
-                world_size=topology.nodes,
-                rank=topology.node,
-                params=shard.pieces_of(params),
-                absent=shard.segments_of({segment.name for segment in absent}),
-                loss_scale=loss_scale,
-                guard=guard,
-                timeline=timeline,
-                on_decoded=on_decoded if out is not None else None,  # waiting here, it reports below
-                failure=failure,
+                params=shard.pieces_of(list(job.params)),
+                absent=shard.segments_of({segment.name for segment in job.absent}),
+                on_decoded=job.on_decoded if out is not None else None,  # waiting here, it reports below
                 summed_ranks=topology.per_node,
                 clip=False,
+                own=None,
+                defer_rounds=False,
             )
+            sent = run_bucket(shard_job, bucket_memory, self.cross_transport)
             in_flight = sent.averaged
             bytes_sent, elements_sent = sent.bytes_sent, sent.elements_sent
         elif guard is not None:  # still take part in the step's settling, as every rank must
@@ -304,8 +276,8 @@ class NodeHierarchy:
         if in_flight is not None:
             with timeline.waiting():
                 wait(in_flight, failure)
-            if on_decoded is not None:
-                on_decoded(timeline)
+            if job.on_decoded is not None:
+                job.on_decoded(timeline)
         return BucketStep(
             averaged=self._gather(plan, local, grad, failure),
             bytes_sent=bytes_sent,

@@ -61,18 +61,18 @@ import torch
 from torch.futures import Future
 
 from lightning_gc import kernels
-from lightning_gc.common.layout import BucketLayout, Segment, piece_bounds
+from lightning_gc.common.layout import BucketLayout, piece_bounds
 from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlannedCompressor
 from lightning_gc.compressors.global_topk import GlobalTopKPlan
 from lightning_gc.compressors.numerics import mean_into
 from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan
 from lightning_gc.compressors.wire import check_int32_positions
-from lightning_gc.core.guard import StepGuard
-from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.exchanges import comm
+from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.hierarchy import NodeHierarchy, NodeTopology, delayed_finisher
 from lightning_gc.exchanges.pipeline import (
     EXCHANGE,
+    BucketJob,
     BucketStep,
     Timeline,
     pending_like,
@@ -81,7 +81,7 @@ from lightning_gc.exchanges.pipeline import (
     settle,
     wait,
 )
-from lightning_gc.exchanges.transport import CollectiveExchange
+from lightning_gc.exchanges.transport import GroupTransport
 
 _ALIGN = 4  # slots per slice rounded up to this: the values (2, 4 or 8 bytes) then the int32 positions stay aligned
 
@@ -262,14 +262,10 @@ class SparseNodeHierarchy(NodeHierarchy):
 
     def __init__(self, topology: NodeTopology) -> None:
         super().__init__(topology)
-        self.node_exchange = CollectiveExchange(self.node_group)
+        self.node_transport = GroupTransport(self.node_group)
+        self.flat = FlatExchange(GroupTransport())
         self._agreement: AgreedWithinNode | None = None  # of the one sparse compressor the hook runs
         self._pairs: dict[int, _NodePairs] = {}
-
-    def takes(self, compressor: Compressor) -> bool:
-        """Sparse compressors only: a dense bucket (chosen by ``compress_when``) goes flat, which
-        keeps the whole-residual memory this exchange keeps too."""
-        return isinstance(compressor, SparseCompressor)
 
     @property
     def state_shape(self) -> tuple[int, ...]:
@@ -291,53 +287,25 @@ class SparseNodeHierarchy(NodeHierarchy):
             pairs = self._pairs[layout.index] = _NodePairs.build(node, self.topology, like)
         return pairs
 
-    def run(
-        self,
-        compressor: Compressor,
-        memory: CompensationMemory,
-        grad: torch.Tensor,
-        layout: BucketLayout,
-        *,
-        step: int,
-        params: list[torch.Tensor],
-        absent: list[Segment],
-        loss_scale: float | None,
-        guard: StepGuard | None,
-        timeline: Timeline,
-        on_decoded: Callable[[Timeline], None] | None,
-        failure: Callable[[Exception], Exception] | None,
-        out: torch.Tensor | None = None,
-    ) -> BucketStep:
-        """One bucket through steps 1-4; ``averaged`` resolves to ``grad`` holding the mean once the
-        returned step's ``rounds`` are completed (:func:`lightning_gc.exchanges.pipeline.complete`; the comm
-        hook's :class:`~lightning_gc.exchanges.pipeline.RoundQueue` does it at the next bucket's hook, so the
-        cross-node all-gather travels while backward goes on). With ``out`` (a delayed exchange's
-        slot) the mean is left there unscaled, after the returned step's ``finish``."""
+    def run(self, job: BucketJob) -> BucketStep:
+        """One bucket through steps 1-4; ``averaged`` resolves to ``job.grad`` holding the mean once
+        the returned step's ``rounds`` are completed (:func:`lightning_gc.exchanges.pipeline.complete`;
+        the comm hook's :class:`~lightning_gc.exchanges.pipeline.RoundQueue` does it at the next
+        bucket's hook, so the cross-node all-gather travels while backward goes on). With ``job.out``
+        (a delayed exchange's slot) the mean is left there unscaled, after the returned step's
+        ``finish``. A bucket without a sparse compressor (a dense one, chosen by ``compress_when``)
+        goes flat, which keeps the whole-residual memory this exchange keeps too."""
+        compressor = job.compressor
         if not isinstance(compressor, SparseCompressor):
-            raise TypeError(f"hierarchy='node_sparse' takes sparse compressors, got {compressor.name!r}: see takes()")
+            return self.flat.run(job)
+        grad, layout, out, failure, timeline = job.grad, job.layout, job.out, job.failure, job.timeline
+        memory, loss_scale, on_decoded = job.memory, job.loss_scale, job.on_decoded
         topology = self.topology
         bucket_memory = memory.bucket(layout, grad)
         agreement = self._agreement_of(compressor)
         memory.clip_local_(grad, layout, topology.world_size, loss_scale)
-        node = run_bucket(
-            agreement,
-            memory,
-            bucket_memory,
-            grad,
-            layout,
-            self.node_exchange,
-            step=step,
-            world_size=topology.per_node,
-            rank=topology.local,
-            params=params,
-            absent=absent,
-            loss_scale=loss_scale,
-            guard=guard,
-            timeline=timeline,
-            failure=failure,
-            out=out,
-            clip=False,
-        )
+        node_job = job.but(compressor=agreement, clip=False, own=None, on_decoded=None, defer_rounds=False)
+        node = run_bucket(node_job, bucket_memory, self.node_transport)
         with timeline.waiting():
             wait(node.averaged, failure)
         target = grad if out is None else out
@@ -348,7 +316,7 @@ class SparseNodeHierarchy(NodeHierarchy):
         pairs.stage(mean, loss_scale if out is None and not mean.scaled else None)
         timeline.mark("stage")
         with reported(failure):
-            across = comm.allgather_fixed(pairs.mine, pairs.across, self.cross_exchange.group)
+            across = comm.allgather_fixed(pairs.mine, pairs.across, self.cross_transport.group)
         timeline.mark(EXCHANGE)
         elements = pairs.agreed[1] - pairs.agreed[0] + pairs.dense[1] - pairs.dense[0]
         sent = {"bytes_sent": pairs.mine.numel(), "elements_sent": elements}

@@ -1,14 +1,14 @@
 """One bucket through one step: screen -> compensate -> encode -> exchange -> decode -> commit.
 
 The one implementation of the per-bucket pipeline, driven by the comm hook with real collectives
-(:class:`~lightning_gc.exchanges.transport.CollectiveExchange`) and by calibration and the benchmarks with a
-local stand-in (:class:`~lightning_gc.exchanges.transport.LocalExchange`)::
+(:class:`~lightning_gc.exchanges.transport.GroupTransport`) and by calibration and the benchmarks with a
+local stand-in (:class:`~lightning_gc.exchanges.transport.LocalTransport`)::
 
     guard.screen(g)                              non-finite policy (lightning_gc.core.guard)
     v   = memory.compensate(g)                   DGC's momentum correction, clipping (lightning_gc.core.memory)
     enc = compressor.encode(v)                   what this rank sends (lightning_gc.compressors)
     memory.commit(enc)                           v (and u) forget what was sent; momentum masking
-    exchange.launch(enc)                         the collectives, from the caller, in bucket order
+    transport.launch(enc)                        the collectives, from the caller, in bucket order
     on completion: compressor.decode(enc)        -> the bucket's averaged gradient
 
 Multi-round compressors (PowerSGD, the two-phase exchange, global top-k's merges) return their
@@ -31,11 +31,10 @@ calibration and benchmarks).
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,68 +44,8 @@ from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded
 from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import BucketMemory, CompensationMemory
-from lightning_gc.exchanges.transport import Exchange
-
-EXCHANGE = "exchange"
-"""The phase of waiting for an earlier round's collectives: not the codec's own work."""
-ENCODE_SIDE = ("screen", "compensate", "encode", "commit")
-"""The phases before the last round's launch that are the codec's work on this rank."""
-COMMIT_AFTER_DECODE = "commit after decode"
-DECODE_SIDE = ("decode", COMMIT_AFTER_DECODE)
-"""The phases after the exchange completed."""
-
-
-@dataclass
-class Timeline:
-    """Seconds per phase of one bucket, in the order the phases ran.
-
-    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before each reading, so that asynchronous
-    device work is charged to the phase that launched it; the hook passes none (no host syncs in
-    the hot path) and so measures host time.
-    """
-
-    sync: Callable[[], None] | None = None
-    phases: list[tuple[str, float]] = field(default_factory=list)
-    _last: float = 0.0
-
-    def start(self) -> None:
-        """Start (or restart, e.g. when decode begins on another thread) the clock."""
-        if self.sync is not None:
-            self.sync()
-        self._last = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        """Charge the time since the last reading to ``phase`` (added to the last entry when that
-        is the same phase: a deferred round's launch and its wait are one exchange)."""
-        if self.sync is not None:
-            self.sync()
-        now = time.perf_counter()
-        if self.phases and self.phases[-1][0] == phase:
-            self.phases[-1] = (phase, self.phases[-1][1] + now - self._last)
-        else:
-            self.phases.append((phase, now - self._last))
-        self._last = now
-
-    @contextmanager
-    def waiting(self) -> Iterator[None]:
-        """Charge the time spent inside to :data:`EXCHANGE`, outside the clock's run: for a wait on
-        collectives between phases (a node's reduction, a two-level bucket's cross-node exchange).
-        Phases recorded meanwhile (a decode callback on the backend's thread) keep their own time."""
-        if self.sync is not None:
-            self.sync()
-        began, recorded = time.perf_counter(), self._total()
-        yield
-        if self.sync is not None:
-            self.sync()
-        waited = time.perf_counter() - began - (self._total() - recorded)
-        self.phases.append((EXCHANGE, max(0.0, waited)))
-
-    def _total(self) -> float:
-        return sum(s for _, s in self.phases)
-
-    def seconds(self, *phases: str) -> float:
-        """Total seconds of ``phases`` (all phases but :data:`EXCHANGE` waits when none are named)."""
-        return sum(s for name, s in self.phases if (name in phases if phases else name != EXCHANGE))
+from lightning_gc.exchanges.timeline import COMMIT_AFTER_DECODE, EXCHANGE, Timeline
+from lightning_gc.exchanges.transport import Transport
 
 
 @dataclass
@@ -130,43 +69,23 @@ class BucketStep:
     own future, resolved from the last round's decode)."""
 
 
-def run_bucket(
-    compressor: Compressor,
-    memory: CompensationMemory,
-    bucket: BucketMemory,
-    grad: torch.Tensor,
-    layout: BucketLayout,
-    exchange: Exchange,
-    *,
-    step: int,
-    world_size: int,
-    rank: int = 0,
-    params: list[torch.Tensor] | None = None,
-    out: torch.Tensor | None = None,
-    own: torch.Tensor | None = None,
-    absent: list[Segment] | None = None,
-    loss_scale: float | None = None,
-    guard: StepGuard | None = None,
-    timeline: Timeline | None = None,
-    on_decoded: Callable[[Timeline], None] | None = None,
-    failure: Callable[[Exception], Exception] | None = None,
-    summed_ranks: int = 1,
-    clip: bool = True,
-    defer_rounds: bool = False,
-) -> BucketStep:
-    """Run the pipeline (module docstring) on one bucket whose local gradient is ``grad``.
+@dataclass(frozen=True)
+class BucketJob:
+    """One flat tensor's step: what the pipeline (and every :class:`~lightning_gc.exchanges.base.Exchange`)
+    runs it with. ``grad`` is the tensor (a DDP bucket's local gradient, a fragment, a node's
+    shard); the average is written into ``out`` (default ``grad``).
 
-    The averaged gradient is written into ``out`` (default ``grad``) and the returned future
-    resolves to it.
-
-    Args:
+    Attributes:
+        compressor, memory: the codec and this rank's compensation memory.
+        layout: ``grad``'s segments; ``step``: the step counter (salts sampling and rounding).
         params: the bucket's parameters, in layout order (weight decay reads them).
         out: a bucket-sized buffer other than ``grad`` for the encoder's scratch and the average
             (delayed exchanges); it keeps the average unscaled (see ``loss_scale``).
-        own: receives this rank's own contribution as decoded (see :meth:`CompensationMemory.commit`);
-            not for compressors that commit after decode.
+        own: receives this rank's own contribution as decoded (see
+            :meth:`~lightning_gc.core.memory.CompensationMemory.commit`); not for compressors that
+            commit after decode.
         absent: segments whose parameter got a gradient on no rank: sent as nothing, their state
-            kept as it was (see :meth:`CompensationMemory.set_aside`).
+            kept as it was (see :meth:`~lightning_gc.core.memory.CompensationMemory.set_aside`).
         loss_scale: the grad scaler's scale (mixed precision): memory works on unscaled
             gradients, the average is scaled back.
         guard: screens ``grad`` for non-finite values first.
@@ -174,11 +93,43 @@ def run_bucket(
             thread that completes the exchange), when every phase is in.
         failure: turns an exchange's exception into the one to raise (e.g. naming the bucket).
         summed_ranks, clip: ``grad`` is the sum of that many ranks' gradients (a node's), which
-            were clipped before summing when ``clip`` is false; see :meth:`CompensationMemory.compensate`.
+            were clipped before summing when ``clip`` is false; see
+            :meth:`~lightning_gc.core.memory.CompensationMemory.compensate`.
         defer_rounds: return after launching a multi-round compressor's first round, leaving the
             rest in :attr:`BucketStep.rounds` (module docstring).
     """
-    timeline = timeline if timeline is not None else Timeline()
+
+    compressor: Compressor
+    memory: CompensationMemory
+    grad: torch.Tensor
+    layout: BucketLayout
+    step: int
+    params: Sequence[torch.Tensor] = ()
+    out: torch.Tensor | None = None
+    own: torch.Tensor | None = None
+    absent: Sequence[Segment] = ()
+    loss_scale: float | None = None
+    guard: StepGuard | None = None
+    timeline: Timeline = field(default_factory=Timeline)
+    on_decoded: Callable[[Timeline], None] | None = None
+    failure: Callable[[Exception], Exception] | None = None
+    summed_ranks: int = 1
+    clip: bool = True
+    defer_rounds: bool = False
+
+    def but(self, **changes: Any) -> BucketJob:
+        """This job with ``changes`` (e.g. a node's shard of it)."""
+        return replace(self, **changes)
+
+
+def run_bucket(job: BucketJob, bucket: BucketMemory, transport: Transport) -> BucketStep:
+    """Run the pipeline (module docstring) on ``job`` with its memory's ``bucket`` state, among the
+    ranks of ``transport``; the returned step's future resolves to the average (in ``job.out``,
+    default ``job.grad``)."""
+    compressor, memory, grad, layout, step = job.compressor, job.memory, job.grad, job.layout, job.step
+    out, own, loss_scale, guard, failure = job.out, job.own, job.loss_scale, job.guard, job.failure
+    world_size, rank = transport.world_size, transport.rank
+    absent, timeline, on_decoded = list(job.absent), job.timeline, job.on_decoded
     target = grad if out is None else out
     sent = BucketStep(averaged=Future(), bytes_sent=0, elements_sent=0)
 
@@ -189,27 +140,29 @@ def run_bucket(
         future chained on the collective's, as DDP expects), or resolves the future returned."""
         timeline.start()
         if guard is not None:
-            guard.screen(grad, layout, bucket, step=step, loss_scaled=loss_scale is not None, summed_ranks=summed_ranks)
+            guard.screen(
+                grad, layout, bucket, step=step, loss_scaled=loss_scale is not None, summed_ranks=job.summed_ranks
+            )
             timeline.mark("screen")
         velocity = memory.compensate(
             bucket,
             grad,
-            params or [],
+            list(job.params),
             world_size,
             absent=absent,
             loss_scale=loss_scale,
-            summed_ranks=summed_ranks,
-            clip=clip,
+            summed_ranks=job.summed_ranks,
+            clip=job.clip,
         )
         timeline.mark("compensate")
-        unused = frozenset(segment.name for segment in absent or ())
+        unused = frozenset(segment.name for segment in absent)
         context = EncodeContext(layout, step=step, world_size=world_size, rank=rank, unused=unused)
         encoded = compressor.encode(velocity, target, context)
         timeline.mark("encode")
         while encoded.next_round is not None:  # an earlier round completes before the next is encoded
             sent.bytes_sent += encoded.bytes_sent
             sent.elements_sent += encoded.elements_sent
-            launched = exchange.launch(encoded)
+            launched = transport.launch(encoded)
             timeline.mark(EXCHANGE)
             if _in_flight(encoded):
                 yield  # the caller resumes when it is ready to wait (at once, or at the next bucket's hook)
@@ -227,7 +180,7 @@ def run_bucket(
         else:
             memory.commit(bucket, encoded, own)
             timeline.mark("commit")
-        launched = exchange.launch(encoded)
+        launched = transport.launch(encoded)
         timeline.mark("launch")  # before `.then` below: decode may run on another thread once attached
 
         def decode(done: Future[Encoded]) -> torch.Tensor:
@@ -256,7 +209,7 @@ def run_bucket(
 
     sent.rounds = pipeline()
     _step(sent)  # up to the first round in flight, or to the end
-    if not defer_rounds:
+    if not job.defer_rounds:
         complete(sent)
     elif sent.rounds is not None:  # resolved later, from the last round's decode
         sent.averaged = pending_like(grad)

@@ -1,9 +1,9 @@
-"""Exchanges: how one round of a bucket's encoded payload moves between ranks.
+"""Transports: how one round of an encoded payload moves between ranks.
 
-The per-bucket pipeline (:mod:`lightning_gc.exchanges.pipeline`) is fixed; only the exchange varies. An
-exchange takes one round of :class:`~lightning_gc.compressors.base.Encoded` and launches its
-collectives *from the caller's thread* (the comm hook, in bucket order on every rank, see
-:mod:`lightning_gc.exchanges.comm`), returning a future of the round that decode is to read, whose
+The pipeline (:mod:`lightning_gc.exchanges.pipeline`) hands a transport one round of
+:class:`~lightning_gc.compressors.base.Encoded`; the transport launches its collectives *from the
+caller's thread* (the comm hook, in bucket order on every rank, see
+:mod:`lightning_gc.exchanges.comm`) and returns a future of the round that decode is to read, whose
 
 * ``summed`` holds the sum over ranks of what they put there;
 * ``gathered_out`` holds every rank's ``gathered`` payload, in rank order;
@@ -11,12 +11,12 @@ collectives *from the caller's thread* (the comm hook, in bucket order on every 
   this rank;
 * ``peer.into`` holds the message rank ``peer.source`` sent this rank.
 
-The immediate exchanges below resolve to the round they were given; a delayed exchange resolves
-to a round launched earlier.
-
-Invariant for every exchange: with the identity codec (sending the bucket whole through
-``summed``) it equals DDP's all-reduce. Delayed, hierarchical and two-phase exchanges are further
-implementations of :class:`Exchange`.
+Two transports: :class:`GroupTransport`, the torch.distributed collectives over any process group
+(the default one, a node's, the ranks with one local rank across nodes, a replica group), and
+:class:`LocalTransport`, a stand-in without peers for calibration and benchmarks. A transport
+knows nothing of codecs; an :class:`~lightning_gc.exchanges.base.Exchange` decides what runs over
+which transport. Invariant: with the identity codec (the bucket whole through ``summed``) a
+transport's round equals DDP's all-reduce.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from lightning_gc.exchanges import comm
 from lightning_gc.exchanges.traffic import ALLREDUCE, GATHER, exchange_bytes
 
 
-class Exchange(ABC):
-    """Moves one round of a bucket's payload between ranks (see the module docstring).
+class Transport(ABC):
+    """Moves one round of a payload between ranks (see the module docstring).
 
     Attributes:
         world_size: the ranks taking part; ``rank``: this one's place among them.
@@ -59,7 +59,7 @@ def _payloads(encoded: Encoded) -> None:
         raise RuntimeError("Encoded.scattered needs `scattered_out` to receive every rank's row")
 
 
-class CollectiveExchange(Exchange):
+class GroupTransport(Transport):
     """The real collectives: a point-to-point round of ``peer`` (completed before the others), an
     all-reduce of ``summed``, an all-gather of ``gathered`` and an all-to-all of ``scattered``,
     launched in that order.
@@ -71,14 +71,8 @@ class CollectiveExchange(Exchange):
 
     def __init__(self, group: comm.ProcessGroup = None) -> None:
         self.group = group
-
-    @property
-    def world_size(self) -> int:  # type: ignore[override]
-        return dist.get_world_size(self.group)
-
-    @property
-    def rank(self) -> int:  # type: ignore[override]
-        return dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
 
     def launch(self, encoded: Encoded) -> Future[Encoded]:
         _payloads(encoded)
@@ -103,7 +97,7 @@ class CollectiveExchange(Exchange):
         return joined.then(lambda done: _completed(done, encoded))
 
 
-class LocalExchange(Exchange):
+class LocalTransport(Transport):
     """A stand-in without collectives, for timing and benchmarks: a world of ``world_size`` ranks
     that all send what this rank sends (the all-reduce sums ``world_size`` equal payloads, the
     all-gather repeats this one, the all-to-all hands every rank row ``rank`` of this one's, a

@@ -53,8 +53,9 @@ from lightning_gc.compressors.two_phase import TwoPhaseExchange
 from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.core.momentum import MomentumSpec
-from lightning_gc.exchanges.pipeline import DECODE_SIDE, ENCODE_SIDE, Timeline, run_bucket
-from lightning_gc.exchanges.transport import LocalExchange
+from lightning_gc.exchanges.pipeline import BucketJob, run_bucket
+from lightning_gc.exchanges.timeline import DECODE_SIDE, ENCODE_SIDE, Timeline
+from lightning_gc.exchanges.transport import LocalTransport
 from lightning_gc.perfmodel import CodecCost
 
 COLUMNS = 1024
@@ -197,11 +198,9 @@ def _time_at(
     moved = _OptimizerMomentum(grad, momentum) if momentum > 0 else None
     for step in range(repeats + 1):  # step 0 warms up buffers and plans
         grad.copy_(gradients[step % len(gradients)].reshape(-1))
-        timeline, exchange = Timeline(sync=lambda: _sync(device)), LocalExchange(world_size)
-        run_bucket(
-            compressor, memory, bucket, grad, layout, exchange, step=STEADY_STEP + step, world_size=world_size,
-            guard=guard, timeline=timeline,
-        ).averaged.wait()  # fmt: skip
+        timeline, exchange = Timeline(sync=lambda: _sync(device)), LocalTransport(world_size)
+        job = BucketJob(compressor, memory, grad, layout, STEADY_STEP + step, guard=guard, timeline=timeline)
+        run_bucket(job, bucket, exchange).averaged.wait()
         moved_s = 0.0 if moved is None else moved.time(device)
         if step:
             encode_times.append(max(0.0, timeline.seconds(*ENCODE_SIDE) - moved_s))

@@ -28,10 +28,11 @@ from lightning_gc.compressors.simple import NoCompressor
 from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.exchanges import comm
+from lightning_gc.exchanges.base import Exchange, FlatExchange
 from lightning_gc.exchanges.delay import DelayLine
-from lightning_gc.exchanges.hierarchy import NodeHierarchy
-from lightning_gc.exchanges.pipeline import EXCHANGE, BucketStep, RoundQueue, Timeline, run_bucket
-from lightning_gc.exchanges.transport import CollectiveExchange, Exchange
+from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, RoundQueue
+from lightning_gc.exchanges.timeline import EXCHANGE
+from lightning_gc.exchanges.transport import GroupTransport
 from lightning_gc.runtime.policy import CompressionPolicy
 from lightning_gc.runtime.stats import CompressionStats
 from lightning_gc.runtime.usage import GradientUsage
@@ -67,16 +68,15 @@ class CompressionHookState:
             its residual and momentum untouched and sends nothing (DDP leaves its ``grad`` alone);
             one unused here only enters memory with a zero local gradient, as DDP averages a zero
             from this rank into its gradient.
-        exchange: how payloads move between ranks (default: all-reduce / all-gather over
-            ``process_group``).
+        exchange: how a bucket's rounds move among the ranks (:mod:`lightning_gc.exchanges.base`):
+            default one flat exchange over ``process_group``; a two-level one
+            (:mod:`lightning_gc.exchanges.hierarchy`) for ``hierarchy="node"``.
         delay: hand DDP the average of the exchange launched ``delay`` steps earlier and let this
             step's exchange run during the next step's compute (:mod:`lightning_gc.exchanges.delay`); 0:
             every step waits for its own exchange.
         local_update: with ``delay``, apply this rank's own contribution at once and swap it for
             the average when that arrives (OD-SGD).
         sync_warmup_steps: with ``delay``, the first steps are synchronous.
-        hierarchy: a two-level exchange (dense within nodes, compressed across them,
-            :mod:`lightning_gc.exchanges.hierarchy`); ``None``: one flat exchange over ``process_group``.
         defer_rounds: a multi-round compressor's earlier round (the two-phase exchange's
             all-to-all, PowerSGD's first all-reduce) is waited for at the next bucket's hook, after
             that bucket's first round is launched, instead of at its own, so it travels while
@@ -107,7 +107,6 @@ class CompressionHookState:
         delay: int = 0,
         local_update: bool = False,
         sync_warmup_steps: int = 0,
-        hierarchy: NodeHierarchy | None = None,
         defer_rounds: bool = True,
     ) -> None:
         self.compressor = compressor
@@ -124,7 +123,7 @@ class CompressionHookState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.exchange: Exchange = exchange if exchange is not None else CollectiveExchange(process_group)
+        self.exchange = exchange if exchange is not None else FlatExchange(GroupTransport(process_group))
         self.delay_line = (
             DelayLine(delay, local_update, carry_unused=find_unused_parameters)
             if check_int("delay", delay, 0)
@@ -144,14 +143,13 @@ class CompressionHookState:
         )
         self._resumed_delayed_since: int | None = None  # a resumed run that was delayed from this step on
         self.sync_warmup_steps = sync_warmup_steps
-        if hierarchy is not None and local_update:
+        if local_update and not isinstance(self.exchange, FlatExchange):
             raise ValueError(
                 "`local_update=True` does not combine with a hierarchical exchange: a rank's own part is a node's sum"
             )
-        self.hierarchy = hierarchy
         self.defer_rounds = defer_rounds
         self.rounds = RoundQueue()  # buckets whose earlier round is still in flight (defer_rounds)
-        memory.seed_view = None if hierarchy is None else hierarchy.seed_view
+        memory.seed_view = self.exchange.seed_view
         self.step = 0
         self._resumed_step = 0  # the step counter a checkpoint restored
         self.exact_steps = 0
@@ -241,8 +239,8 @@ class CompressionHookState:
         if self.delay_line is not None:
             self.delay_line.drain()
         state = {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
-        if self.hierarchy is not None and self.hierarchy.state_shape:
-            state["hierarchy"] = self.hierarchy.state_shape
+        if self.exchange.state_shape:
+            state["hierarchy"] = self.exchange.state_shape
         if self.delay_line is not None:
             state["delay"] = (self.delay_line.delay, self.delay_line.local_update)
             state["delayed"] = self.delay_line.state_dict()
@@ -260,7 +258,7 @@ class CompressionHookState:
                 "averages it holds belong to other steps; resume with the same delay settings"
             )
         saved_topology = tuple(state.get("hierarchy", ()))
-        topology = () if self.hierarchy is None else self.hierarchy.state_shape
+        topology = self.exchange.state_shape
         if saved_topology != topology:
             raise IncompatibleCheckpoint(
                 "the checkpoint's compression state was written with (nodes, devices per node)="
@@ -375,34 +373,23 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
     failure = lambda error, rank=state.rank, world_size=state.world_size: exchange_failed(  # noqa: E731
         rank, world_size, layout, step, error
     )
-    pipeline: dict[str, Any] = {
-        "step": step,
-        "params": params,
-        "absent": absent,
-        "loss_scale": state.grad_scale,
-        "guard": state.guard,
-        "timeline": Timeline(),
-        "on_decoded": on_decoded,
-        "failure": failure,
-    }
-    if state.hierarchy is not None and state.hierarchy.takes(compressor):
-        sent = state.hierarchy.run(compressor, state.memory, grad, layout, out=out, **pipeline)
-    else:
-        bucket_memory = state.memory.bucket(layout, grad)
-        sent = run_bucket(
-            compressor,
-            state.memory,
-            bucket_memory,
-            grad,
-            layout,
-            state.exchange,
-            world_size=state.world_size,
-            rank=state.rank,
-            out=out,
-            own=own,
-            defer_rounds=state.defer_rounds and own is None,  # OD-SGD's hand-over reads `own` at once
-            **pipeline,
-        )
+    job = BucketJob(
+        compressor=compressor,
+        memory=state.memory,
+        grad=grad,
+        layout=layout,
+        step=step,
+        params=params,
+        out=out,
+        own=own,
+        absent=absent,
+        loss_scale=state.grad_scale,
+        guard=state.guard,
+        on_decoded=on_decoded,
+        failure=failure,
+        defer_rounds=state.defer_rounds and own is None,  # OD-SGD's hand-over reads `own` at once
+    )
+    sent = state.exchange.run(job)
 
     stats, numel, dense_bytes = state.stats, grad.numel(), grad.numel() * grad.element_size()
 

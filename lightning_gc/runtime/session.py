@@ -103,7 +103,7 @@ class CompressionSession:
             delay=settings.delay,
             local_update=settings.local_update,
             sync_warmup_steps=settings.sync_warmup_steps or 0,  # None: a SparsityWarmup may lengthen it
-            hierarchy=None if topology is None else two_level_exchange(settings.hierarchy, topology),
+            exchange=None if topology is None else two_level_exchange(settings.hierarchy, topology),
         )
         self.hook_state.owed_gradient_terms = self.hand_over.owed_gradient_terms
         self.release_usage()  # a model attached again (a second fit) is watched once

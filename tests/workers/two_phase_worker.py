@@ -63,7 +63,8 @@ def record_launches(state: CompressionHookState | None, launches: list[tuple[str
     numbered by the first launch of its run's plan since ``launches`` was last emptied."""
     if state is None:
         return
-    launch, runs = state.exchange.launch, {}
+    transport = state.exchange.transport
+    launch, runs = transport.launch, {}
 
     def recording(encoded: Any) -> Any:
         if not launches:
@@ -72,7 +73,7 @@ def record_launches(state: CompressionHookState | None, launches: list[tuple[str
         launches.append((kind, runs.setdefault(id(encoded.context), len(runs))))
         return launch(encoded)
 
-    state.exchange.launch = recording
+    transport.launch = recording
 
 
 def train(run: dict[str, Any], plan: dict[str, Any], rank: int) -> dict[str, Any]:
