@@ -30,6 +30,9 @@ the parameter applies (or to what :meth:`DelayLine.pending` owes at the end). Th
 slots by step parity, step ``t`` reading ``(t-1) mod 2`` and writing ``t mod 2``, so that a step
 skipped and retried (non-finite gradient, grad-scaler overflow) reads the same carry again.
 
+:class:`DelayedExchange` puts a line around any :class:`~lightning_gc.exchanges.base.Exchange`:
+it gives each step's job its slot and hands back what the step applies.
+
 Slots are stored by parameter name (:class:`~lightning_gc.common.flatstate.FlatState`): they survive DDP's
 bucket rebuild and are saved in checkpoints after draining what is in flight, so a resume continues
 exactly.
@@ -37,6 +40,7 @@ exactly.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +51,8 @@ from lightning_gc.common.errors import IncompatibleCheckpoint
 from lightning_gc.common.flatstate import FlatState
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_bool, check_int
+from lightning_gc.exchanges.base import Exchange
+from lightning_gc.exchanges.pipeline import BucketJob, BucketStep
 
 CARRY_KINDS = ("carry.0", "carry.1")
 """The state kinds of averages carried past steps that did not use their parameter (by step parity)."""
@@ -221,3 +227,61 @@ class DelayLine:
         self.drain()
         self._state.load_state_dict(state)
         self._buckets.clear()
+
+
+class DelayedExchange(Exchange):
+    """Any exchange, its averages handed over ``line.delay`` steps late (module docstring).
+
+    Each job runs through ``inner`` into this step's slot (``out``; ``own`` with ``local_update``,
+    whose hand-over reads it at once, so that job's rounds are not deferred); the returned step's
+    :attr:`~lightning_gc.exchanges.pipeline.BucketStep.handed` is what the step applies, already
+    resolved, and its ``averaged`` this step's own exchange, in flight until a later step waits.
+
+    Args:
+        inner: the exchange that moves each step's rounds.
+        line: the slots and what is owed (:class:`DelayLine`).
+        before_rebucketing: called before a new layout drains every bucket in flight (the comm
+            hook finishes its buckets' deferred rounds there, which the drain waits for).
+        on_wait: told the seconds spent waiting for a bucket's previous exchange.
+    """
+
+    def __init__(
+        self,
+        inner: Exchange,
+        line: DelayLine,
+        *,
+        before_rebucketing: Callable[[], None] | None = None,
+        on_wait: Callable[[float], None] | None = None,
+    ) -> None:
+        self.inner, self.line = inner, line
+        self._before_rebucketing, self._on_wait = before_rebucketing, on_wait
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        return self.inner.state_shape
+
+    @property
+    def seed_view(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return self.inner.seed_view
+
+    def run(self, job: BucketJob) -> BucketStep:
+        line, layout, step = self.line, job.layout, job.step
+        if line.drains_for(layout) and self._before_rebucketing is not None:
+            self._before_rebucketing()
+        delayed = line.bucket(layout, job.grad)
+        began = time.perf_counter()
+        delayed.wait()  # step - 1's exchange of this bucket: compressors reuse their buffers
+        if self._on_wait is not None:
+            self._on_wait(time.perf_counter() - began)
+        write, _ = line.slots(step)
+        own = delayed.owns[write] if line.local_update else None
+        sent = self.inner.run(
+            job.but(out=delayed.averages[write], own=own, defer_rounds=job.defer_rounds and own is None)
+        )
+        delayed.in_flight, delayed.finish = sent.averaged, sent.finish
+        applied = line.hand_over(delayed, step, job.grad, job.absent, writable=job.loss_scale is not None)
+        job.memory.restore_loss_scale(applied, job.loss_scale)
+        handed: Future[torch.Tensor] = Future()
+        handed.set_result(applied)
+        sent.handed, sent.finish = handed, None  # the line runs `finish` when it waits
+        return sent

@@ -67,6 +67,9 @@ class BucketStep:
     deferred: bool = False
     """Whether :func:`run_bucket` returned before the last round's launch (``averaged`` is then its
     own future, resolved from the last round's decode)."""
+    handed: Future[torch.Tensor] | None = None
+    """A delayed exchange (:class:`~lightning_gc.exchanges.delay.DelayedExchange`): what the caller
+    hands on now, an earlier step's average, while ``averaged`` is this step's own, in flight."""
 
 
 @dataclass(frozen=True)

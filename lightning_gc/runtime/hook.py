@@ -11,7 +11,6 @@ happened to bucket the parameters. That makes results identical across DDP's buc
 across a checkpoint resume (which starts again with DDP's initial bucketing).
 """
 
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -29,7 +28,7 @@ from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.exchanges import comm
 from lightning_gc.exchanges.base import Exchange, FlatExchange
-from lightning_gc.exchanges.delay import DelayLine
+from lightning_gc.exchanges.delay import DelayedExchange, DelayLine
 from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, RoundQueue
 from lightning_gc.exchanges.timeline import EXCHANGE
 from lightning_gc.exchanges.transport import GroupTransport
@@ -149,11 +148,22 @@ class CompressionHookState:
             )
         self.defer_rounds = defer_rounds
         self.rounds = RoundQueue()  # buckets whose earlier round is still in flight (defer_rounds)
+        self.stats = CompressionStats()
+        stats = self.stats
+        self.delayed_exchange = (
+            None
+            if self.delay_line is None
+            else DelayedExchange(
+                self.exchange,
+                self.delay_line,
+                before_rebucketing=self.rounds.finish,  # the drain waits for every bucket's exchange
+                on_wait=lambda seconds: stats.add(waited=seconds),
+            )
+        )
         memory.seed_view = self.exchange.seed_view
         self.step = 0
         self._resumed_step = 0  # the step counter a checkpoint restored
         self.exact_steps = 0
-        self.stats = CompressionStats()
         self.layouts: dict[int, BucketLayout] = {}
         self.layouts_built = 0
 
@@ -351,19 +361,6 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
         if unused_here:
             state.owed_gradient_terms(grad, unused_here)
     step = state.step
-    delayed = None
-    out = own = None
-    if state.delayed(step):
-        assert state.delay_line is not None
-        if state.delay_line.drains_for(layout):  # it waits for every exchange, the earlier buckets' too
-            state.rounds.finish()
-        delayed = state.delay_line.bucket(layout, grad)
-        began = time.perf_counter()
-        delayed.wait()  # step - 1's exchange of this bucket: compressors reuse their buffers
-        state.stats.add(waited=time.perf_counter() - began)
-        write, _ = state.delay_line.slots(step)
-        out = delayed.averages[write]
-        own = delayed.owns[write] if state.delay_line.local_update else None
     compressor = state.compressor_for(layout, grad.element_size())
     # The callbacks run on the backend's threads and must not hold `state`: it holds the process
     # group, and a thread that drops a group's last reference joins itself in its destructor.
@@ -380,16 +377,16 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
         layout=layout,
         step=step,
         params=params,
-        out=out,
-        own=own,
         absent=absent,
         loss_scale=state.grad_scale,
         guard=state.guard,
         on_decoded=on_decoded,
         failure=failure,
-        defer_rounds=state.defer_rounds and own is None,  # OD-SGD's hand-over reads `own` at once
+        defer_rounds=state.defer_rounds,
     )
-    sent = state.exchange.run(job)
+    exchange = state.delayed_exchange if state.delayed(step) else state.exchange
+    assert exchange is not None
+    sent = exchange.run(job)
 
     stats, numel, dense_bytes = state.stats, grad.numel(), grad.numel() * grad.element_size()
 
@@ -402,12 +399,4 @@ def _compressed(state: CompressionHookState, bucket: dist.GradBucket) -> Future[
     if bucket.is_last():
         state.step += 1
         state.rounds.finish()
-    if delayed is None:
-        return sent.averaged
-    assert state.delay_line is not None
-    delayed.in_flight, delayed.finish = sent.averaged, sent.finish
-    applied = state.delay_line.hand_over(delayed, step, grad, absent, writable=state.grad_scale is not None)
-    state.memory.restore_loss_scale(applied, state.grad_scale)
-    handed: Future[torch.Tensor] = Future()
-    handed.set_result(applied)
-    return handed
+    return sent.averaged if sent.handed is None else sent.handed
