@@ -1,9 +1,9 @@
 """Compress-and-average any flat tensor over any process group: the entry point below the front ends.
 
 A :class:`CompressedAverager` holds one flat tensor's layout (named segments, e.g. a fragment of
-a model's parameters), a codec, its error-feedback memory and a transport. Each call to
+a model's parameters), a codec, its error-feedback memory and an exchange. Each call to
 :meth:`CompressedAverager.average`, made on every rank of the group in the same order, runs the
-one pipeline (:func:`~lightning_gc.exchanges.pipeline.run_bucket`) on that tensor::
+exchange (by default the one pipeline, :func:`~lightning_gc.exchanges.pipeline.run_bucket`) on that tensor::
 
     e_r <- beta * e_r + x_r          memory (beta = error_decay; e_r = 0 without error feedback)
     s_r  = C(e_r)                    the codec: what rank r sends (exactly k values, quantised codes, ...)
@@ -32,10 +32,10 @@ from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import create
 from lightning_gc.core.memory import CompensationMemory
-from lightning_gc.exchanges.base import FlatExchange
+from lightning_gc.exchanges.base import Exchange, FlatExchange
 from lightning_gc.exchanges.comm import ProcessGroup
 from lightning_gc.exchanges.pipeline import BucketJob
-from lightning_gc.exchanges.transport import GroupTransport, Transport
+from lightning_gc.exchanges.transport import GroupTransport
 
 STATE_FORMAT = 1
 
@@ -66,9 +66,9 @@ class CompressedAverager:
         group: the process group to average over (``None``: the default group).
         error_feedback: keep what was not sent; ``None`` (default): on for biased codecs.
         error_decay: ``beta`` in ``e <- beta e + x``, in (0, 1].
-        transport: how rounds move; default the real collectives over ``group``
-            (:class:`~lightning_gc.exchanges.transport.GroupTransport`), or e.g.
-            :class:`~lightning_gc.exchanges.transport.LocalTransport` to time or test without peers.
+        exchange: where the rounds go (:mod:`lightning_gc.exchanges.base`); default every round
+            over ``group`` (``FlatExchange(GroupTransport(group))``); e.g.
+            ``FlatExchange(LocalTransport(4))`` to time or test without peers.
         **compressor_arguments: the named compressor's arguments (e.g. ``compress_ratio``).
 
     Raises:
@@ -83,7 +83,7 @@ class CompressedAverager:
         group: ProcessGroup = None,
         error_feedback: bool | None = None,
         error_decay: float = 1.0,
-        transport: Transport | None = None,
+        exchange: Exchange | None = None,
         **compressor_arguments: Any,
     ) -> None:
         if isinstance(compressor, str):
@@ -103,7 +103,9 @@ class CompressedAverager:
             error_decay=error_decay,
         )
         self.group = group
-        self.exchange = FlatExchange(transport if transport is not None else GroupTransport(group))
+        if exchange is not None and group is not None:
+            raise ValueError("give `group` or `exchange` (which knows its ranks), not both")
+        self.exchange = exchange if exchange is not None else FlatExchange(GroupTransport(group))
         self.calls = 0
         self.bytes_sent = 0
         """Payload bytes this rank handed to the transport over all calls (indices included)."""
