@@ -26,6 +26,7 @@ from lightning_gc.integrations.attach import AttachedCompression
 from lightning_gc.perfmodel.calibration import layout_of_shapes
 from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint
 from lightning_gc.runtime.hook import CompressionHookState
+from lightning_gc.runtime.hook_options import HookOptions
 
 SHAPES = [(6, 5), (4,)]
 
@@ -35,11 +36,10 @@ def test_bad_settings_are_refused_naming_the_value(world_of_one: None) -> None:
         DelayLine(0)
     with pytest.raises(ValueError, match=r"`local_update` must be True or False, got 'yes'"):
         DelayLine(1, local_update="yes")  # type: ignore[arg-type]
-    memory = CompensationMemory(momentum_correction=False, momentum_masking=True, clip_norm=None)
     with pytest.raises(ValueError, match=r"`delay` must be an integer >= 0, got -1"):
-        CompressionHookState(create("none"), memory, {}, delay=-1)
+        HookOptions(delay=-1)
     with pytest.raises(ValueError, match=r"`local_update=True` needs `delay` >= 1"):
-        CompressionHookState(create("none"), memory, {}, local_update=True)
+        HookOptions(local_update=True)
     with pytest.raises(ValueError, match=r"`verify_every_n_steps=10` .* differ by design.*local_update=False"):
         lightning_gc.DGCStrategy(delay=1, local_update=True, verify_every_n_steps=10)
 
@@ -204,7 +204,8 @@ def test_a_rebuild_into_fewer_buckets_leaves_no_stale_bucket_behind() -> None:
 
 
 def test_the_performance_model_hides_the_exchange_behind_the_whole_next_step() -> None:
-    from lightning_gc.perfmodel import CodecCost, Network, Workload, predict
+    from lightning_gc.perfmodel import CodecCost, Network
+    from lightning_gc.perfmodel.step import Workload, predict
 
     network = Network.from_bits(world_size=8, bits_per_second=1e9, host_bits_per_second=8e9)
     cost = CodecCost("fp16", summed_bytes=50_000_000, gathered_bytes=0, encode_s=0.004, decode_s=0.002)
@@ -366,7 +367,9 @@ def test_a_resume_keeps_the_delayed_history_and_refuses_to_end_it_early(world_of
 
     def hook_state(sync_warmup_steps: int) -> CompressionHookState:
         memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
-        return CompressionHookState(create("none"), memory, {}, delay=1, sync_warmup_steps=sync_warmup_steps)
+        return CompressionHookState(
+            create("none"), memory, {}, options=HookOptions(delay=1, sync_warmup_steps=sync_warmup_steps)
+        )
 
     writer = hook_state(2)
     writer.step = 5

@@ -11,6 +11,7 @@ from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.perfmodel import Network
 from lightning_gc.perfmodel.calibration import layout_of_shapes
 from lightning_gc.runtime.hook import CompressionHookState
+from lightning_gc.runtime.hook_options import HookOptions
 from lightning_gc.runtime.policy import agreed
 from lightning_gc.runtime.selective import CompressWhenFaster
 
@@ -35,7 +36,8 @@ def test_decision_follows_the_model():
 def test_a_host_bound_transport_counts_as_the_perfmodel_counts_it():
     """With the transport on the compute core (host 1 GB/s, link 10 GB/s, 2 workers), all-reducing
     the 4 MB bucket costs T_host = 4 ms that backward cannot hide, however much it hides (10 ms)."""
-    from lightning_gc.perfmodel import CodecCost, Workload, pays
+    from lightning_gc.perfmodel import CodecCost
+    from lightning_gc.perfmodel.step import Workload, pays
 
     network = Network(2, bandwidth=10e9, host_bandwidth=1e9)
     host_bound = CompressWhenFaster(network, codec_s_per_element=2e-3 / 1e6, hidden_s=0.010)
@@ -65,8 +67,10 @@ def test_hook_state_sends_dense_where_the_policy_says_so(world_of_one):
     memory = CompensationMemory(momentum_correction=False, momentum_masking=True, clip_norm=None)
     fast, slow = policy(100e9, codec_s=0.010), policy(1e9, codec_s=0.010)
     assert agreed(fast, None) is fast and agreed(None, None) is None
-    assert isinstance(CompressionHookState(DGC, memory, {}, pays=fast).compressor_for(LAYOUT, 4), NoCompressor)
-    assert CompressionHookState(DGC, memory, {}, pays=slow).compressor_for(LAYOUT, 4) is DGC
+    assert isinstance(
+        CompressionHookState(DGC, memory, {}, options=HookOptions(pays=fast)).compressor_for(LAYOUT, 4), NoCompressor
+    )
+    assert CompressionHookState(DGC, memory, {}, options=HookOptions(pays=slow)).compressor_for(LAYOUT, 4) is DGC
     assert CompressionHookState(DGC, memory, {}).compressor_for(LAYOUT, 4) is DGC  # off by default
 
 

@@ -32,7 +32,7 @@ from lightning_gc.exchanges.delay import DelayedExchange, DelayLine
 from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, RoundQueue
 from lightning_gc.exchanges.timeline import EXCHANGE
 from lightning_gc.exchanges.transport import GroupTransport
-from lightning_gc.runtime.policy import CompressionPolicy
+from lightning_gc.runtime.hook_options import DEFAULT_OPTIONS, HookOptions
 from lightning_gc.runtime.stats import CompressionStats
 from lightning_gc.runtime.usage import GradientUsage
 
@@ -53,34 +53,12 @@ class CompressionHookState:
         memory: velocity/momentum of this rank.
         names: ``id(param) -> (name, position in named_parameters())`` for the wrapped module.
         process_group: group to communicate over (``None``: the default group).
-        min_wire_ratio: buckets on which the compressor would not reach this wire ratio (dense
-            bytes / bytes sent) are sent exactly through one all-reduce instead. The decision
-            depends on the layout and the compressor's settings only, so every rank agrees.
-        pays: optional further rule ``pays(compressor, layout, element_size) -> bool``; buckets
-            where it is false are sent exactly (e.g. :class:`lightning_gc.runtime.selective.CompressWhenFaster`).
-            It must decide the same on every rank.
-        nonfinite: what a NaN/Inf in a local gradient does, ``"raise"`` or ``"skip"`` (see
-            :mod:`lightning_gc.core.guard`); :meth:`settle_step` ends each step.
-        find_unused_parameters: the DDP setting of the same name. Then a parameter without a
-            gradient on this rank may still have one on another: each bucket first all-reduces
-            which of its parameters got a gradient (a few bytes). One unused on every rank keeps
-            its residual and momentum untouched and sends nothing (DDP leaves its ``grad`` alone);
-            one unused here only enters memory with a zero local gradient, as DDP averages a zero
-            from this rank into its gradient.
         exchange: how a bucket's rounds move among the ranks (:mod:`lightning_gc.exchanges.base`):
             default one flat exchange over ``process_group``; a two-level one
             (:mod:`lightning_gc.exchanges.hierarchy`) for ``hierarchy="node"``.
-        delay: hand DDP the average of the exchange launched ``delay`` steps earlier and let this
-            step's exchange run during the next step's compute (:mod:`lightning_gc.exchanges.delay`); 0:
-            every step waits for its own exchange.
-        local_update: with ``delay``, apply this rank's own contribution at once and swap it for
-            the average when that arrives (OD-SGD).
-        sync_warmup_steps: with ``delay``, the first steps are synchronous.
-        defer_rounds: a multi-round compressor's earlier round (the two-phase exchange's
-            all-to-all, PowerSGD's first all-reduce) is waited for at the next bucket's hook, after
-            that bucket's first round is launched, instead of at its own, so it travels while
-            backward computes and the next bucket encodes (flat exchange, without
-            ``local_update``; :mod:`lightning_gc.exchanges.pipeline`). The result is the same bit for bit.
+        options: the per-run choices (:class:`~lightning_gc.runtime.hook_options.HookOptions`).
+        usage: which parameters got a gradient in each step (needed with
+            ``options.find_unused_parameters``; ``None``: read ``param.grad``).
 
     Attributes:
         exact_steps: steps before this one are averaged exactly as DDP's own all-reduce does
@@ -98,23 +76,18 @@ class CompressionHookState:
         memory: CompensationMemory,
         names: dict[int, tuple[str, int]],
         process_group: dist.ProcessGroup | None = None,
-        min_wire_ratio: float = 1.0,
-        pays: CompressionPolicy | None = None,
-        nonfinite: str = "raise",
-        find_unused_parameters: bool = False,
+        options: HookOptions = DEFAULT_OPTIONS,
         exchange: Exchange | None = None,
-        delay: int = 0,
-        local_update: bool = False,
-        sync_warmup_steps: int = 0,
-        defer_rounds: bool = True,
+        usage: GradientUsage | None = None,
     ) -> None:
         self.compressor = compressor
-        self.find_unused_parameters = find_unused_parameters
-        self.usage: GradientUsage | None = None  # set by whoever knows the model (the session)
+        self.options = options
+        self.find_unused_parameters = options.find_unused_parameters
+        self.usage = usage
         # the hand-over's terms owed by a rank where a parameter went unused (the session sets it)
         self.owed_gradient_terms: Callable[[torch.Tensor, Sequence[tuple[Segment, torch.Tensor]]], None] | None = None
-        self.min_wire_ratio = min_wire_ratio
-        self.pays = pays
+        self.min_wire_ratio = options.min_wire_ratio
+        self.pays = options.pays
         self.grad_scale: float | None = None
         self.uncompressed = NoCompressor()
         self.memory = memory
@@ -124,16 +97,14 @@ class CompressionHookState:
         self.rank = dist.get_rank(process_group)
         self.exchange = exchange if exchange is not None else FlatExchange(GroupTransport(process_group))
         self.delay_line = (
-            DelayLine(delay, local_update, carry_unused=find_unused_parameters)
-            if check_int("delay", delay, 0)
+            DelayLine(options.delay, options.local_update, carry_unused=options.find_unused_parameters)
+            if options.delay
             else None
         )
-        if self.delay_line is None and local_update:
-            raise ValueError("`local_update=True` needs `delay` >= 1, got delay=0")
         # the previous step's exchanges must land before the guard snapshots the compressor state,
         # and a skipped step's own before it is rolled back
         self.guard = StepGuard(
-            nonfinite,
+            options.nonfinite,
             memory,
             compressor,
             rank=self.rank,
@@ -141,12 +112,12 @@ class CompressionHookState:
             drain=None if self.delay_line is None else self.delay_line.drain,
         )
         self._resumed_delayed_since: int | None = None  # a resumed run that was delayed from this step on
-        self.sync_warmup_steps = sync_warmup_steps
-        if local_update and not isinstance(self.exchange, FlatExchange):
+        self.sync_warmup_steps = options.sync_warmup_steps
+        if options.local_update and not isinstance(self.exchange, FlatExchange):
             raise ValueError(
                 "`local_update=True` does not combine with a hierarchical exchange: a rank's own part is a node's sum"
             )
-        self.defer_rounds = defer_rounds
+        self.defer_rounds = options.defer_rounds
         self.rounds = RoundQueue()  # buckets whose earlier round is still in flight (defer_rounds)
         self.stats = CompressionStats()
         stats = self.stats

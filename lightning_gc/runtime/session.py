@@ -41,6 +41,7 @@ from lightning_gc.exchanges.hierarchy_sparse import two_level_exchange
 from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint, gather_entry, rank_state
 from lightning_gc.runtime.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.runtime.hook import CompressionHookState, compression_hook, refuse_sparse_gradients
+from lightning_gc.runtime.hook_options import HookOptions
 from lightning_gc.runtime.policy import agreed
 from lightning_gc.runtime.settings import CompressionSettings
 from lightning_gc.runtime.usage import GradientUsage
@@ -90,25 +91,29 @@ class CompressionSession:
         names = {id(p): (name, order) for order, (name, p) in enumerate(ddp.module.named_parameters())}
         settings = self.settings
         topology = agreed_topology(settings.hierarchy, devices_per_node, ddp.process_group)
+        self.release_usage()  # a model attached again (a second fit) is watched once
+        # a static graph may leave parameters unused too (the same ones every step)
+        find_unused = find_unused_parameters or bool(getattr(ddp, "static_graph", False))
+        options = HookOptions(
+            min_wire_ratio=settings.min_wire_ratio,
+            pays=agreed(settings.compress_when, ddp.process_group),
+            nonfinite=settings.nonfinite,
+            find_unused_parameters=find_unused,
+            delay=settings.delay,
+            local_update=settings.local_update,
+            sync_warmup_steps=settings.sync_warmup_steps or 0,  # None: a SparsityWarmup may lengthen it
+        )
         self.hook_state = CompressionHookState(
             self.compressor,
             self.memory,
             names,
             ddp.process_group,
-            min_wire_ratio=settings.min_wire_ratio,
-            pays=agreed(settings.compress_when, ddp.process_group),
-            nonfinite=settings.nonfinite,
-            # a static graph may leave parameters unused too (the same ones every step)
-            find_unused_parameters=find_unused_parameters or bool(getattr(ddp, "static_graph", False)),
-            delay=settings.delay,
-            local_update=settings.local_update,
-            sync_warmup_steps=settings.sync_warmup_steps or 0,  # None: a SparsityWarmup may lengthen it
+            options,
             exchange=None if topology is None else two_level_exchange(settings.hierarchy, topology),
+            # else DDP refuses unused parameters: no hook per backward
+            usage=GradientUsage(ddp.module.parameters()) if find_unused else None,
         )
         self.hook_state.owed_gradient_terms = self.hand_over.owed_gradient_terms
-        self.release_usage()  # a model attached again (a second fit) is watched once
-        if self.hook_state.find_unused_parameters:  # else DDP refuses unused parameters: no hook per backward
-            self.hook_state.usage = GradientUsage(ddp.module.parameters())
         verify_same_setup(self.description(ddp), ddp.process_group)
         if self._pending_state is None:  # a fit from scratch (a Trainer's second fit builds a new
             # optimizer, whose momentum starts at zero): the last fit's residuals and momenta are not its

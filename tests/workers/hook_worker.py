@@ -16,6 +16,7 @@ from lightning_gc.compressors import DGCCompressor
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.core.momentum import MomentumSpec
 from lightning_gc.runtime.hook import CompressionHookState, compression_hook
+from lightning_gc.runtime.hook_options import HookOptions
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from rank_setup import run_gloo_rank
@@ -36,7 +37,9 @@ def rank_body(plan: dict, rank: int) -> None:
     memory.set_specs({name: spec for name, _ in model.named_parameters()})
     compressor = DGCCompressor(plan["ratio"], min_compress_numel=plan["min_compress_numel"], value_dtype="float32")
     delayed = {key: plan[key] for key in ("delay", "local_update", "sync_warmup_steps") if key in plan}
-    ddp.register_comm_hook(CompressionHookState(compressor, memory, names, **delayed), compression_hook)
+    ddp.register_comm_hook(
+        CompressionHookState(compressor, memory, names, options=HookOptions(**delayed)), compression_hook
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])  # momentum-free: it lives in memory
     for step in range(plan["steps"]):
         x, y = data_for(rank, step)

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import registry
 from lightning_gc.runtime.hook import CompressionHookState, compression_hook
+from lightning_gc.runtime.hook_options import HookOptions
 from lightning_gc.runtime.settings import CompressionSettings
 
 
@@ -49,9 +50,11 @@ def build(run: dict[str, Any], plan: dict[str, Any]) -> tuple[torch.nn.Module, A
             compressor,
             memory,
             names,
-            defer_rounds=run.get("defer_rounds", True),
-            delay=run.get("delay", 0),
-            local_update=run.get("local_update", False),
+            options=HookOptions(
+                defer_rounds=run.get("defer_rounds", True),
+                delay=run.get("delay", 0),
+                local_update=run.get("local_update", False),
+            ),
         )
         ddp.register_comm_hook(state, compression_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=plan["lr"])
