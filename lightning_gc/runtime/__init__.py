@@ -6,6 +6,8 @@
 * :mod:`~lightning_gc.runtime.settings`: the validated settings of a run.
 * :mod:`~lightning_gc.runtime.checkpoint`, :mod:`~lightning_gc.runtime.consistency`: every rank's
   state in one checkpoint entry; the same setup and parameters on every rank.
+* :mod:`~lightning_gc.runtime.outer`: the DiLoCo-family outer loop (``OuterLoop``): ``sync_every``
+  inner steps, then a compressed, error-fed pseudo-gradient and an outer SGD step.
 * :mod:`~lightning_gc.runtime.policy`, :mod:`~lightning_gc.runtime.selective`: which buckets to compress.
 * :mod:`~lightning_gc.runtime.stats`, :mod:`~lightning_gc.runtime.usage`,
   :mod:`~lightning_gc.runtime.teardown`: statistics, parameters used per step, process-group shutdown.

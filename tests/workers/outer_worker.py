@@ -1,0 +1,166 @@
+"""One rank of the OuterLoop runs over a real gloo group; see test_outer.py.
+
+Every case trains a small MLP (seeded the same on every rank) on this rank's own batches (seeded by
+rank and step) towards one fixed teacher, and saves what the test compares: parameters after each
+sync, losses, bytes sent, and for the reference cases the plain-DDP or uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rank_setup import run_gloo_rank  # noqa: E402
+
+from lightning_gc.runtime.outer import OuterLoop  # noqa: E402
+
+WIDTH = 32
+
+
+def mlp(seed: int = 0, norm: bool = False) -> torch.nn.Module:
+    """32 -> 64 -> 64 -> 1: its weights (2048 and 4096 elements) are the ones top-k compresses."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(WIDTH, 64), torch.nn.Tanh()]
+    if norm:
+        layers.append(torch.nn.BatchNorm1d(64))
+    layers += [torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)]
+    return torch.nn.Sequential(*layers)
+
+
+def teacher(x: torch.Tensor) -> torch.Tensor:
+    """A linear target, far (loss ~9) from where the MLP starts: 24 DiLoCo steps are all descent."""
+    generator = torch.Generator().manual_seed(1234)
+    w = torch.randn(WIDTH, 1, generator=generator) / WIDTH**0.5
+    return 4 * x @ w
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(32, WIDTH, generator=torch.Generator().manual_seed(1000 * rank + step))
+    return x, teacher(x)
+
+
+def evaluate(model: torch.nn.Module) -> float:
+    x = torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(99))
+    model.eval()
+    with torch.no_grad():
+        loss = F.mse_loss(model(x), teacher(x)).item()
+    model.train()
+    return loss
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    steps: range,
+    outer: OuterLoop | None = None,
+    on_sync: Callable[[], None] | None = None,
+) -> None:
+    for step in steps:
+        x, y = batch(rank, step)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if outer is not None and outer.inner_step_done() and on_sync is not None:
+            on_sync()
+
+
+def equivalence(rank: int) -> dict[str, Any]:
+    """H = 1, exact average, outer SGD lr 1 without momentum vs plain DDP."""
+    model = mlp()
+    reference = DistributedDataParallel(copy.deepcopy(model))
+    outer = OuterLoop(model, sync_every=1, compressor="none", outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, range(5), outer)
+    train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), rank, range(5))
+    return {"outer": snapshot(model), "ddp": snapshot(reference.module), "syncs": outer.syncs}
+
+
+def diloco(rank: int) -> dict[str, Any]:
+    """H = 4, AdamW inner, Nesterov outer defaults; BatchNorm buffers averaged at each sync."""
+    model = mlp(norm=True)
+    start = evaluate(model)
+    outer = OuterLoop(model, sync_every=4)
+    synced: list[dict[str, torch.Tensor]] = []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # outer momentum multiplies it ~7x
+    train(model, optimizer, rank, range(24), outer, lambda: synced.append(snapshot(model)))
+    return {"start": start, "end": evaluate(model), "synced": synced, "syncs": outer.syncs}
+
+
+def compressed(rank: int) -> dict[str, Any]:
+    """SparseLoCo-style: top-k 10 % with error decay 0.95."""
+    model = mlp()
+    outer = OuterLoop(model, sync_every=2, compressor="topk", compress_ratio=0.1, error_decay=0.95)
+    synced: list[dict[str, torch.Tensor]] = []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, rank, range(12), outer, lambda: synced.append(snapshot(model)))
+    numel = sum(p.numel() for p in model.parameters())
+    return {"synced": synced, "syncs": outer.syncs, "bytes_sent": outer.bytes_sent, "numel": numel}
+
+
+def resume_settings(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, OuterLoop]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = OuterLoop(model, sync_every=4, compressor="topk", compress_ratio=0.1, error_decay=0.95)
+    return optimizer, outer
+
+
+def resume(rank: int) -> dict[str, Any]:
+    """16 steps straight vs 10 steps, a checkpoint mid-interval, fresh objects, 6 more steps."""
+    model = mlp(norm=True)
+    optimizer, outer = resume_settings(model)
+    train(model, optimizer, rank, range(16), outer)
+    straight = {"model": snapshot(model), "global": copy.deepcopy(outer.global_parameters), "syncs": outer.syncs}
+
+    model = mlp(norm=True)
+    optimizer, outer = resume_settings(model)
+    train(model, optimizer, rank, range(10), outer)
+    saved_at = (outer.inner_steps, outer.syncs)
+    buffer = io.BytesIO()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer.state_dict()}
+    torch.save(state, buffer)
+    del model, optimizer, outer, state
+
+    model = mlp(norm=True)
+    optimizer, outer = resume_settings(model)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    outer.load_state_dict(state["outer"])
+    train(model, optimizer, rank, range(10, 16), outer)
+    resumed = {"model": snapshot(model), "global": copy.deepcopy(outer.global_parameters), "syncs": outer.syncs}
+    return {"straight": straight, "resumed": resumed, "saved_at": saved_at}
+
+
+def mismatch(rank: int) -> dict[str, Any]:
+    """Ranks that start from different parameters are refused, naming the first that differs."""
+    try:
+        OuterLoop(mlp(seed=rank), sync_every=2)
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+CASES = {"equivalence": equivalence, "diloco": diloco, "compressed": compressed, "resume": resume, "mismatch": mismatch}
+
+
+def body(plan: dict, rank: int) -> None:
+    results = {name: CASES[name](rank) for name in plan["cases"]}
+    torch.save(results, Path(plan["out"]) / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    run_gloo_rank(body)
