@@ -31,6 +31,7 @@ from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.transport import GroupTransport, traffic_bytes
 from lightning_gc.runtime.hook import CompressionHookState, compression_hook
 from lightning_gc.runtime.settings import CompressionSettings
+from lightning_gc.runtime.teardown import shut_down_process_group
 
 SCHEMES = [("onebit", {}), ("qsgd", {"levels": 7})]
 EXCHANGES = ("gather", "two_phase")
@@ -64,6 +65,14 @@ def worker(rank: int, world_size: int, port: int, model_name: str, results: dict
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    count(rank, world_size, model_name, results)
+    # what count() built (DDP models, hook states holding the group) is unreachable now: collect it
+    # before finalization, where a gloo thread still holding the group aborts the process
+    shut_down_process_group()
+
+
+def count(rank: int, world_size: int, model_name: str, results: dict) -> None:
+    """Every scheme's bytes on the wire per rank at the last step, into ``results`` (rank 0)."""
     runs = [(name, arguments, exchange) for name, arguments in SCHEMES for exchange in EXCHANGES]
     runs += [(SPARSE[0], SPARSE[1], exchange) for exchange in SPARSE_EXCHANGES]
     for name, arguments, exchange in runs:
@@ -83,7 +92,6 @@ def worker(rank: int, world_size: int, port: int, model_name: str, results: dict
         if rank == 0:
             dense = sum(p.numel() * p.element_size() for p in model.parameters())
             results[(world_size, name, exchange)] = (counting.traffic, counting.payload, dense)
-    dist.destroy_process_group()
 
 
 def free_port() -> int:

@@ -395,9 +395,11 @@ def test_train_py_resumes_a_checkpoint_and_refuses_a_missing_one(tmp_path: Path)
     with pytest.raises(UsageError, match="add compare_dense=false"):
         run(_compose(quoted), tmp_path / "both", multirun=False, overrides=[])
     alone = train(*common, "trainer.max_epochs=2", "trainer.devices=1", quoted, f"hydra.run.dir={tmp_path / 'alone'}")
-    lines = alone.stderr.strip().splitlines()  # one process resuming two ranks' residuals: one line, exit 2
-    assert alone.returncode == 2 and "Traceback" not in alone.stderr, output(alone)
-    assert lines[-1].startswith("train.py: error: `ckpt_path`: checkpoint") and "resume with 2 processes" in lines[-1]
+    # one process resumes two ranks' residuals: re-sharded (lightning_gc.runtime.reshard), said once
+    assert alone.returncode == 0, output(alone)
+    assert "holds the compression state of 2 ranks and this run has 1" in alone.stderr, output(alone)
+    (one_process,) = results(tmp_path / "alone")
+    assert one_process["steps"] > 2 * one_epoch["steps"]  # continued from step 11 with twice the batches per epoch
 
 
 def test_report_draws_one_dense_reference_per_sweep_and_prints_whole_columns_when_piped(

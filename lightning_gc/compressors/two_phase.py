@@ -27,7 +27,7 @@ and only for that chunk (``1/N`` of the bucket): this rank's piece of each tenso
 parameter name like the memory's residuals (:class:`~lightning_gc.common.flatstate.FlatState`: it survives
 DDP's bucket rebuild) and returned by :meth:`~lightning_gc.compressors.base.Compressor.state_dict`,
 so checkpoints hold it per rank and a resume is exact. (DeepSpeed resets both buffers on load.) A
-resume with another world size is refused by the checkpoint, as for every per-rank state.
+resume at another world size re-cuts the pieces for the new chunks (:mod:`lightning_gc.runtime.reshard`).
 
 Bytes per rank: phase 1 sends ``N-1`` rows of one chunk's payload ``P ~ M/(cN)`` (its own stays),
 phase 2 one row: ``N P ~ M/c`` reported as sent, as the gathered form reports its payload. On the

@@ -15,7 +15,8 @@ a hand-written loop::
 Checkpoints: :meth:`AttachedCompression.state_dict` gathers every rank's state (residuals,
 momenta, warm-start factors, running totals) on rank 0, so it must be called on every rank; put it
 beside the model's and optimizer's state and load it back with
-:meth:`AttachedCompression.load_state_dict` on every rank after attaching again (same world size).
+:meth:`AttachedCompression.load_state_dict` on every rank after attaching again (at another world
+size the per-rank state is re-sharded, :mod:`lightning_gc.runtime.reshard`).
 
 What the session needs before each backward pass (the optimizer's current momentum, a grad
 scaler's scale) it takes in a forward pre-hook on the DDP module, so a scheduler that rewrites
@@ -131,7 +132,8 @@ class AttachedCompression:
     def load_state_dict(self, entry: dict[str, Any], source: Any = "the state given") -> None:
         """Continue from :meth:`state_dict`'s output (rank 0's copy, loaded on every rank): this
         rank's residuals, momenta and counters, and with ``local_update`` its own parameters and
-        optimizer state. Raises ``ValueError`` for another world size or format (naming ``source``)."""
+        optimizer state, re-sharded at another world size. Raises ``ValueError`` for another format or
+        state that cannot be re-sharded (naming ``source``)."""
         own_optimizer_states = self.session.resume(
             entry, source=source, rank=dist.get_rank(self.ddp.process_group), world_size=_world(self.ddp)
         )

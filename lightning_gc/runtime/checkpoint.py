@@ -3,7 +3,8 @@
 Lightning (and Fabric, and a user's own ``torch.save``) writes rank 0's checkpoint, but residuals,
 momenta, warm-start factors and delayed averages differ per rank. :func:`gather_entry` collects
 each rank's state on rank 0 (a collective: every rank calls it), and :func:`rank_state` hands a
-resumed rank its own part after checking that the entry can be resumed here.
+resumed rank its own part after checking that the entry can be resumed here (re-sharded when it was
+written by another number of ranks: :mod:`lightning_gc.runtime.reshard`).
 
 Entry layout (plain data, under :data:`CHECKPOINT_KEY` of the checkpoint)::
 
@@ -18,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_gc.common.errors import IncompatibleCheckpoint
+from lightning_gc.runtime.reshard import reshard
 
 CHECKPOINT_KEY = "lightning_gc"
 CHECKPOINT_FORMAT = 2
@@ -56,11 +58,13 @@ def gather_entry(
 
 
 def rank_state(entry: dict[str, Any], *, source: Any, rank: int, world_size: int) -> dict[str, Any]:
-    """This rank's part of ``entry`` (read from ``source``, named in errors).
+    """This rank's part of ``entry`` (read from ``source``, named in errors); an entry written by
+    another number of ranks is re-sharded first (:func:`~lightning_gc.runtime.reshard.reshard`: every
+    rank takes the saved ranks' mean residuals, so what the next updates owe is kept).
 
     Raises:
-        IncompatibleCheckpoint: an entry of another format, or written by another number of ranks (residuals
-            are per rank: they cannot be split or merged exactly).
+        IncompatibleCheckpoint: an entry of another format, or one whose per-rank state cannot be
+            re-sharded (named: ``hierarchy="node"``, a compressor's unknown per-rank state).
     """
     if entry.get("format") not in READABLE_FORMATS:
         raise IncompatibleCheckpoint(
@@ -68,9 +72,5 @@ def rank_state(entry: dict[str, Any], *, source: Any, rank: int, world_size: int
             f"version of lightning_gc reads formats {list(READABLE_FORMATS)}"
         )
     if entry["world_size"] != world_size:
-        raise IncompatibleCheckpoint(
-            f"checkpoint {source} holds compression state of {entry['world_size']} ranks but this run "
-            f"has world_size={world_size}; residuals are per rank, so resume with "
-            f"{entry['world_size']} processes"
-        )
+        entry = reshard(entry, world_size, source=source)
     return entry["ranks"][rank]

@@ -261,7 +261,7 @@ def exchange_failed(rank: int, world_size: int, layout: BucketLayout, step: int,
     return RuntimeError(
         f"lightning_gc: the gradient exchange of bucket {layout.index} ({len(layout.segments)} parameters) failed "
         f"on rank {rank} of {world_size} at step {step}: a peer process died, timed out or the "
-        f"network failed. The last checkpoint is untouched; resume from it with the same world size. Cause: {error}"
+        f"network failed. The last checkpoint is untouched; resume from it (at any world size). Cause: {error}"
     )
 
 
