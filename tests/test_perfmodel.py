@@ -15,20 +15,17 @@ from lightning_gc.compressors import available, create
 from lightning_gc.perfmodel import (
     CodecCost,
     Network,
-    Workload,
     allgather_s,
-    best,
     calibration,
     comm_s,
     exchange_bytes,
     gather_loses_to_dense_at,
-    pays,
-    predict,
     ring_allreduce_s,
     two_phase_cost,
     two_phase_s,
 )
 from lightning_gc.perfmodel import __main__ as cli
+from lightning_gc.perfmodel.step import Workload, best, pays, predict
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -33,7 +33,8 @@ import torch
 
 from benchmarks.netbench.models import BenchModule, gradient_shapes, synthetic_batches
 from benchmarks.netbench.modes import DGC_MODES, IDEAL, split_delay, split_mode
-from lightning_gc.perfmodel import CodecCost, Network, Prediction, Workload, calibration, predict
+from lightning_gc.perfmodel import CodecCost, Network, calibration
+from lightning_gc.perfmodel.step import Prediction, Workload, predict
 
 ELEMENT_SIZE = 4
 DDP_BUCKET_BYTES = 25 * 2**20

@@ -13,8 +13,8 @@ import torch
 from lightning_gc import kernels
 from lightning_gc.common.validation import check_range
 from lightning_gc.compressors.registry import register
-from lightning_gc.compressors.sparse import SparseCompressor
-from lightning_gc.kernels import SegmentedTopK, SelectionScratch
+from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan
+from lightning_gc.kernels import SelectionScratch
 
 
 @register
@@ -36,34 +36,23 @@ class DGCCompressor(SparseCompressor):
         self.sample_ratio = check_range("sample_ratio", sample_ratio, 0.0, 1.0, low_inclusive=False)
         self._scratch = SelectionScratch()
 
+    @property
+    def _selecting(self) -> dict[str, Any]:
+        """The sampled selection's own settings, the same for every tensor and bucket."""
+        return {"sample_ratio": self.sample_ratio, "scratch": self._scratch}
+
     def select(
         self, values: torch.Tensor, k: int, salt: int, out_indices: torch.Tensor, out_values: torch.Tensor
     ) -> None:
-        kernels.sampled_topk_(
-            values,
-            k,
-            sample_ratio=self.sample_ratio,
-            salt=salt,
-            scratch=self._scratch,
-            out_indices=out_indices,
-            out_values=out_values,
-        )
+        kernels.sampled_topk_(values, k, salt=salt, out_indices=out_indices, out_values=out_values, **self._selecting)
 
-    def select_segments(
-        self,
-        velocity: torch.Tensor,
-        segments: SegmentedTopK,
-        step_salt: int,
-        out_indices: torch.Tensor,
-        out_values: torch.Tensor,
-    ) -> None:
+    def select_segments(self, velocity: torch.Tensor, plan: SparsePlan, step_salt: int) -> None:
         # The same pairs as one select per segment; on a GPU all segments in one launch per kernel.
         kernels.sampled_topk_segments_(
             velocity,
-            segments,
-            sample_ratio=self.sample_ratio,
+            plan.selection,
             step_salt=step_salt,
-            scratch=self._scratch,
-            out_indices=out_indices,
-            out_values=out_values,
+            out_indices=plan.sent_indices,
+            out_values=plan.sent_values,
+            **self._selecting,
         )

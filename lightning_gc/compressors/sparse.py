@@ -145,18 +145,12 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
         (any index, value 0).
         """
 
-    def select_segments(
-        self,
-        velocity: torch.Tensor,
-        segments: SegmentedTopK,
-        step_salt: int,
-        out_indices: torch.Tensor,
-        out_values: torch.Tensor,
-    ) -> None:
-        """Every compressed segment's ``k`` pairs into its output slots, indices as positions in
-        the bucket, segment ``i`` salted ``step_salt + segments.salts[i]``. By default one
-        :meth:`select` per segment; a compressor that can select a whole bucket at once overrides it."""
-        for_each_segment(self.select, velocity, segments, step_salt, out_indices, out_values)
+    def select_segments(self, velocity: torch.Tensor, plan: SparsePlan, step_salt: int) -> None:
+        """Every compressed segment's ``k`` pairs into its output slots of ``plan.sent_indices`` and
+        ``plan.sent_values``, indices as positions in the bucket, segment ``i`` of ``plan.selection``
+        salted ``step_salt + plan.selection.salts[i]``. By default one :meth:`select` per segment; a
+        compressor that can select a whole bucket at once overrides it."""
+        for_each_segment(self.select, velocity, plan.selection, step_salt, plan.sent_indices, plan.sent_values)
 
     # ------------------------------------------------------------------ planning
     def _split(self, layout: BucketLayout) -> tuple[list[tuple[Segment, int, int]], list[Segment], int]:
@@ -231,7 +225,7 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
         """:meth:`encode` with ``plan`` (from :meth:`plan_with`), not necessarily this compressor's cached one."""
         if plan.dense_all:
             return encode_whole_bucket(velocity, out)
-        self.select_segments(velocity, plan.selection, context.step * _SALT_STEP, plan.sent_indices, plan.sent_values)
+        self.select_segments(velocity, plan, context.step * _SALT_STEP)
         if plan.global_topk is not None:
             return plan.global_topk.first_round(velocity, plan.sent_indices, plan.sent_values, context)
         sent = self.wire.pack(plan.payload, plan.sent_indices, plan.sent_values, context.layout.numel)

@@ -60,7 +60,7 @@ import torch
 
 from lightning_gc.common.layout import Segment, bucket_order
 from lightning_gc.common.log import notify_on_rank_zero
-from lightning_gc.core.handover import HandOver
+from lightning_gc.core.handover import HandOver, ParamNames, StepStart
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.core.momentum import MomentumSpec, unwrap_optimizer
 
@@ -156,36 +156,28 @@ class AdamHandOver(HandOver):
     def exact_steps(self) -> int:
         return self.warmup_steps
 
-    def refresh(
-        self,
-        optimizers: Sequence[Any],
-        names: dict[int, tuple[str, int]],
-        *,
-        step: int = 0,
-        announce: bool = False,
-        grad_scale: float | None = None,
-    ) -> None:
-        """Before step ``step``: nothing during the warm-up; from the freeze on, gradients are
+    def before_step(self, optimizers: Sequence[Any], names: ParamNames, start: StepStart) -> None:
+        """Before step ``start.step``: nothing during the warm-up; from the freeze on, gradients are
         preconditioned by the frozen ``sqrt(v_hat) + eps`` (built again after a resume) and the
         memory's momentum starts, at the freeze, from ``exp_avg`` preconditioned the same way."""
-        if announce:
+        if start.announce:
             notify_on_rank_zero(
                 f"lightning_gc: Adam hand-over: plain Adam for the first {self.warmup_steps} steps (gradients "
                 "averaged exactly), then the second moment freezes and the first moment is compressed"
             )
-        self.active = step >= self.warmup_steps
-        self.compressed_steps = max(0, step - self.warmup_steps)
-        self._loss_scale = 1.0 if grad_scale is None else grad_scale
+        self.active = start.step >= self.warmup_steps
+        self.compressed_steps = max(0, start.step - self.warmup_steps)
+        self._loss_scale = 1.0 if start.grad_scale is None else start.grad_scale
         if not self.active:
             self.release()
             self.memory.set_specs({})
             return
         if not self.scales:
-            if announce:  # the fit's start: Lightning restores a resumed optimizer's state only after it
+            if start.announce:  # the fit's start: Lightning restores a resumed optimizer's state only after it
                 return
             self._freeze(optimizers)
         specs, moments = {}, {}
-        freezing = step == self.warmup_steps  # the freeze: u starts from Adam's first moment
+        freezing = start.step == self.warmup_steps  # the freeze: u starts from Adam's first moment
         by_id = {pid: name for pid, (name, _) in names.items()}
         for optimizer, group in _adam_groups(optimizers):
             beta1 = float(group["betas"][0])

@@ -5,7 +5,8 @@ not apply that momentum again. This module and :mod:`lightning_gc.core.adam` are
 knows how an optimizer's state maps onto the memory; :func:`lightning_gc.core.handover_choice.hand_over_for`
 picks the hand-over for the optimizers a fit uses.
 
-This module holds the interface every hand-over implements (:class:`HandOver`) and SGD's.
+This module holds the interface every hand-over implements (:class:`HandOver`, told of each
+step's start by a :class:`StepStart`) and SGD's.
 
 **SGD** (:class:`MomentumHandOver`, DGC): the memory applies each SGD param group's momentum,
 Nesterov flag and weight decay (:func:`lightning_gc.core.momentum.sgd_momentum_specs`, read again before
@@ -22,6 +23,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +33,24 @@ from lightning_gc.common.log import notify_on_rank_zero, warn_on_rank_zero
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.core.momentum import MomentumSpec, momentum_free, sgd_groups, sgd_momentum_specs, unwrap_optimizer
 from lightning_gc.core.staleness import staleness_warning
+
+ParamNames = dict[int, tuple[str, int]]
+"""The parameters a hand-over serves: parameter id -> (name, order)."""
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """What a hand-over is told before an optimizer step (its backward pass not yet run).
+
+    Attributes:
+        step: the optimizer step about to run (the steps taken before it).
+        announce: the fit's start: say once what the hand-over will do.
+        grad_scale: the grad scaler's scale for this step (``None``: no grad scaler).
+    """
+
+    step: int = 0
+    announce: bool = False
+    grad_scale: float | None = None
 
 
 class HandOver(ABC):
@@ -45,18 +65,22 @@ class HandOver(ABC):
     def exact_steps(self) -> int:
         """Optimizer steps at the start whose gradients are averaged exactly, as DDP does."""
 
-    @abstractmethod
     def refresh(
         self,
         optimizers: Sequence[Any],
-        names: dict[int, tuple[str, int]],
+        names: ParamNames,
         *,
         step: int = 0,
         announce: bool = False,
         grad_scale: float | None = None,
     ) -> None:
         """Before optimizer step ``step`` (its backward pass not yet run): give the memory each
-        parameter's momentum recurrence (``names``: parameter id -> (name, order))."""
+        parameter's momentum recurrence (:meth:`before_step`, told the keywords as a :class:`StepStart`)."""
+        self.before_step(optimizers, names, StepStart(step, announce, grad_scale))
+
+    @abstractmethod
+    def before_step(self, optimizers: Sequence[Any], names: ParamNames, start: StepStart) -> None:
+        """:meth:`refresh`'s work: the memory's momentum recurrences for the step ``start`` begins."""
 
     @abstractmethod
     def stepping(self, optimizers: Sequence[Any]) -> AbstractContextManager[Any]:
@@ -128,16 +152,8 @@ class MomentumHandOver(HandOver):
     def exact_steps(self) -> int:
         return 0  # SGD's hand-over starts at once
 
-    def refresh(
-        self,
-        optimizers: Sequence[Any],
-        names: dict[int, tuple[str, int]],
-        *,
-        step: int = 0,
-        announce: bool = False,
-        grad_scale: float | None = None,
-    ) -> None:
-        """The SGD groups' current values; ``announce`` says once when there is no momentum to correct."""
+    def before_step(self, optimizers: Sequence[Any], names: ParamNames, start: StepStart) -> None:
+        """The SGD groups' current values; ``start.announce`` says once when there is no momentum to correct."""
         if not self.active:
             return
         from_sgd = sgd_momentum_specs(optimizers)
@@ -154,7 +170,7 @@ class MomentumHandOver(HandOver):
             spec = from_sgd.get(pid)
             specs[name] = spec if spec is not None and spec.momentum != 0.0 else fallback
         self.memory.set_specs(specs)
-        if announce and all(spec.momentum == 0.0 for spec in specs.values()):
+        if start.announce and all(spec.momentum == 0.0 for spec in specs.values()):
             kinds = sorted({type(unwrap_optimizer(o)).__name__ for o in optimizers})
             notify_on_rank_zero(
                 f"lightning_gc: no SGD momentum to correct in {kinds}; compressed updates use plain error "

@@ -21,8 +21,9 @@ to v``: nothing is lost, only delayed. With ``beta < 1`` an input ``t`` steps ol
 sent is weighed ``beta**t``.
 
 State is *keyed by parameter name* but *stored flat per bucket* (:mod:`lightning_gc.common.flatstate`):
-one contiguous velocity (and momentum) buffer per bucket, so the update is a few vectorised passes,
-carried over by name when DDP rebuilds its buckets.
+one contiguous velocity (and momentum) buffer per bucket, so the update is a few vectorised passes
+(one kernel call per piece of the bucket: :mod:`lightning_gc.core.compensation_pieces`), carried
+over by name when DDP rebuilds its buckets.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ import torch
 
 from lightning_gc import kernels
 from lightning_gc.common.flatstate import FlatState
-from lightning_gc.common.layout import BucketLayout, Segment, bucket_order, bucket_view
+from lightning_gc.common.layout import BucketLayout, Segment, bucket_order
 from lightning_gc.common.validation import check_range
 from lightning_gc.compressors.base import Encoded
+from lightning_gc.core.compensation_pieces import CompensationPiece, ParamsCopy, plan_pieces
 from lightning_gc.core.momentum import NO_MOMENTUM, MomentumSpec
 
 _STATE_NAMES = ("velocity", "momentum")
@@ -50,29 +52,6 @@ def clip_factor(g: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 @dataclass
-class CompensationPiece:
-    """A slice ``[start, stop)`` of a bucket compensated by one kernel call.
-
-    Consecutive segments share a piece when they share the momentum recurrence and weight decay
-    and need no clipping factor of their own. With weight decay the kernel reads the parameters:
-    from the segment's own parameter when the piece is one segment (``segment``, its position in
-    the layout), else from a bucket-shaped copy of the parameters of its ``positions``, which the
-    memory refreshes before each call. Only the Triton backend merges decayed segments:
-    there a launch costs far more than the copy, on the CPU the copy is the cost. The copy is
-    bucket-sized, one more model's worth of parameters in device memory.
-    """
-
-    start: int
-    stop: int
-    momentum: float
-    nesterov: bool
-    weight_decay: float = 0.0
-    dampening: float = 0.0
-    segment: int | None = None
-    positions: list[int] = field(default_factory=list)  # the layout positions of a shared piece's segments
-
-
-@dataclass
 class BucketMemory:
     """Flat state for one bucket layout; per-parameter state are views into these buffers."""
 
@@ -82,8 +61,7 @@ class BucketMemory:
     spec_version: int = -1
     pieces: list[CompensationPiece] = field(default_factory=list)
     merges_decay: bool = False  # whether pieces merge segments with weight decay (see CompensationPiece)
-    params_copy: torch.Tensor | None = None  # bucket-shaped parameters of merged decayed pieces
-    copy_targets: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # params_copy's views, by piece start
+    params_copy: ParamsCopy | None = None  # the parameters of merged decayed pieces, made on first use
     aside: list[tuple[Segment, list[torch.Tensor]]] = field(default_factory=list)  # see set_aside
 
     def state(self) -> list[torch.Tensor]:
@@ -175,36 +153,12 @@ class CompensationMemory:
         return BucketMemory(layout=layout, velocity=flat["velocity"], momentum=flat.get("momentum"))
 
     def _plan_pieces(self, memory: BucketMemory, merges_decay: bool) -> None:
-        memory.pieces = []
-        for position, segment in enumerate(memory.layout.segments):
-            spec = self.spec(segment.name)
-            alone = self.clip_norm is not None or (spec.weight_decay != 0.0 and not merges_decay)
-            last = memory.pieces[-1] if memory.pieces else None
-            recurrence = (spec.momentum, spec.nesterov, spec.dampening, spec.weight_decay)
-            if (
-                not alone
-                and last is not None
-                and last.segment is None
-                and (last.momentum, last.nesterov, last.dampening, last.weight_decay) == recurrence
-            ):
-                last.stop = segment.stop
-                last.positions.append(position)
-                continue
-            memory.pieces.append(
-                CompensationPiece(
-                    start=segment.start,
-                    stop=segment.stop,
-                    momentum=spec.momentum,
-                    nesterov=spec.nesterov,
-                    weight_decay=spec.weight_decay,
-                    dampening=spec.dampening,
-                    segment=position if alone else None,
-                    positions=[] if alone else [position],
-                )
-            )
+        memory.pieces = plan_pieces(
+            memory.layout.segments, self.spec, clipping=self.clip_norm is not None, merges_decay=merges_decay
+        )
         memory.merges_decay = merges_decay
         memory.params_copy = None
-        if memory.momentum is None and any(piece.momentum != 0.0 for piece in memory.pieces):
+        if memory.momentum is None and any(piece.recurrence.momentum != 0.0 for piece in memory.pieces):
             memory.momentum = self._state.add(memory.layout, "momentum", memory.velocity)
         memory.spec_version = self._spec_version
 
@@ -280,43 +234,36 @@ class CompensationMemory:
         threshold = self.clip_threshold(world_size) if clip else None
         for piece in memory.pieces:
             g = grad[piece.start : piece.stop]
+            spec = piece.recurrence
             scale = None
             if threshold is not None:
                 scale = clip_factor(g, threshold)
-            keep = 1.0 - piece.dampening  # folded into the gradient's scale and the decay: (1 - d)(g s + wd p)
+            keep = 1.0 - spec.dampening  # folded into the gradient's scale and the decay: (1 - d)(g s + wd p)
             if keep != 1.0:
                 scale = torch.tensor(keep, device=g.device) if scale is None else scale.mul_(keep)
             param = None
-            if piece.weight_decay != 0.0 and piece.segment is not None:
+            if spec.weight_decay != 0.0 and piece.segment is not None:
                 param = bucket_order(params[piece.segment].detach())
-            elif piece.weight_decay != 0.0:
-                param = self._copy_params(memory, piece, params)
+            elif spec.weight_decay != 0.0:
+                param = self._params_copy(memory).refresh(piece, memory.layout.segments, params)
             kernels.compensate_(
                 g,
                 memory.velocity[piece.start : piece.stop],
                 None if memory.momentum is None else memory.momentum[piece.start : piece.stop],
-                momentum=piece.momentum,
-                nesterov=piece.nesterov,
+                momentum=spec.momentum,
+                nesterov=spec.nesterov,
                 grad_scale=scale,
-                weight_decay=piece.weight_decay * keep * summed_ranks,
+                weight_decay=spec.weight_decay * keep * summed_ranks,
                 param=param,
             )
         return memory.velocity
 
     @staticmethod
-    def _copy_params(memory: BucketMemory, piece: CompensationPiece, params: list[torch.Tensor]) -> torch.Tensor:
-        """The parameters of ``piece``'s segments, copied (one multi-tensor copy) into the
-        bucket-shaped buffer at their segments' places; the piece's slice of that buffer."""
+    def _params_copy(memory: BucketMemory) -> ParamsCopy:
+        """``memory``'s copy of the parameters of its merged decayed pieces, made on first use."""
         if memory.params_copy is None:
-            memory.params_copy, memory.copy_targets = torch.zeros_like(memory.velocity), {}
-        targets = memory.copy_targets.get(piece.start)
-        if targets is None:  # strided like the parameters, so the copy reads them as they are: no per-step views
-            segments = memory.layout.segments
-            targets = [bucket_view(segments[i].of(memory.params_copy), params[i]) for i in piece.positions]
-            memory.copy_targets[piece.start] = targets
-        with torch.no_grad():
-            torch._foreach_copy_(targets, [params[i] for i in piece.positions])
-        return memory.params_copy[piece.start : piece.stop]
+            memory.params_copy = ParamsCopy(memory.velocity)
+        return memory.params_copy
 
     def commit(self, memory: BucketMemory, encoded: Encoded, own: torch.Tensor | None = None) -> None:
         """Record what left this rank for one bucket, as ``encoded`` describes it, then end the

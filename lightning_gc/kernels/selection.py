@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -234,45 +235,29 @@ def sampled_one_at_a_time(
     segments: SegmentedTopK,
     *,
     sample_ratio: float,
-    step_salt: int,
     scratch: SelectionScratch | None,
-    out_indices: torch.Tensor,
-    out_values: torch.Tensor,
+    **placing: Any,
 ) -> None:
-    """:func:`sampled_topk_segments_` through an implementation's ``sampled_topk_``, one segment at a time."""
+    """:func:`sampled_topk_segments_` through an implementation's ``sampled_topk_``, one segment at a
+    time, each call with ``sample_ratio`` and ``scratch``; ``placing``: :func:`for_each_segment`'s
+    ``step_salt``, ``out_indices`` and ``out_values``."""
 
     def select_one(part: torch.Tensor, k: int, salt: int, indices: torch.Tensor, picked: torch.Tensor) -> None:
         sampled_topk(
             part, k, sample_ratio=sample_ratio, salt=salt, scratch=scratch, out_indices=indices, out_values=picked
         )
 
-    for_each_segment(select_one, values, segments, step_salt, out_indices, out_values)
+    for_each_segment(select_one, values, segments, **placing)
 
 
-def sampled_topk_segments_(
-    values: torch.Tensor,
-    segments: SegmentedTopK,
-    *,
-    sample_ratio: float,
-    step_salt: int,
-    scratch: SelectionScratch | None,
-    out_indices: torch.Tensor,
-    out_values: torch.Tensor,
-) -> None:
+def sampled_topk_segments_(values: torch.Tensor, segments: SegmentedTopK, **selecting: Any) -> None:
     """:func:`sampled_topk_` for every segment of a bucket: ``out_indices`` / ``out_values`` (each
     ``segments.total_k`` long) receive each segment's pairs at its slots, indices as bucket
     positions. Same contract as :func:`sampled_topk_` per segment (a pair is a selected element
-    or a no-op of value 0); here, one tensor at a time."""
-    sampled_one_at_a_time(
-        sampled_topk_,
-        values,
-        segments,
-        sample_ratio=sample_ratio,
-        step_salt=step_salt,
-        scratch=scratch,
-        out_indices=out_indices,
-        out_values=out_values,
-    )
+    or a no-op of value 0); here, one tensor at a time. ``selecting``: the keywords of
+    :func:`sampled_one_at_a_time` (``sample_ratio``, ``step_salt``, ``scratch``, ``out_indices``,
+    ``out_values``), which the Triton twin names one by one."""
+    sampled_one_at_a_time(sampled_topk_, values, segments, **selecting)
 
 
 def sampled_topk_(

@@ -15,13 +15,15 @@ becomes one sort: each sampled or candidate magnitude is keyed ``segment << 33 |
 bits(|x|))``, so an ascending sort groups the segments in order and puts each one's largest
 magnitudes first (the bits of a non-negative float order as the float does). A segment whose
 sample would not pay (:func:`.selection.sample_plan` is ``None``) gets threshold -1: all its
-elements are candidates, and its top-k is exact.
+elements are candidates, and its top-k is exact. Here, the segments' sample and the table their
+kernels read (:class:`~.selection_segments_triton.SegmentTable`); their candidate stage (count,
+compact, sort, emit) is :mod:`.selection_segments_triton`'s, with the hit predicate and sort key
+both paths share.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -38,6 +40,12 @@ from lightning_gc.kernels.selection import (
     sample_plan,
     sampled_one_at_a_time,
 )
+from lightning_gc.kernels.selection_segments_triton import (
+    SegmentTable,
+    hits,
+    magnitude_key,
+    segment_topk_of_candidates_,
+)
 
 CANDIDATE_HEADROOM = 4
 """Candidate buffer capacity, in multiples of the expected candidate count (which is ~2k)."""
@@ -46,9 +54,6 @@ SEGMENTED_CAPACITY_SHARE = 0.25
 """A bucket's segments are selected together while their candidate capacities add up to at most
 this share of the bucket; above it (dense warm-up stages) one at a time, so the candidates' keys,
 positions and sort (32 bytes a slot) stay a bounded fraction of the gradient's memory."""
-
-_MAGNITUDE_BITS = tl.constexpr(0x7FFFFFFF)
-_LOW32 = tl.constexpr(0xFFFFFFFF)
 
 
 def candidate_capacity(numel: int, k: int, plan: SamplePlan) -> int:
@@ -71,17 +76,10 @@ def _sample_abs_kernel(values_ptr, out_ptr, key, stride, samples, BLOCK: tl.cons
 
 
 @triton.jit
-def _hits(magnitude, threshold, inside):
-    """(above the threshold, tied with it): never a zero, unless the selection is exact (``threshold < 0``)."""
-    candidate = inside & (magnitude > tl.minimum(threshold, 0.0))  # > 0, or > -1 (anything) when exact
-    return candidate & (magnitude > threshold), candidate & (magnitude == threshold)
-
-
-@triton.jit
 def _count_kernel(values_ptr, numel, threshold_ptr, counts_ptr, tie_counts_ptr, BLOCK: tl.constexpr):
     base, offsets, inside = program_block(numel, BLOCK)
     magnitude = tl.abs(tl.load(values_ptr + base + offsets, mask=inside, other=0.0).to(tl.float32))
-    above, tie = _hits(magnitude, tl.load(threshold_ptr), inside)
+    above, tie = hits(magnitude, tl.load(threshold_ptr), inside)
     tl.store(counts_ptr + tl.program_id(0), tl.sum(above.to(tl.int32), axis=0))
     tl.store(tie_counts_ptr + tl.program_id(0), tl.sum(tie.to(tl.int32), axis=0))
 
@@ -95,7 +93,7 @@ def _compact_kernel(
     # and its ties from tie_start[b] on: after every block's hits above it (exclusive prefix sums).
     base, offsets, inside = program_block(numel, BLOCK)
     magnitude = tl.abs(tl.load(values_ptr + base + offsets, mask=inside, other=0.0).to(tl.float32))
-    above, tie = _hits(magnitude, tl.load(threshold_ptr), inside)
+    above, tie = hits(magnitude, tl.load(threshold_ptr), inside)
     above_slot = tl.load(block_start_ptr + tl.program_id(0)) + tl.cumsum(above.to(tl.int64), axis=0) - 1
     tie_slot = tl.load(tie_start_ptr + tl.program_id(0)) + tl.cumsum(tie.to(tl.int64), axis=0) - 1
     slot = tl.where(above, above_slot, tie_slot)
@@ -168,23 +166,6 @@ def sampled_topk_(
 
 
 # ---------------------------------------------------------------------- a bucket's segments at once
-@triton.jit
-def _magnitude_key(x, segment):
-    """``segment << 33 | (2**31 - 1 - bits(|x|))``: ascending order = by segment, then by
-    descending magnitude."""
-    bits = tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True).to(tl.int64)
-    return (segment.to(tl.int64) << 33) | (tl.full([], _MAGNITUDE_BITS, tl.int64) - bits)
-
-
-@triton.jit
-def _segment_threshold(sorted_samples_ptr, pick):
-    # The pick-th smallest sample key is the segment's rank-th largest sampled magnitude; pick < 0
-    # (no sample: exact top-k) gives -1, which every magnitude passes.
-    key = tl.load(sorted_samples_ptr + tl.maximum(pick, 0))
-    bits = (tl.full([], _MAGNITUDE_BITS, tl.int64) - (key & tl.full([], _LOW32, tl.int64))).to(tl.int32)
-    return tl.where(pick >= 0, bits.to(tl.float32, bitcast=True), -1.0)
-
-
 @triton.jit(do_not_specialize=["step_key"])  # a new key every step: one compiled variant for all
 def _segment_sample_kernel(
     values_ptr, keys_ptr, sample_segment_ptr, sample_first_ptr, start_ptr, stride_ptr, salt_key_ptr, step_key,
@@ -201,132 +182,11 @@ def _segment_sample_kernel(
     stride = tl.load(stride_ptr + segment, mask=inside, other=1)
     position = tl.load(start_ptr + segment, mask=inside, other=0) + j * stride + ((hashed * stride) >> 32)
     x = tl.load(values_ptr + position, mask=inside, other=0.0)
-    tl.store(keys_ptr + i, _magnitude_key(x, segment), mask=inside)
-
-
-@triton.jit
-def _segment_block_hits(
-    values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, block, BLOCK: tl.constexpr
-):
-    """Block ``block``'s segment, positions, values and which of them pass the segment's threshold
-    (:func:`_hits`: above it, tied with it)."""
-    segment = tl.load(block_segment_ptr + block)
-    offsets = tl.load(block_first_ptr + block) + tl.arange(0, BLOCK)
-    inside = offsets < tl.load(stop_ptr + segment)
-    threshold = _segment_threshold(sorted_samples_ptr, tl.load(pick_ptr + segment))
-    x = tl.load(values_ptr + offsets, mask=inside, other=0.0)
-    above, tie = _hits(tl.abs(x.to(tl.float32)), threshold, inside)
-    return segment, offsets, x, above, tie
-
-
-@triton.jit
-def _segment_count_kernel(
-    values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, counts_ptr,
-    tie_counts_ptr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    block = tl.program_id(0)
-    segment, offsets, x, above, tie = _segment_block_hits(
-        values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, block, BLOCK
-    )
-    tl.store(counts_ptr + block, tl.sum(above.to(tl.int64), axis=0))
-    tl.store(tie_counts_ptr + block, tl.sum(tie.to(tl.int64), axis=0))
-
-
-@triton.jit
-def _segment_compact_kernel(
-    values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, counts_ptr,
-    through_ptr, tie_counts_ptr, tie_through_ptr, first_block_ptr, last_block_ptr, slots_first_ptr, slots_stop_ptr,
-    cand_key_ptr, cand_index_ptr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    # Block b of segment s writes its hits above the threshold, in position order, from slot
-    # slots_first[s] + (such hits of s's blocks before b) on, and its ties after all of s's hits
-    # above it; ``through`` and ``tie_through`` are the inclusive prefix sums of the counts.
-    block = tl.program_id(0)
-    segment, offsets, x, above, tie = _segment_block_hits(
-        values_ptr, block_segment_ptr, block_first_ptr, stop_ptr, pick_ptr, sorted_samples_ptr, block, BLOCK
-    )
-    first, last = tl.load(first_block_ptr + segment), tl.load(last_block_ptr + segment)
-    above_before_block = tl.load(through_ptr + block) - tl.load(counts_ptr + block)
-    above_before_segment = tl.load(through_ptr + first) - tl.load(counts_ptr + first)
-    above_in_segment = tl.load(through_ptr + last) - above_before_segment
-    ties_before_block = tl.load(tie_through_ptr + block) - tl.load(tie_counts_ptr + block)
-    ties_before_segment = tl.load(tie_through_ptr + first) - tl.load(tie_counts_ptr + first)
-    slots_first = tl.load(slots_first_ptr + segment)
-    above_slot = slots_first + above_before_block - above_before_segment + tl.cumsum(above.to(tl.int64), axis=0) - 1
-    tie_slot = (
-        slots_first + above_in_segment + ties_before_block - ties_before_segment + tl.cumsum(tie.to(tl.int64), axis=0)
-        - 1
-    )  # fmt: skip
-    slot = tl.where(above, above_slot, tie_slot)
-    hit = above | tie
-    keep = hit & (slot < tl.load(slots_stop_ptr + segment))
-    tl.store(cand_key_ptr + slot, _magnitude_key(x, segment), mask=keep)
-    tl.store(cand_index_ptr + slot, offsets, mask=keep)
-
-
-@triton.jit
-def _segment_kept_kernel(
-    through_ptr, counts_ptr, first_block_ptr, last_block_ptr, capacity_ptr, kept_ptr, segments, BLOCK: tl.constexpr
-):
-    # ``through`` and ``counts``: every hit's (above the threshold and tied), summed by the caller
-    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = s < segments
-    first = tl.load(first_block_ptr + s, mask=inside, other=0)
-    hits = tl.load(through_ptr + tl.load(last_block_ptr + s, mask=inside, other=0), mask=inside, other=0) - (
-        tl.load(through_ptr + first, mask=inside, other=0) - tl.load(counts_ptr + first, mask=inside, other=0)
-    )
-    tl.store(kept_ptr + s, tl.minimum(hits, tl.load(capacity_ptr + s, mask=inside, other=0)), mask=inside)
-
-
-@triton.jit
-def _segment_emit_kernel(
-    values_ptr, output_segment_ptr, first_ptr, start_ptr, kept_ptr, kept_through_ptr, order_ptr, cand_index_ptr,
-    out_indices_ptr, out_values_ptr, total_k, BLOCK: tl.constexpr,
-):  # fmt: skip
-    # Output slot o is the j-th largest candidate of its segment s (j = o - first[s]), which the sort
-    # put at (candidates kept by segments before s) + j; past the kept ones, a no-op (start[s], 0).
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = o < total_k
-    segment = tl.load(output_segment_ptr + o, mask=inside, other=0)
-    j = o - tl.load(first_ptr + segment, mask=inside, other=0)
-    kept = tl.load(kept_ptr + segment, mask=inside, other=0)
-    real = inside & (j < kept)
-    rank = tl.load(kept_through_ptr + segment, mask=inside, other=0) - kept + j
-    source = tl.load(order_ptr + rank, mask=real, other=0)
-    index = tl.load(cand_index_ptr + source, mask=real, other=0)
-    index = tl.where(real, index, tl.load(start_ptr + segment, mask=inside, other=0))
-    value = tl.load(values_ptr + index, mask=real, other=0.0)
-    tl.store(out_indices_ptr + o, index, mask=inside)
-    tl.store(out_values_ptr + o, value, mask=inside)
-
-
-@dataclass(frozen=True, eq=False)
-class _SegmentTable:
-    """What the kernels read about a :class:`SegmentedTopK` at one sample ratio, on one device:
-    per segment (``[S]``), per sample, per block of :data:`BLOCK` elements and per output slot."""
-
-    start: torch.Tensor  # [S] int64, bucket position of the segment's first element
-    stop: torch.Tensor  # [S] int64
-    stride: torch.Tensor  # [S] int64, sample stride (1 where unsampled)
-    salt_key: torch.Tensor  # [S] int64, salts[s] * FIBONACCI_MUL mod 2**32
-    sample_first: torch.Tensor  # [S] int64, the segment's first sample
-    pick: torch.Tensor  # [S] int64, sorted-sample position of its threshold, -1: exact
-    slots_first: torch.Tensor  # [S] int64, its first candidate slot
-    slots_stop: torch.Tensor  # [S] int64
-    capacity: torch.Tensor  # [S] int64
-    first_block: torch.Tensor  # [S] int64
-    last_block: torch.Tensor  # [S] int64
-    first: torch.Tensor  # [S] int64, its first output slot
-    sample_segment: torch.Tensor  # [samples] int32
-    block_segment: torch.Tensor  # [blocks] int32
-    block_first: torch.Tensor  # [blocks] int64
-    output_segment: torch.Tensor  # [total_k] int32
-    samples: int
-    slots: int
+    tl.store(keys_ptr + i, magnitude_key(x, segment), mask=inside)
 
 
 @functools.lru_cache(maxsize=256)
-def _segment_table(segments: SegmentedTopK, sample_ratio: float, device: torch.device) -> _SegmentTable | None:
+def _segment_table(segments: SegmentedTopK, sample_ratio: float, device: torch.device) -> SegmentTable | None:
     """The kernels' view of ``segments``, or ``None`` when the candidate capacities exceed
     :data:`SEGMENTED_CAPACITY_SHARE` of the bucket (then they are selected one at a time)."""
     strides, sample_counts, picks, capacities = [], [], [], []
@@ -357,7 +217,7 @@ def _segment_table(segments: SegmentedTopK, sample_ratio: float, device: torch.d
         return torch.as_tensor(values, dtype=dtype).to(device)
 
     segment_ids = torch.arange(len(segments.numels))
-    return _SegmentTable(
+    return SegmentTable(
         start=on_device(list(segments.starts)),
         stop=on_device([s + n for s, n in zip(segments.starts, segments.numels, strict=True)]),
         stride=on_device(strides),
@@ -422,23 +282,4 @@ def sampled_topk_segments_(
                table.sample_segment, table.sample_first, table.start, table.stride, table.salt_key, step_key,
                table.samples, BLOCK=BLOCK)  # fmt: skip
         sorted_samples = torch.sort(sorted_samples).values
-    blocks = table.block_segment.numel()
-    counts = torch.empty(blocks, dtype=torch.int64, device=device)
-    tie_counts = torch.empty(blocks, dtype=torch.int64, device=device)
-    launch(_segment_count_kernel, (blocks,), values, table.block_segment, table.block_first, table.stop, table.pick,
-           sorted_samples, counts, tie_counts, BLOCK=BLOCK)  # fmt: skip
-    through, tie_through = torch.cumsum(counts, 0), torch.cumsum(tie_counts, 0)
-    cand_key = torch.full((table.slots,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device)
-    cand_index = torch.empty(table.slots, dtype=torch.int64, device=device)
-    launch(_segment_compact_kernel, (blocks,), values, table.block_segment, table.block_first, table.stop,
-           table.pick, sorted_samples, counts, through, tie_counts, tie_through, table.first_block, table.last_block,
-           table.slots_first, table.slots_stop, cand_key, cand_index, BLOCK=BLOCK)  # fmt: skip
-    segment_count = table.start.numel()
-    kept = torch.empty(segment_count, dtype=torch.int64, device=device)
-    launch(_segment_kept_kernel, (triton.cdiv(segment_count, BLOCK),), through + tie_through, counts + tie_counts,
-           table.first_block, table.last_block, table.capacity, kept, segment_count, BLOCK=BLOCK)  # fmt: skip
-    kept_through = torch.cumsum(kept, 0)
-    order = torch.sort(cand_key).indices
-    launch(_segment_emit_kernel, (triton.cdiv(segments.total_k, BLOCK),), values, table.output_segment, table.first,
-           table.start, kept, kept_through, order, cand_index, out_indices, out_values, segments.total_k,
-           BLOCK=BLOCK)  # fmt: skip
+    segment_topk_of_candidates_(values, table, sorted_samples, segments.total_k, out_indices, out_values)

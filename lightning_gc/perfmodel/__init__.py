@@ -1,4 +1,4 @@
-"""When compression pays: predicted step time of dense all-reduce vs each compressor.
+"""What an exchange costs: the alpha-beta time of each collective and of a compressor's payload.
 
 Notation (DESIGN.md §6): ``p`` workers, ``M`` gradient bytes per worker, ``B`` link bandwidth in
 bytes/s, ``a`` latency per message in seconds, ``r`` wire ratio, ``n`` collective rounds per step
@@ -25,49 +25,28 @@ moving one payload into or out of the rank, ``b`` bytes over the ``q`` rounds; a
 receives at once on a full-duplex link): ``T_comm = T_ar(summed) + T_ag(gathered) +
 T_2p(two_phase) + T_p2p``, ``T_p2p = n q a + b / B``; dense DDP is ``T_ar(M)``.
 
-Overlap: DDP launches a bucket's collective while backward still computes earlier layers. With
-per-step compute time ``C`` (forward + backward + optimizer of one worker, nothing exchanged) and
-``f`` the fraction of ``C`` that can run concurrently with communication, the exposed part of
-the exchange is ``max(0, T_comm - f C)``. Encoding and decoding run on the worker's compute
-resource inside the hook, so they are never hidden::
-
-    step(dense)      = C + max(0, T_ar(M) - f C)
-    step(compressor) = C + T_enc + T_dec + max(0, T_comm - f C)
-    speedup          = step(dense) / step(compressor)
-
 Host-bound transports (optional): where the transport's own work (TCP, the collective's copies and
 reductions) runs on the core that also computes, the fraction of the exchange spent on it cannot
 overlap with backward. With ``H`` the bytes per second that core can push through the transport
 (``Network.host_bandwidth``; e.g. a socket test on an unshaped link), ``T_host`` is ``T_comm``'s
-byte term with ``B`` replaced by ``H`` and every step gains it::
+byte term with ``B`` replaced by ``H``: every step gains it, and only ``T_comm - T_host`` can hide
+behind compute (:func:`exchange_cost_s`). On a slow link ``T_host`` is a small part of ``T_comm``
+and changes little; on a fast one the exchange is all host time and nothing of it is hidden.
+``H = None`` (the default) means the transport has resources of its own (NCCL on a GPU, a spare
+core): ``T_host = 0``.
 
-    step = C + T_enc + T_dec + T_host + max(0, T_comm - T_host - f C)
-
-On a slow link ``T_host`` is a small part of ``T_comm`` and changes little; on a fast one the
-exchange is all host time and nothing of it is hidden. ``H = None`` (the default) means the
-transport has resources of its own (NCCL on a GPU, a spare core): ``T_host = 0``.
-
-Delayed synchronisation (``Workload.delay >= 1``, :mod:`lightning_gc.exchanges.delay`): the exchange of
-step t runs while step t+1 computes, so all of ``C`` can hide it, not only ``f C``::
-
-    step(delayed) = C + T_enc + T_dec + T_host + max(0, T_comm - T_host - C)
-                  = max(C, T_comm - T_host) + T_enc + T_dec + T_host
-
-Compression pays exactly when ``T_enc + T_dec + T_host + max(0, T_comm - T_host - f C)`` is
-below the same sum for dense DDP (``T_enc = T_dec = 0``, ``T_comm = T_ar(M)``).
-The world of one rank exchanges nothing: every ``T`` is 0 for ``p = 1``.
-
-``T_enc`` and ``T_dec`` come from :mod:`lightning_gc.perfmodel.calibration` (the real compressor timed on
-this device) or are given. The model is checked against measured two-node runs by
-``benchmarks/netbench``; it is a model, not a measurement. Command line:
-``python -m lightning_gc.perfmodel --help`` (:mod:`lightning_gc.perfmodel.__main__`).
+The world of one rank exchanges nothing: every ``T`` is 0 for ``p = 1``. The step time these
+make, and whether compression pays: :mod:`lightning_gc.perfmodel.step`. ``T_enc`` and ``T_dec``
+come from :mod:`lightning_gc.perfmodel.calibration` (the real compressor timed on this device) or
+are given. The model is checked against measured two-node runs by ``benchmarks/netbench``; it is
+a model, not a measurement. Command line: ``python -m lightning_gc.perfmodel --help``
+(:mod:`lightning_gc.perfmodel.__main__`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_gc.common.validation import check_int, check_range
@@ -118,48 +97,6 @@ class Network:
         if host_bits_per_second is not None:
             host = check_range("host_bandwidth", host_bits_per_second, 0.0, None, low_inclusive=False) / BITS_PER_BYTE
         return cls(world_size, bits_per_second / BITS_PER_BYTE, latency, host)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One worker's training step without communication.
-
-    Attributes:
-        gradient_numel: gradient elements per worker per step.
-        compute_s: forward + backward + optimizer time ``C`` of one step, nothing exchanged.
-        overlap: fraction ``f`` of ``compute_s`` that can run concurrently with communication
-            (part of backward), in [0, 1].
-        element_size: bytes per gradient element (4 for fp32).
-        rounds: collective rounds per step ``n`` (DDP buckets), >= 1.
-        delay: steps between a step's exchange and its use (:mod:`lightning_gc.exchanges.delay`), >= 0.
-            With a delay the exchange of step t runs while step t+1 computes: the whole of ``C``
-            can hide it, ``step = max(C, T_comm - T_host) + T_enc + T_dec + T_host``.
-    """
-
-    gradient_numel: int
-    compute_s: float
-    overlap: float = 0.5
-    element_size: int = 4
-    rounds: int = 1
-    delay: int = 0
-
-    def __post_init__(self) -> None:
-        check_int("gradient_numel", self.gradient_numel, 1)
-        check_range("compute_s", self.compute_s, 0.0, None)
-        check_range("overlap", self.overlap, 0.0, 1.0)
-        check_int("element_size", self.element_size, 1)
-        check_int("rounds", self.rounds, 1)
-        check_int("delay", self.delay, 0)
-
-    @property
-    def dense_bytes(self) -> int:
-        """``M``: bytes plain DDP all-reduces per step."""
-        return self.gradient_numel * self.element_size
-
-    @property
-    def hidden_s(self) -> float:
-        """Communication time the step can hide: ``f C`` (backward), or all of ``C`` with a delay."""
-        return self.compute_s if self.delay else self.overlap * self.compute_s
 
 
 @dataclass(frozen=True)
@@ -240,40 +177,6 @@ class CodecCost:
             encode_s=self.encode_s * factor,
             decode_s=self.decode_s * factor,
         )
-
-    @classmethod
-    def dense(cls, workload: Workload) -> CodecCost:
-        """Plain DDP: the whole gradient all-reduced, nothing encoded."""
-        return cls(DENSE, summed_bytes=workload.dense_bytes, gathered_bytes=0)
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """Predicted step of one exchange scheme.
-
-    Attributes:
-        name: compressor name or ``"dense"``.
-        comm_s: ``T_comm``, the collectives alone.
-        codec_s: ``T_enc + T_dec``.
-        host_s: ``T_host``, the transport's time on the compute core (0 without ``host_bandwidth``).
-        exposed_s: ``max(0, T_comm - T_host - f C)``, the rest of the exchange backward cannot hide
-            (a host slower than the link, ``T_host > T_comm``, makes the exchange all host time).
-        step_s: ``C + codec_s + host_s + exposed_s``.
-        speedup: dense step time / this step time (> 1: faster than dense).
-        bytes_sent: encoded payload bytes of this rank per step (what it puts on the wire:
-            :meth:`CodecCost.wire_bytes`).
-        wire_ratio: dense bytes / bytes sent.
-    """
-
-    name: str
-    comm_s: float
-    codec_s: float
-    host_s: float
-    exposed_s: float
-    step_s: float
-    speedup: float
-    bytes_sent: int
-    wire_ratio: float
 
 
 def ring_allreduce_s(nbytes: float, network: Network, rounds: int = 1) -> float:
@@ -375,42 +278,6 @@ def exchange_cost_s(cost: CodecCost, network: Network, hidden_s: float, rounds: 
     t_comm = comm_s(cost, network, rounds)
     t_host = host_s(cost, network)
     return t_comm, t_host, exposed_s(max(0.0, t_comm - t_host), hidden_s)
-
-
-def predict(workload: Workload, network: Network, costs: Sequence[CodecCost]) -> list[Prediction]:
-    """Predictions for dense DDP (always first) and each of ``costs``; see the module docstring."""
-    dense_cost = CodecCost.dense(workload)
-    rows = []
-    for cost in [dense_cost, *[c for c in costs if c.name != DENSE]]:
-        t_comm, t_host, exposed = exchange_cost_s(cost, network, workload.hidden_s, workload.rounds)
-        codec = cost.encode_s + cost.decode_s
-        rows.append((cost, t_comm, codec, t_host, exposed, workload.compute_s + codec + t_host + exposed))
-    dense_step = rows[0][5]
-    return [
-        Prediction(
-            name=cost.name,
-            comm_s=t_comm,
-            codec_s=codec,
-            host_s=t_host,
-            exposed_s=exposed,
-            step_s=step,
-            speedup=dense_step / step if step > 0 else 1.0,
-            bytes_sent=cost.bytes_sent,
-            wire_ratio=workload.dense_bytes / cost.bytes_sent if cost.bytes_sent else math.inf,
-        )
-        for cost, t_comm, codec, t_host, exposed, step in rows
-    ]
-
-
-def best(predictions: Sequence[Prediction]) -> Prediction:
-    """The fastest scheme; dense wins ties (no compression without a predicted gain)."""
-    return min(predictions, key=lambda p: (p.step_s, p.name != DENSE))
-
-
-def pays(cost: CodecCost, workload: Workload, network: Network) -> bool:
-    """Whether ``cost``'s scheme is predicted strictly faster than dense all-reduce."""
-    dense, compressed = predict(workload, network, [cost])
-    return compressed.step_s < dense.step_s
 
 
 def parse_rate(text: str, name: str = "rate") -> float:

@@ -45,14 +45,11 @@ from lightning_gc.perfmodel import (
     DENSE,
     CodecCost,
     Network,
-    Prediction,
-    Workload,
-    best,
     calibration,
     parse_rate,
-    predict,
     two_phase_cost,
 )
+from lightning_gc.perfmodel.step import Prediction, Workload, best, predict
 
 
 def two_phase_row(name: str, cost: CodecCost, arguments: dict[str, Any], world_size: int) -> CodecCost | None:
