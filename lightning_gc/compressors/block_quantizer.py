@@ -30,9 +30,10 @@ import torch
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_int
 from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.chunks import ChunkFormat, encode_seed
 from lightning_gc.compressors.dense import DenseBlock
 from lightning_gc.compressors.numerics import aligned, mean_into, summing_dtype
-from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange, encode_seed
+from lightning_gc.compressors.two_phase import TwoPhaseExchange
 from lightning_gc.kernels.packing import packed_bytes
 
 DEFAULT_MIN_COMPRESS_NUMEL = 1024

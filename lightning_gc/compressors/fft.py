@@ -37,10 +37,11 @@ from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_choice, check_int
 from lightning_gc.compressors import rangefloat
 from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.chunks import ChunkFormat
 from lightning_gc.compressors.dense import DenseBlock, DensePart, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.numerics import aligned
 from lightning_gc.compressors.registry import register
-from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange
+from lightning_gc.compressors.two_phase import TwoPhaseExchange
 
 
 @dataclass(frozen=True)

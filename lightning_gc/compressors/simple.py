@@ -8,11 +8,12 @@ import torch
 
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor
+from lightning_gc.compressors.chunks import ChunkFormat
 from lightning_gc.compressors.dense import DenseBlock, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.numerics import aligned, mean_into, saturating_copy_, widened_for_commit
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
-from lightning_gc.compressors.two_phase import ChunkFormat, TwoPhaseExchange
+from lightning_gc.compressors.two_phase import TwoPhaseExchange
 from lightning_gc.kernels import topk_indices
 
 

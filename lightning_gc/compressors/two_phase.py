@@ -47,13 +47,14 @@ and the owner re-encodes its chunk. The last bucket's phases cannot hide behind 
 ``exchange="auto"`` the two-phase form is used from ``N = 3`` on: at ``N = 2`` both send the same
 bytes and the gathered form needs one collective less.
 
-A compressor takes part by being a :class:`ChunkCodec` (it can encode and decode any run of
-segments into a payload of a size known in advance) and mixing in :class:`TwoPhaseExchange`.
+A compressor takes part by being a :class:`~lightning_gc.compressors.chunks.ChunkCodec` (it can
+encode and decode any run of segments into a payload of a size known in advance) and mixing in
+:class:`TwoPhaseExchange`.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -65,6 +66,7 @@ from lightning_gc.common.flatstate import FlatState
 from lightning_gc.common.layout import BucketLayout, Segment, chunk_segments, packed_layout
 from lightning_gc.common.validation import check_bool, check_choice
 from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache
+from lightning_gc.compressors.chunks import ChunkCodec, ChunkFormat, encode_seed
 from lightning_gc.compressors.numerics import aligned, summing_dtype
 from lightning_gc.compressors.registry import available, compressor_class
 
@@ -75,49 +77,6 @@ SERVER, EXCHANGE, SERVER_FORM, WORLD_SIZE = "server", "exchange", "server_form",
 PIECES = "pieces"
 """``SERVER_FORM`` of a checkpoint whose server errors are each rank's piece of each tensor (the
 form before it held whole tensors, and named no form)."""
-_SEED_STEP, _SEED_SENDER, _SEED_CHUNK = 1_000_003, 7_919, 104_729
-
-
-def encode_seed(step: int, sender: int, chunk: int = 0) -> int:
-    """The salt of one encode of a run of values, a pure function of the step, who encodes
-    (rank ``r``; ``N + r`` for rank ``r``'s re-encode of its chunk mean) and which chunk: runs are
-    reproducible and ranks draw independently. A codec adds each tensor's ``order``."""
-    return step * _SEED_STEP + sender * _SEED_SENDER + chunk * _SEED_CHUNK
-
-
-@dataclass(frozen=True)
-class ChunkFormat:
-    """How a set of segments of a bucket (a whole bucket, or one two-phase chunk) is laid out in a
-    payload: the codec's own description (``layout``) and the payload's size in bytes."""
-
-    segments: tuple[Segment, ...]
-    nbytes: int
-    layout: Any = None
-
-
-class ChunkCodec(ABC):
-    """A codec of flat runs of values described by segments, into payloads of known size."""
-
-    @abstractmethod
-    def chunk_format(self, segments: Sequence[Segment], dtype: torch.dtype) -> ChunkFormat:
-        """The payload format of ``segments`` (starts relative to the run) for values of ``dtype``."""
-
-    @abstractmethod
-    def encode_chunk(
-        self, values: torch.Tensor, fmt: ChunkFormat, payload: torch.Tensor, decoded: torch.Tensor, seed: int
-    ) -> None:
-        """Encode ``fmt``'s segments of ``values`` (the flat run they address: a bucket, or a chunk
-        packed by :func:`~lightning_gc.common.layout.packed_layout`) into ``payload`` (uint8, ``fmt.nbytes``)
-        and write what receivers will decode into the same segments of ``decoded``; ``seed`` (plus
-        each tensor's order) salts random rounding. The payload depends on the segments' names,
-        orders and shapes, never on their starts: a chunk encodes alike at bucket positions and packed."""
-
-    @abstractmethod
-    def add_decoded_chunk(
-        self, payload: torch.Tensor, fmt: ChunkFormat, total: torch.Tensor, dtype: torch.dtype
-    ) -> None:
-        """``total += decode(payload)`` on ``fmt``'s segments (``total`` in :func:`summing_dtype`
-        of ``dtype``, the run they address), each value clamped to ``dtype``'s finite range."""
 
 
 @dataclass
