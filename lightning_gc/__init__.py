@@ -31,6 +31,8 @@ __all__ = [
     "DGCStrategy",
     "FabricCompressionStrategy",
     "GradientCompressionStrategy",
+    "OuterLoopStrategy",
+    "outer_loop",
     "SparsityWarmup",
 ]
 
@@ -45,6 +47,8 @@ _SOURCES = {
     "DGCStrategy": "lightning_gc.integrations.dgc",
     "FabricCompressionStrategy": "lightning_gc.integrations.fabric",
     "GradientCompressionStrategy": "lightning_gc.integrations.strategy",
+    "OuterLoopStrategy": "lightning_gc.integrations.outer",
+    "outer_loop": "lightning_gc.integrations.outer_attach",
 }
 """Where each public name is defined."""
 _SUBPACKAGES = ("common", "kernels", "compressors", "core", "exchanges", "perfmodel", "runtime", "integrations")
@@ -56,6 +60,8 @@ if TYPE_CHECKING:
     from lightning_gc.integrations.callbacks import PAPER_WARMUP_DENSITIES, SparsityWarmup
     from lightning_gc.integrations.dgc import DGCStrategy
     from lightning_gc.integrations.fabric import FabricCompressionStrategy
+    from lightning_gc.integrations.outer import OuterLoopStrategy
+    from lightning_gc.integrations.outer_attach import outer_loop
     from lightning_gc.integrations.strategy import GradientCompressionStrategy
 
 

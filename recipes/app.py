@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_gc import GradientCompressionStrategy
+from lightning_gc.integrations.outer import OuterLoopStrategy
 from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint
 from recipes.common import DownloadFailed
 from recipes.results import RESULT_FILE, RunRecorder, summary_line, write_result
@@ -134,7 +135,7 @@ def fit_once(
     callbacks: list[L.Callback] = [recorder]
     if cfg.trainer.get("enable_progress_bar", True) is not False:
         callbacks.append(ProgressBar())
-    if cfg.warmup is not None and getattr(strategy, "adjustable", None) is not None:
+    if cfg.warmup is not None and isinstance(strategy, GradientCompressionStrategy) and strategy.adjustable is not None:
         callbacks.append(build("warmup", cfg.warmup))
     trainer_args: dict[str, Any] = OmegaConf.to_container(cfg.trainer, resolve=True)  # type: ignore[assignment]
     if trainer_args.get("enable_checkpointing") is None:  # made-up data: nothing worth hundreds of MB on disk
@@ -234,7 +235,7 @@ def comparison(cfg: DictConfig, compressed: dict[str, Any], dense: dict[str, Any
     overall = compressed.get("wire_compression")
     wire = "n/a" if overall is None else f"{overall:.0f}x"
     target, final = compressed.get("compress_ratio"), compressed.get("final_ratio")
-    if cfg.warmup is None or target is None:
+    if cfg.warmup is None or target is None or compressed["strategy"] == OuterLoopStrategy.__name__:  # no warm-up
         span = " over the run"
     elif final is not None and final > target:  # stopped inside the warm-up: no step at the target ratio
         span = f" over the run; the warm-up had not ended: the last step sent {final:.2%} of each compressed tensor"
@@ -269,7 +270,7 @@ def run(cfg: DictConfig, run_dir: Path, *, multirun: bool, overrides: list[str])
                 f"`ckpt_path={ckpt_path}` resumes one run, but compare_dense=true fits two; add compare_dense=false"
             )
     strategy = build_strategy(cfg.strategy, multirun=multirun)
-    if cfg.compare_dense and not isinstance(strategy, GradientCompressionStrategy):
+    if cfg.compare_dense and not isinstance(strategy, (GradientCompressionStrategy, OuterLoopStrategy)):
         raise UsageError(
             f"`compare_dense=true` compares a compressed strategy with dense DDP, but the strategy is "
             f"{type(strategy).__name__}; add compare_dense=false"

@@ -20,12 +20,17 @@ def test_names_are_registered_once_and_reregistration_is_harmless() -> None:
     assert StrategyRegistry.get("dgc_ddp")._start_method == "popen"
 
 
-def test_resuming_at_another_world_size_is_refused(tmp_path: Path) -> None:
+def test_resuming_at_another_world_size_reshards_and_refuses_what_it_cannot(tmp_path: Path) -> None:
+    """Outside a Trainer the world size is 1: a 2-rank entry is re-sharded (runtime.reshard, tested
+    in depth in test_reshard.py) with a notice; a hierarchy='node' entry is refused in one line."""
     path = tmp_path / "two_ranks.ckpt"
     torch.save({CHECKPOINT_KEY: {"format": 1, "world_size": 2, "ranks": [{}, {}]}}, path)
-    strategy = DGCStrategy()  # outside a Trainer: world_size == 1
-    with pytest.raises(ValueError, match=r"2 ranks but this run has world_size=1"):
-        strategy.load_checkpoint(path)
+    with pytest.warns(UserWarning, match="2 ranks and this run has 1: every rank resumes with the saved ranks. mean"):
+        DGCStrategy().load_checkpoint(path)
+    node = [{"hierarchy": (2, 1)}, {"hierarchy": (2, 1)}]
+    torch.save({CHECKPOINT_KEY: {"format": 1, "world_size": 2, "ranks": node}}, path)
+    with pytest.raises(ValueError, match=r"hierarchy='node'.*resume with 2 processes"):
+        DGCStrategy().load_checkpoint(path)
 
 
 def test_checkpoint_without_compression_state_loads(tmp_path: Path) -> None:

@@ -1,0 +1,291 @@
+"""The outer loop's presets and arguments, shared by its front ends, and its plain-PyTorch front end.
+
+Imports no Lightning: :func:`outer_loop` serves a hand-written loop (torchrun, SLURM) over any
+process group; the Trainer strategy (:class:`~lightning_gc.integrations.outer.OuterLoopStrategy`)
+takes the same preset names and arguments through :func:`outer_arguments`::
+
+    model = Net().to(device)                                 # same weights on every rank (seeded)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    outer = lightning_gc.integrations.outer_attach.outer_loop(model, "diloco", sync_every=100)
+    for x, y in loader:                                      # no DistributedDataParallel wrapper
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()                      # local gradient: nothing is sent
+        optimizer.step()
+        outer.inner_step_done()                              # syncs every `sync_every` steps
+    outer.sync()                                             # if steps remain since the last sync
+
+Checkpoints: :func:`gather_outer_entry` (every rank calls it; rank 0's copy is complete) holds every
+rank's outer-loop state, own weights and inner optimizer state; to resume, build the outer loop
+again on the saved ``theta_g`` weights, then on every rank::
+
+    own = outer_rank_state(entry, source=path, rank=rank, world_size=world_size)
+    resume_outer(outer, own)                                 # theta_g, residuals, counters, theta_r
+    optimizer.load_state_dict(own["optimizers"][0])
+
+The maths are in :mod:`lightning_gc.runtime.outer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from difflib import get_close_matches
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gc.common.errors import IncompatibleCheckpoint
+from lightning_gc.common.validation import check_bool, check_int, check_range
+from lightning_gc.compressors import available, create
+from lightning_gc.compressors.base import Compressor
+from lightning_gc.compressors.registry import argument_names, compressor_class
+from lightning_gc.exchanges.comm import ProcessGroup
+from lightning_gc.runtime.build import SETTING_NAMES
+from lightning_gc.runtime.outer import OuterLoop
+
+OUTER_PRESETS: dict[str, dict[str, Any]] = {
+    "diloco": {  # DiLoCo (arXiv:2311.08105): exact average, outer Nesterov SGD; the paper syncs every 500 steps
+        "sync_every": 500,
+        "compressor": "none",
+        "error_decay": 1.0,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "outer_nesterov": True,
+    },
+    "diloco_int8": {  # DiLoCo with 8-bit codes: QSGD, 127 levels (unbiased: no error feedback needed)
+        "sync_every": 500,
+        "compressor": "qsgd",
+        "levels": 127,
+        "error_decay": 1.0,
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "outer_nesterov": True,
+    },
+    "sparseloco": {  # SparseLoCo (arXiv:2508.15706) with plain top-k; its chunked 2-bit codec comes later
+        "sync_every": 15,
+        "compressor": "topk",
+        "compress_ratio": 0.02,
+        "error_decay": 0.95,
+        "outer_lr": 1.0,
+        "outer_momentum": 0.0,
+        "outer_nesterov": False,
+    },
+}
+"""The outer-loop presets by name: every entry is an argument of :func:`outer_arguments`, and the
+user's arguments win. The compressor's own arguments (``levels``, ``compress_ratio``) apply only
+while the preset's compressor is kept; another ``compressor`` brings its own defaults."""
+
+OUTER_ARGUMENTS = ("sync_every", "compressor", "error_decay", "outer_lr", "outer_momentum", "outer_nesterov")
+"""The outer loop's own arguments, the same in every front end and Hydra config."""
+
+OUTER_CHECKPOINT_KEY = "lightning_gc_outer"
+"""Where the Trainer strategy keeps :func:`gather_outer_entry`'s entry in a checkpoint."""
+OUTER_CHECKPOINT_FORMAT = 1
+
+_PER_STEP_SETTINGS = SETTING_NAMES
+"""Settings of per-step gradient compression (``delay``, ``local_update``, ``hierarchy``, the Adam
+hand-over, ...): not arguments of the outer loop, named as such when given to it."""
+
+
+@dataclass(frozen=True)
+class OuterArguments:
+    """The outer loop's settings, checked: what :func:`outer_arguments` returns and
+    :meth:`build` turns into an :class:`~lightning_gc.runtime.outer.OuterLoop`."""
+
+    preset: str
+    sync_every: int
+    compressor: Compressor
+    error_decay: float
+    outer_lr: float
+    outer_momentum: float
+    outer_nesterov: bool
+    compressor_arguments: dict[str, Any] = field(default_factory=dict)
+    """The compressor's arguments as given (preset and user), for the record; already applied."""
+
+    def build(self, module: torch.nn.Module, group: ProcessGroup = None) -> OuterLoop:
+        """The outer loop of ``module`` over ``group`` (a collective: every rank of the group calls
+        it, with the same starting parameters). Every build shares this compressor object."""
+        return OuterLoop(
+            module,
+            sync_every=self.sync_every,
+            compressor=self.compressor,
+            error_decay=self.error_decay,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            outer_nesterov=self.outer_nesterov,
+            group=group,
+        )
+
+
+def _hint(name: str, known: list[str] | set[str]) -> str:
+    close = get_close_matches(name, sorted(known), 1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def outer_arguments(
+    preset: str, kwargs: dict[str, Any], *, owner: str, others: dict[str, set[str]] | None = None
+) -> OuterArguments:
+    """Merge ``preset``'s :data:`OUTER_PRESETS` entry with the user's ``kwargs`` and check the
+    result. The outer loop's arguments and the compressor's are popped from ``kwargs``; what stays
+    must be a name of ``others`` (e.g. ``{"DDP": DDP's arguments}``), left for the caller.
+
+    Raises:
+        ValueError: in one line, naming the value: an unknown preset or compressor (with the
+            choices), a bad value, or an unknown argument (with the close name and who takes what;
+            per-step settings such as ``delay`` are named as such).
+    """
+    if not isinstance(preset, str) or preset not in OUTER_PRESETS:
+        raise ValueError(
+            f"`preset={preset!r}` is not one of {sorted(OUTER_PRESETS)}"
+            + (_hint(preset, set(OUTER_PRESETS)) if isinstance(preset, str) else "")
+        )
+    defaults = dict(OUTER_PRESETS[preset])
+    compressor = kwargs.pop("compressor", defaults["compressor"])
+    if isinstance(compressor, str):
+        if compressor not in available():
+            raise ValueError(f"`compressor={compressor!r}` is not one of {available()}{_hint(compressor, available())}")
+        accepted = argument_names(compressor_class(compressor))
+        if compressor != defaults["compressor"]:  # another codec: the preset's codec arguments do not apply
+            defaults = {k: v for k, v in defaults.items() if k in OUTER_ARGUMENTS}
+        given = {k: kwargs.pop(k) for k in list(kwargs) if k in accepted}
+        codec_arguments = {**{k: v for k, v in defaults.items() if k in accepted}, **given}
+        built = create(compressor, **codec_arguments)
+    elif isinstance(compressor, Compressor):
+        built, codec_arguments = compressor, {}
+        defaults = {k: v for k, v in defaults.items() if k in OUTER_ARGUMENTS}
+    else:
+        raise ValueError(f"`compressor` must be one of {available()} or a lightning_gc Compressor, got {compressor!r}")
+    settings = {name: kwargs.pop(name, defaults[name]) for name in OUTER_ARGUMENTS if name != "compressor"}
+    allowed = set().union(*(others or {}).values())
+    unknown = {name: kwargs[name] for name in sorted(set(kwargs) - allowed)}
+    if unknown:
+        known = set(OUTER_ARGUMENTS) | argument_names(type(built)) | allowed
+        notes = []
+        for name in unknown:
+            if name in _PER_STEP_SETTINGS:
+                notes.append(f"`{name}` is a per-step gradient-compression setting, not an outer-loop one")
+            elif close := get_close_matches(name, sorted(known), 1):
+                notes.append(f"`{name}`: did you mean `{close[0]}`?")
+        takes = "".join(f", {who} takes {sorted(names)}" for who, names in (others or {}).items())
+        raise ValueError(
+            f"unknown argument(s) {unknown} for {owner}"
+            + (f" ({'; '.join(notes)})" if notes else "")
+            + f": the outer loop takes {list(OUTER_ARGUMENTS)}, compressor {built.name!r} takes "
+            f"{sorted(argument_names(type(built)))}{takes}"
+        )
+    momentum = check_range("outer_momentum", settings["outer_momentum"], 0.0, 1.0, high_inclusive=False)
+    nesterov = check_bool("outer_nesterov", settings["outer_nesterov"])
+    if nesterov and momentum == 0:
+        raise ValueError("`outer_nesterov=True` needs `outer_momentum` > 0, got 0.0; set outer_nesterov=False")
+    return OuterArguments(
+        preset=preset,
+        sync_every=check_int("sync_every", settings["sync_every"], 1),
+        compressor=built,
+        error_decay=check_range("error_decay", settings["error_decay"], 0.0, 1.0, low_inclusive=False),
+        outer_lr=check_range("outer_lr", settings["outer_lr"], 0.0, None, low_inclusive=False),
+        outer_momentum=momentum,
+        outer_nesterov=nesterov,
+        compressor_arguments=codec_arguments,
+    )
+
+
+def outer_loop(
+    model: torch.nn.Module, preset: str = "diloco", *, group: ProcessGroup = None, **kwargs: Any
+) -> OuterLoop:
+    """The outer loop of ``model`` for a hand-written training loop (module docstring).
+
+    Call it on every rank of ``group`` (default: the default process group) once the model is on
+    its device with the same weights everywhere, then ``inner_step_done()`` after every inner
+    ``optimizer.step()``, and ``sync()`` at the end if steps remain since the last sync (which
+    ``inner_steps`` and ``syncs`` tell). ``global_parameters`` (``theta_g``) is what to evaluate
+    and keep; between syncs the model holds this rank's own ``theta_r``.
+
+    Args:
+        model: the model (not wrapped in ``DistributedDataParallel``: the inner steps send nothing).
+        preset: ``"diloco"``, ``"diloco_int8"`` or ``"sparseloco"`` (:data:`OUTER_PRESETS`).
+        group: the process group to sync over.
+        **kwargs: ``sync_every``, ``compressor``, ``error_decay``, ``outer_lr``,
+            ``outer_momentum``, ``outer_nesterov``, and the compressor's own arguments (e.g.
+            ``compress_ratio``); they override the preset's.
+
+    Raises:
+        ValueError: an unknown preset or argument, or a bad value, in one line naming it.
+    """
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError(
+            "outer_loop takes the model itself, not a DistributedDataParallel wrapper (which averages gradients)"
+        )
+    return outer_arguments(preset, kwargs, owner="outer_loop").build(model, group)
+
+
+# ---------------------------------------------------------------------- checkpoints
+def gather_outer_entry(
+    outer: OuterLoop,
+    *,
+    local: dict[str, torch.Tensor] | None = None,
+    optimizer_states: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Every rank's state in one checkpoint entry, complete on rank 0 (``ranks`` is ``None``
+    elsewhere); a collective over ``outer.group``: every rank calls it. Per rank: the outer loop's
+    :meth:`~lightning_gc.runtime.outer.OuterLoop.state_dict`, its own weights ``theta_r`` (``local``
+    by name, default the module's), floating-point buffers and ``optimizer_states`` (the inner
+    optimizers', which differ per rank), all copied to the CPU."""
+    named = dict(outer.module.named_parameters())
+    local = {name: named[name] for name in outer.global_parameters} if local is None else local
+    buffers = {name: b for name, b in outer.module.named_buffers() if b.is_floating_point()}
+    mine = _to_cpu(
+        {"outer": outer.state_dict(), "local": local, "buffers": buffers, "optimizers": optimizer_states or []}
+    )
+    world_size = dist.get_world_size(outer.group) if dist.is_initialized() else 1
+    ranks: list[Any] | None = [mine]
+    if world_size > 1:
+        first = 0 if outer.group is None else dist.get_global_rank(outer.group, 0)
+        ranks = [None] * world_size if dist.get_rank() == first else None
+        dist.gather_object(mine, ranks, dst=first, group=outer.group)
+    compressor = outer.averager.compressor.config()
+    return {"format": OUTER_CHECKPOINT_FORMAT, "world_size": world_size, "compressor": compressor, "ranks": ranks}
+
+
+def outer_rank_state(entry: dict[str, Any], *, source: Any, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's part of :func:`gather_outer_entry`'s ``entry`` (read from ``source``, named in errors).
+
+    Raises:
+        IncompatibleCheckpoint: another format, or another number of ranks (each rank's weights and
+            residuals are its own).
+    """
+    if entry.get("format") != OUTER_CHECKPOINT_FORMAT:
+        raise IncompatibleCheckpoint(
+            f"checkpoint {source} holds outer-loop state in format {entry.get('format')!r}; "
+            f"this version reads format {OUTER_CHECKPOINT_FORMAT}"
+        )
+    if entry["world_size"] != world_size:
+        raise IncompatibleCheckpoint(
+            f"checkpoint {source} holds outer-loop state of {entry['world_size']} ranks but this run has "
+            f"world_size={world_size}; each rank's weights and residuals are its own, so resume with "
+            f"{entry['world_size']} processes"
+        )
+    return entry["ranks"][rank]
+
+
+def resume_outer(outer: OuterLoop, own: dict[str, Any]) -> None:
+    """Continue from this rank's part of an entry: the outer loop's state, and the module's own
+    weights ``theta_r`` and buffers. The caller restores the inner optimizers from
+    ``own["optimizers"]`` (in the order given to :func:`gather_outer_entry`)."""
+    outer.load_state_dict(own["outer"])
+    with torch.no_grad():
+        for name, p in outer.module.named_parameters():
+            if name in own["local"]:
+                p.copy_(own["local"][name])
+        for name, b in outer.module.named_buffers():
+            if name in own["buffers"]:
+                b.copy_(own["buffers"][name])
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor copied to the CPU (gathered objects must not name a peer's GPU)."""
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
