@@ -17,8 +17,9 @@ Tasks:
 * ``ptb_adamw``: a 2-layer causal transformer on PTB with AdamW (the Adam hand-over's evidence):
   dense AdamW, DGC 0.1 % with plain error feedback under AdamW's own state, DGC 0.1 % and onebit
   with the frozen-variance hand-over (``--freeze`` dense steps first, by default 20 % of
-  ``--steps``, inside the 15-25 % that 1-bit Adam uses); curves by step; ``--lr-decay`` for a
-  step decay at 60 % and 85 % of the steps.
+  ``--steps``, inside the 15-25 % that 1-bit Adam uses, as ``adam_warmup_steps="auto"``), DGC
+  with and without the density floor after the freeze (``adam_min_sends``); curves by step;
+  ``--lr-decay`` for a step decay at 60 % and 85 % of the steps.
 * ``compressors``: the shorter task, every registered compressor at its recommended settings
   on the quickstart (scikit-learn's digits), and onebit and qsgd through the two-phase exchange
   (onebit also without its server error feedback); needs no shared data.
@@ -277,6 +278,8 @@ def ptb_adamw_task(data: Path, steps: int, freeze: int, lr_decay: bool = False) 
             Run("dense AdamW", "transformer_ptb_dense"),
             Run("DGC 0.1 %, plain error feedback", "transformer_ptb_dgc", ("strategy.momentum_correction=false",)),
             Run("DGC 0.1 %, frozen variance", "transformer_ptb_dgc", frozen),
+            # the density floor off (adam_min_sends=0): 0.1 % from the freeze on, as every run before the floor
+            Run("DGC 0.1 %, frozen variance, no floor", "transformer_ptb_dgc", (*frozen, "strategy.adam_min_sends=0")),
             Run(  # the paper's exponential sparsity warm-up, one stage per `freeze` steps after the freeze
                 "DGC 0.1 %, frozen variance, sparsity warm-up",
                 "transformer_ptb_dgc",

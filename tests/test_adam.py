@@ -62,10 +62,12 @@ def test_warm_up_is_plain_adamw_and_the_frozen_phase_matches_a_hand_written_refe
 
 def test_dgc_compresses_adamw_momentum_and_trains_under_each_weighting(run_ranks) -> None:
     """At 1 % density each weighting trains with ranks identical, and the weighting changes which
-    elements leave (so the runs differ) without changing how many."""
+    elements leave (so the runs differ) without changing how many (``adam_min_sends=0``: at
+    1 % throughout, without the floor a 56-step compressed phase would get)."""
+    at_one_percent = {"kind": "dgc", "compress_ratio": 0.01, "adam_warmup_steps": 10, "adam_min_sends": 0}
     fits = [
         {
-            "strategy": {"kind": "dgc", "compress_ratio": 0.01, "adam_warmup_steps": 10, "adam_weighting": weighting},
+            "strategy": {**at_one_percent, "adam_weighting": weighting},
             "model": {**ADAMW, "hidden": [256, 256]},
             "epochs": 3,
         }
@@ -93,8 +95,8 @@ def test_onebit_and_dgc_with_warm_up_and_grad_scaler_train_under_the_hand_over(r
             "model": model,
             "epochs": 3,
         },
-        {
-            "strategy": {"kind": "dgc", "compress_ratio": 0.01, "adam_warmup_steps": 10},
+        {  # at 1 % after the warm-up's stages (adam_min_sends=0: without the short run's floor)
+            "strategy": {"kind": "dgc", "compress_ratio": 0.01, "adam_warmup_steps": 10, "adam_min_sends": 0},
             "model": model,
             "epochs": 3,
             "warmup": {"densities": [0.25, 0.0625], "interval": "step", "steps_per_stage": 10},
@@ -145,10 +147,10 @@ def test_exact_resume_across_the_freeze_and_the_checkpoint_loads_into_plain_adam
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"adam_warmup_steps": -1}, "`adam_warmup_steps` must be an integer >= 1, got -1"),
-        ({"adam_warmup_steps": 2.5}, "`adam_warmup_steps` must be an integer >= 1, got 2.5"),
+        ({"adam_warmup_steps": -1}, "`adam_warmup_steps` must be 'auto' or an integer >= 1, got -1"),
+        ({"adam_warmup_steps": 2.5}, "`adam_warmup_steps` must be 'auto' or an integer >= 1, got 2.5"),
         # the freeze needs Adam's second moment: with no warm-up step there is none (it trained nothing)
-        ({"adam_warmup_steps": 0}, "`adam_warmup_steps` must be an integer >= 1, got 0"),
+        ({"adam_warmup_steps": 0}, "`adam_warmup_steps` must be 'auto' or an integer >= 1, got 0"),
         ({"adam_weighting": "loss"}, "`adam_weighting` must be one of ['step', 'decrease', 'gradient'], got 'loss'"),
     ],
 )

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_gc.common.validation import check_int
 from lightning_gc.compressors.base import AdjustableRatio, Compressor
 from lightning_gc.runtime.build import build_session, preset_for
 from lightning_gc.runtime.session import CompressionSession
@@ -52,13 +53,17 @@ class AttachedCompression:
         session: CompressionSession,
         scaler: torch.amp.GradScaler | None,
         devices_per_node: int | None = None,
+        total_steps: int | None = None,
+        length_hint: str = "pass total_steps=N (the run's optimizer steps) to attach",
     ) -> None:
         self.ddp, self.optimizer, self.session, self.scaler = ddp, optimizer, session, scaler
+        self.total_steps = None if total_steps is None else check_int("total_steps", total_steps, 1)
+        self._length_hint = length_hint
         self.last_metrics: dict[str, float] | None = None
         self._before_forward = ddp.register_forward_pre_hook(self._prepare)
         find_unused = bool(getattr(ddp, "find_unused_parameters", False))
         session.attach(ddp, find_unused_parameters=find_unused, devices_per_node=devices_per_node)
-        session.start_fit([optimizer])
+        session.start_fit([optimizer], self.total_steps, length_hint=self._length_hint)
         self._finished = False
 
     def _prepare(self, *_: Any) -> None:
@@ -140,7 +145,7 @@ class AttachedCompression:
         self.session.take_over_pending(self.ddp)
         if own_optimizer_states:
             self.optimizer.load_state_dict(own_optimizer_states[0])
-        self.session.start_fit([self.optimizer])
+        self.session.start_fit([self.optimizer], self.total_steps, length_hint=self._length_hint)
 
 
 def _world(ddp: DistributedDataParallel) -> int:
@@ -154,6 +159,7 @@ def attach(
     *,
     scaler: torch.amp.GradScaler | None = None,
     devices_per_node: int | None = None,
+    total_steps: int | None = None,
     **kwargs: Any,
 ) -> AttachedCompression:
     """Register compressed gradient exchange on ``ddp_model`` and hand ``optimizer``'s momentum over.
@@ -166,6 +172,10 @@ def attach(
         scaler: a ``torch.amp.GradScaler`` for mixed precision (the handle steps through it).
         devices_per_node: ranks per node, for a two-level ``hierarchy`` (default: torchrun's
             ``LOCAL_WORLD_SIZE``); ranks are numbered node by node.
+        total_steps: the run's optimizer steps (``gc.step()`` calls from step 0, also when
+            resuming). Needed with Adam/AdamW under momentum correction (``"dgc"``) when
+            ``adam_warmup_steps="auto"`` (the default: a fifth of them are plain Adam), and gives
+            the compressed phase its density floor (``adam_min_sends``); SGD runs never need it.
         **kwargs: the compressor's arguments (e.g. ``compress_ratio``) and any
             :class:`~lightning_gc.runtime.settings.CompressionSettings` field (``momentum_correction``,
             ``clip_norm``, ``nonfinite``, ``delay``, ``adam_warmup_steps``, ...); ``"dgc"`` turns
@@ -178,4 +188,4 @@ def attach(
     if not isinstance(ddp_model, DistributedDataParallel):
         raise ValueError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     session = build_session(compressor, kwargs, owner="attach", preset=preset_for(compressor))
-    return AttachedCompression(ddp_model, optimizer, session, scaler, devices_per_node)
+    return AttachedCompression(ddp_model, optimizer, session, scaler, devices_per_node, total_steps)

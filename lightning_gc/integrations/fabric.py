@@ -27,7 +27,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_gc.common.validation import check_timeout
+from lightning_gc.common.validation import check_int, check_timeout
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import available
 from lightning_gc.integrations.attach import AttachedCompression
@@ -45,10 +45,14 @@ class FabricCompressionStrategy(DDPStrategy):
             field (``momentum_correction``, ``delay``, ``nonfinite``, ...; ``"dgc"`` turns momentum
             correction on by default, as ``DGCStrategy`` does), and Fabric's ``DDPStrategy`` and
             ``DistributedDataParallel`` arguments. Unknown names raise ``ValueError`` here.
+        total_steps: the run's optimizer steps from step 0, as ``attach`` takes them: what
+            ``adam_warmup_steps="auto"`` (the default) needs with Adam/AdamW under momentum
+            correction, and what sets the compressed phase's density floor; SGD runs never need it.
     """
 
-    def __init__(self, compressor: str | Compressor = "none", **kwargs: Any) -> None:
+    def __init__(self, compressor: str | Compressor = "none", *, total_steps: int | None = None, **kwargs: Any) -> None:
         kwargs = dict(kwargs)
+        self.total_steps = None if total_steps is None else check_int("total_steps", total_steps, 1)
         self.session = build_session(
             compressor,
             kwargs,
@@ -90,6 +94,9 @@ class FabricCompressionStrategy(DDPStrategy):
             self.session,
             scaler=getattr(self.precision, "scaler", None),
             devices_per_node=self.num_processes,
+            total_steps=self.total_steps,
+            length_hint=f"construct the strategy as {type(self).__name__}(compressor, total_steps=N) with the run's "
+            "optimizer steps",
         )
         if self._pending_entry is not None:
             entry, source = self._pending_entry

@@ -158,7 +158,13 @@ class GradientCompressionStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            self.session.start_fit(self.optimizers)
+            # the fit's length, read only by the Adam hand-over's "auto" warm-up (lightning_gc.runtime.adam_plan)
+            self.session.start_fit(
+                self.optimizers,
+                lambda: trainer.estimated_stepping_batches,
+                length_hint="a Trainer with max_steps=-1 and max_epochs=-1 (or an iterable dataset without a "
+                "length and no max_steps) cannot estimate it; set Trainer(max_steps=...)",
+            )
             self._training_finished = False
             if not any(isinstance(c, _OwedAveragesFirst) and c.strategy is self for c in trainer.callbacks):
                 trainer.callbacks.insert(0, _OwedAveragesFirst(self))

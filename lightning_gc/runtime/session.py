@@ -4,7 +4,8 @@ A front end (``GradientCompressionStrategy`` for the Trainer; Fabric and a plain
 call the same points) owns a :class:`CompressionSession` and calls, in order::
 
     session.attach(ddp_model)                    once DDP has wrapped the model (registers the hook)
-    session.start_fit(optimizers)                before the first step of a fit
+    session.start_fit(optimizers, total_steps)   before the first step of a fit (the run's length:
+                                                 what the Adam hand-over's "auto" warm-up needs)
     per optimizer step:
         session.before_step(optimizers, grad_scale)
         with session.stepping(optimizers):       around optimizer.step (momentum handed over)
@@ -17,7 +18,9 @@ call the same points) owns a :class:`CompressionSession` and calls, in order::
 
 Invariants: the hook state is built once per ``attach``; state restored by :meth:`resume` is taken
 over by the next ``attach`` (each fit builds a new hook state); ``totals`` are running sums over
-every step of the run, resumed from checkpoints.
+every step of the run, resumed from checkpoints; between steps the compressor holds the ratio its
+user set (the Adam hand-over's density floor raises it for each step's exchange only:
+:mod:`lightning_gc.runtime.adam_plan`); a resumed run keeps the Adam warm-up it resolved first.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gc.common.layout import shaped_like
 from lightning_gc.common.log import warn_on_rank_zero
 from lightning_gc.compressors.base import Compressor
+from lightning_gc.core.adam import AdamHandOver
 from lightning_gc.core.handover import HandOver, MomentumHandOver
 from lightning_gc.core.handover_choice import hand_over_for
 from lightning_gc.core.momentum import unwrap_optimizer
 from lightning_gc.exchanges.hierarchy import agreed_topology
 from lightning_gc.exchanges.hierarchy_sparse import two_level_exchange
+from lightning_gc.runtime.adam_plan import AdamPlan, RatioFloor, RunLength, floor_for, plan_adam
 from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint, gather_entry, rank_state
 from lightning_gc.runtime.consistency import verify_same_parameters, verify_same_setup
 from lightning_gc.runtime.hook import CompressionHookState, compression_hook, refuse_sparse_gradients
@@ -73,6 +78,9 @@ class CompressionSession:
         self.hook_state: CompressionHookState | None = None
         self._pending_state: dict[str, Any] | None = None
         self._nesterov_times_m = False  # resumed from format 1: Nesterov momenta are m times SGD's buffer
+        self.adam_plan: AdamPlan | None = None  # the fit's Adam warm-up (None: no Adam hand-over)
+        self._resumed_adam_warmup: int | None = None  # the warm-up a checkpoint's run resolved
+        self._floor: RatioFloor | None = None  # the density floor after Adam's freeze
 
     # ------------------------------------------------------------------ set-up
     def attach(
@@ -156,19 +164,43 @@ class CompressionSession:
             ],
         }
 
-    def start_fit(self, optimizers: Sequence[Any]) -> None:
+    def start_fit(
+        self, optimizers: Sequence[Any], total_steps: RunLength = None, *, length_hint: str = "pass total_steps=N"
+    ) -> None:
         """Pick and check the hand-over for the fit's optimizers (SGD's or Adam's), and hand their
-        momentum over (before the first step of a fit)."""
+        momentum over (before the first step of a fit). ``total_steps``: the run's optimizer steps
+        from step 0 (a number, ``None``/``inf``: unknown, or a function asked only if the Adam
+        hand-over needs it); ``length_hint`` tells the user how to give them, in the one-line error
+        of an ``"auto"`` warm-up whose run has no known length (:mod:`lightning_gc.runtime.adam_plan`)."""
         self.hand_over.release()
+        self._release_floor()
+        self._floor, self.adam_plan = None, None
+        settings = self.settings
+
+        def adam_warmup_steps() -> int:  # only where Adam's first moment is handed over
+            self.adam_plan = plan_adam(
+                settings.adam_warmup_steps,
+                settings.adam_warmup_fraction,
+                total_steps,
+                recorded=self._resumed_adam_warmup,
+                length_hint=length_hint,
+            )
+            return self.adam_plan.warmup_steps
+
         self.hand_over = hand_over_for(
             optimizers,
             self.memory,
-            explicit_momentum=self.settings.momentum,
-            adam_warmup_steps=self.settings.adam_warmup_steps,
-            adam_weighting=self.settings.adam_weighting,
+            explicit_momentum=settings.momentum,
+            adam_warmup_steps=adam_warmup_steps,
+            adam_weighting=settings.adam_weighting,
             owner=self.owner,
         )
-        self.hand_over.check(optimizers, local_update=self.settings.local_update, delay=self.settings.delay)
+        self._resumed_adam_warmup = None  # taken (a later fit from scratch resolves its own)
+        self.hand_over.check(optimizers, local_update=settings.local_update, delay=settings.delay)
+        if isinstance(self.hand_over, AdamHandOver) and self.adam_plan is not None:
+            self._floor = floor_for(self.compressor, self.adam_plan, settings.adam_min_sends)
+            if self.hook_state is not None:  # every rank must freeze at the same step
+                verify_same_setup({"adam_warmup_steps": self.adam_plan.warmup_steps}, self.hook_state.process_group)
         if self.hook_state is not None:
             self.hook_state.exact_steps = self.hand_over.exact_steps()
             self.hook_state.owed_gradient_terms = self.hand_over.owed_gradient_terms
@@ -191,6 +223,12 @@ class CompressionSession:
             return
         self.hand_over.refresh(optimizers, self.hook_state.names, step=self.hook_state.step, grad_scale=grad_scale)
         self.hook_state.grad_scale = grad_scale
+        if self._floor is not None:
+            self._floor.hold(self.hook_state.step)
+
+    def _release_floor(self) -> float | None:
+        """The user's ratio back after a step; the density floor, if it was in force."""
+        return None if self._floor is None else self._floor.release()
 
     def stepping(self, optimizers: Sequence[Any]) -> AbstractContextManager[Any]:
         """Around the optimizer step: without the momentum the memory applied."""
@@ -217,8 +255,11 @@ class CompressionSession:
         if self.hook_state is None:
             return None
         self.hand_over.step_ended()
+        floor = self._release_floor()
         metrics = self.hook_state.stats.pop_metrics()
         if metrics is not None:
+            if floor is not None:
+                metrics["gc/density_floor"] = floor
             self.totals["steps"] += 1
             self.totals["bytes_sent"] += metrics["gc/bytes_sent"]
             self.totals["dense_bytes"] += metrics["gc/dense_bytes"]
@@ -241,6 +282,7 @@ class CompressionSession:
             if self.settings.local_update:
                 self._take_rank_zeros_parameters(ddp)
         finally:
+            self._release_floor()
             self.hand_over.release()
             self.release_usage()
 
@@ -288,7 +330,7 @@ class CompressionSession:
         if self.settings.local_update:
             local["parameters"] = {n: p.detach().cpu().clone() for n, p in module.named_parameters()}
             local["optimizer_states"] = list(optimizer_states)
-        return gather_entry(
+        entry = gather_entry(
             local,
             group=self.hook_state.process_group,
             rank=rank,
@@ -296,6 +338,9 @@ class CompressionSession:
             compressor=self.compressor.config(),
             totals=self.totals,
         )
+        if self.adam_plan is not None:  # a resumed "auto" run keeps it, whatever its own length
+            entry["adam_warmup_steps"] = self.adam_plan.warmup_steps
+        return entry
 
     def resume(self, entry: dict[str, Any], *, source: Any, rank: int, world_size: int) -> list[Any] | None:
         """Take this rank's state from a checkpoint entry for the next :meth:`attach`; this
@@ -317,4 +362,5 @@ class CompressionSession:
                     f"terms; resume with {name}={saved!r}"
                 )
         self.totals.update(entry.get("totals", {}))  # the running sums continue where they were
+        self._resumed_adam_warmup = entry.get("adam_warmup_steps")
         return self._pending_state.pop("optimizer_states", None)

@@ -22,6 +22,7 @@ from lightning_gc.core.guard import NONFINITE_POLICIES
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.exchanges.hierarchy import HIERARCHIES
 from lightning_gc.exchanges.hierarchy_sparse import check_sparse_hierarchy
+from lightning_gc.runtime.adam_plan import AUTO, DEFAULT_MIN_SENDS, check_warmup_steps
 from lightning_gc.runtime.policy import CompressionPolicy
 
 
@@ -79,7 +80,16 @@ class CompressionSettings:
         adam_warmup_steps: with ``torch.optim.Adam``/``AdamW`` and ``momentum_correction``, the
             optimizer steps of plain Adam (gradients averaged exactly as DDP does) before the second
             moment freezes and the first moment is compressed (:mod:`lightning_gc.core.adam`;
-            1-bit Adam freezes after 15-25 % of training).
+            1-bit Adam freezes after 15-25 % of training). ``"auto"`` (default):
+            ``adam_warmup_fraction`` of the run's optimizer steps, resolved when the fit starts
+            (:mod:`lightning_gc.runtime.adam_plan`) and kept by a resumed run.
+        adam_warmup_fraction: with ``adam_warmup_steps="auto"``, the fraction of the run's
+            optimizer steps that are plain Adam, in (0, 1); default 0.2.
+        adam_min_sends: with the Adam hand-over and a compressor with a ``compress_ratio``, the
+            compressed phase sends at least ``adam_min_sends / T`` of each tensor per step (``T``
+            its planned steps), so that every element leaves about that many times before the run
+            ends; ``compress_ratio`` once ``T >= adam_min_sends / compress_ratio``
+            (:mod:`lightning_gc.runtime.adam_plan`). 0: ``compress_ratio`` throughout. Default 8.
         adam_weighting: after the freeze, how the compressed momentum weights elements against each
             other (what top-k favours): ``"step"`` (default) by each element's pending Adam step,
             ``"decrease"`` by the first-order loss decrease of applying it (the step times
@@ -111,7 +121,9 @@ class CompressionSettings:
     delay: int = 0
     local_update: bool = False
     sync_warmup_steps: int | None = None
-    adam_warmup_steps: int = 1000
+    adam_warmup_steps: int | str = AUTO
+    adam_warmup_fraction: float = 0.2
+    adam_min_sends: float = DEFAULT_MIN_SENDS
     adam_weighting: str = "step"
     hierarchy: str = "flat"
 
@@ -135,7 +147,11 @@ class CompressionSettings:
         check_int("delay", self.delay, 0)
         if self.sync_warmup_steps is not None:
             check_int("sync_warmup_steps", self.sync_warmup_steps, 0)
-        check_int("adam_warmup_steps", self.adam_warmup_steps, 1)  # Adam's second moment must exist to freeze
+        check_warmup_steps(self.adam_warmup_steps)  # "auto" or >= 1: the freeze needs Adam's second moment
+        check_range(
+            "adam_warmup_fraction", self.adam_warmup_fraction, 0.0, 1.0, low_inclusive=False, high_inclusive=False
+        )
+        check_range("adam_min_sends", self.adam_min_sends, 0.0, None)
         check_choice("adam_weighting", self.adam_weighting, ADAM_WEIGHTINGS)
         check_choice("hierarchy", self.hierarchy, HIERARCHIES)
         if self.compress_when is not None and not callable(self.compress_when):
@@ -199,6 +215,8 @@ class CompressionSettings:
             "local_update": self.local_update,
             "sync_warmup_steps": self.sync_warmup_steps,
             "adam_warmup_steps": self.adam_warmup_steps,
+            "adam_warmup_fraction": self.adam_warmup_fraction,
+            "adam_min_sends": self.adam_min_sends,
             "adam_weighting": self.adam_weighting,
             "hierarchy": self.hierarchy,
         }

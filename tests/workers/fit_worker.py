@@ -61,6 +61,7 @@ class EpochRecorder(Callback):
     def __init__(self) -> None:
         self.params: list[torch.Tensor] = []
         self.metrics: list[dict[str, float]] = []
+        self.steps: list[dict[str, Any]] = []
         self.at_train_end: torch.Tensor | None = None
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -69,6 +70,12 @@ class EpochRecorder(Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.at_train_end = flat_parameters(pl_module)  # what a callback sees there (e.g. weight averaging)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        # each step's gc/* metrics, and the ratio the compressor shows between steps
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gc/")}
+        adjustable = getattr(trainer.strategy, "adjustable", None)
+        self.steps.append({**metrics, "compress_ratio": getattr(adjustable, "compress_ratio", None)})
 
 
 class FaultInjector(Callback):
@@ -319,6 +326,9 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
         result["memory"] = hook.memory.state_dict()
         result["totals"] = dict(strategy.totals)
         result["grad_scale"] = hook.grad_scale
+        plan = strategy.session.adam_plan  # the Adam hand-over's resolved warm-up (None: SGD's hand-over)
+        result["adam_plan"] = None if plan is None else (plan.warmup_steps, plan.total_steps, plan.source)
+        result["step_metrics"] = recorder.steps
     state = trainer.optimizers[0].state
     result["exp_avg_sq"] = [state[p]["exp_avg_sq"].clone() for p in model.parameters() if "exp_avg_sq" in state[p]]
     result["exp_avg"] = [state[p]["exp_avg"].clone() for p in model.parameters() if "exp_avg" in state[p]]
