@@ -85,14 +85,15 @@ def main() -> None:
             _sync(device)
             started = time.perf_counter()
             encoded = compressor.encode(velocity, out, EncodeContext(layout, step=repeat, world_size=1))
-            bytes_sent = encoded.bytes_sent
+            bytes_sent = encoded.payload.bytes_sent
             while encoded.next_round is not None:  # multi-round (powersgd): the reduce of one rank is itself
                 encoded = encoded.next_round()
-                bytes_sent += encoded.bytes_sent
+                bytes_sent += encoded.payload.bytes_sent
             _sync(device)
             encoded_at = time.perf_counter()
-            if encoded.gathered is not None:  # the all-gather of a world of one
-                encoded.gathered_out.copy_(encoded.gathered)
+            payload = encoded.payload
+            if payload.gathered is not None:  # the all-gather of a world of one
+                payload.gathered_out.copy_(payload.gathered)
             _sync(device)
             decode_started = time.perf_counter()
             compressor.decode(encoded, out, world_size=1)

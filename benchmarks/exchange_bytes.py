@@ -26,7 +26,7 @@ from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import create
-from lightning_gc.compressors.base import Encoded
+from lightning_gc.compressors.encoded import Payload
 from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.transport import GroupTransport, traffic_bytes
 from lightning_gc.runtime.hook import CompressionHookState, compression_hook
@@ -48,10 +48,10 @@ class CountingTransport(GroupTransport):
         self.traffic = 0.0
         self.payload = 0
 
-    def launch(self, encoded: Encoded) -> Future[Encoded]:
-        self.traffic += traffic_bytes(encoded, self.world_size)
-        self.payload += encoded.bytes_sent if encoded.gathered is not None and encoded.scattered is None else 0
-        return super().launch(encoded)
+    def launch(self, payload: Payload) -> Future[Payload]:
+        self.traffic += traffic_bytes(payload, self.world_size)
+        self.payload += payload.bytes_sent if payload.gathered is not None and payload.scattered is None else 0
+        return super().launch(payload)
 
 
 def model_for(name: str) -> torch.nn.Module:

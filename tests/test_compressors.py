@@ -116,12 +116,12 @@ def _round_trip(compressor, velocity: torch.Tensor, layout, step: int) -> tuple[
     last round's ``Encoded``, and the bytes sent over all rounds."""
     out = torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, EncodeContext(layout, step=step, world_size=1, rank=0))
-    bytes_sent = encoded.bytes_sent
+    bytes_sent = encoded.payload.bytes_sent
     while encoded.next_round is not None:
         encoded = encoded.next_round()
-        bytes_sent += encoded.bytes_sent
-    if encoded.gathered is not None:
-        encoded.gathered_out.copy_(encoded.gathered)
+        bytes_sent += encoded.payload.bytes_sent
+    if encoded.payload.gathered is not None:
+        encoded.payload.gathered_out.copy_(encoded.payload.gathered)
     compressor.decode(encoded, out, world_size=1)
     return out, encoded, bytes_sent
 
@@ -175,13 +175,13 @@ def test_half_precision_casts_round_within_their_precision(name: str, mantissa_b
     encoded = compressor.encode(x, out, EncodeContext(layout, step=0, world_size=1, rank=0))
     # what memory subtracts (before the collective): the wire's values, widened on CPU into the
     # free output buffer so that the subtraction runs in one dtype
-    committed = encoded.dense_sent.clone()
-    assert committed.dtype == x.dtype and encoded.summed.dtype == compressor.wire_dtype
-    assert torch.equal(committed, encoded.summed.to(x.dtype))
+    committed = encoded.sent.dense_values.clone()
+    assert committed.dtype == x.dtype and encoded.payload.summed.dtype == compressor.wire_dtype
+    assert torch.equal(committed, encoded.payload.summed.to(x.dtype))
     compressor.decode(encoded, out, world_size=1)
     relative = ((out - x).abs() / x.abs()).max().item()
     assert 0 < relative <= 2.0 ** -(mantissa_bits + 1)  # round to nearest: half an ulp
-    assert encoded.bytes_sent == 2 * layout.numel
+    assert encoded.payload.bytes_sent == 2 * layout.numel
     assert torch.equal(committed, out)  # memory keeps exactly the rounding
 
 
@@ -225,9 +225,9 @@ def test_randomk_with_rescaling_is_unbiased_and_ranks_agree_on_indices() -> None
     assert ((mean - x).abs() <= 5 * x.abs() * (10 - 1) ** 0.5 / samples**0.5 + 1e-6).all()
     # The draw depends on the step and tensor only, never on the rank: all-reducible.
     out = torch.empty_like(x)
-    first = compressor.encode(x, out, EncodeContext(layout, step=3, world_size=2, rank=0)).sent_indices.clone()
+    first = compressor.encode(x, out, EncodeContext(layout, step=3, world_size=2, rank=0)).sent.indices.clone()
     assert torch.equal(
-        first, compressor.encode(x, out, EncodeContext(layout, step=3, world_size=2, rank=1)).sent_indices
+        first, compressor.encode(x, out, EncodeContext(layout, step=3, world_size=2, rank=1)).sent.indices
     )
     assert first.unique().numel() == first.numel() == 123  # one per block of 10 (1230 elements), distinct
 
@@ -240,16 +240,16 @@ def test_randomk_draws_the_same_indices_in_half_precision_buckets(dtype: torch.d
     wide_codec, narrow_codec = create("randomk", compress_ratio=0.0003), create("randomk", compress_ratio=0.0003)
     x = torch.randn(layout.numel)
     for step in range(300):
-        wide = wide_codec.encode(x, torch.empty_like(x), EncodeContext(layout, step=step, world_size=1)).sent_indices
+        wide = wide_codec.encode(x, torch.empty_like(x), EncodeContext(layout, step=step, world_size=1)).sent.indices
         narrow = narrow_codec.encode(x.to(dtype), x.to(dtype), EncodeContext(layout, step=step, world_size=1))
-        assert torch.equal(narrow.sent_indices, wide)
+        assert torch.equal(narrow.sent.indices, wide)
         assert (wide[:3] >= torch.tensor([0, 3333, 6666])).all() and (wide[:3] < torch.tensor([3333, 6666, 9999])).all()
 
 
 def test_randomk_wire_ratio_on_a_large_tensor() -> None:
     layout, _ = _layout_and_params([(1000, 1000)])
     _, encoded, _ = _round_trip(create("randomk", compress_ratio=0.01), torch.randn(layout.numel), layout, 0)
-    assert 4 * layout.numel / encoded.bytes_sent == 100.0  # values only: no indices on the wire
+    assert 4 * layout.numel / encoded.payload.bytes_sent == 100.0  # values only: no indices on the wire
 
 
 NARROW_WIRE = {"index_encoding": "elias_fano", "value_dtype": "float16", "dense_dtype": "float16"}
@@ -277,7 +277,7 @@ def test_error_feedback_loses_nothing(name: str, wire: dict) -> None:
         state = memory.bucket(layout, g)
         velocity = memory.compensate(state, g.clone(), params, world_size=1)
         decoded, encoded, _ = _round_trip(compressor, velocity, layout, step)
-        memory.commit(state, encoded)
+        memory.commit(state, encoded.sent)
         received += decoded.double()
     torch.testing.assert_close(received + state.velocity.double(), fed, rtol=0, atol=1e-4)
 
@@ -339,8 +339,8 @@ def test_half_precision_buckets_decode_a_mean_whose_sum_overflows(name: str) -> 
     compressor = create(name) if name == "bf16" else create(name, min_compress_numel=1)  # quantised, not dense
     out = torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, EncodeContext(layout, step=0, world_size=2, rank=0))
-    assert encoded.dense_sent is None or encoded.dense_sent.isfinite().all()
-    LocalTransport(2).launch(encoded)
+    assert encoded.sent.dense_values is None or encoded.sent.dense_values.isfinite().all()
+    LocalTransport(2).launch(encoded.payload)
     compressor.decode(encoded, out, world_size=2)
     assert out.isfinite().all()
     if name != "qsgd":  # QSGD is stochastic: unbiased, not exact
@@ -378,7 +378,7 @@ def test_gathered_quantisers_average_every_row_alike_on_every_rank(name: str, dt
         c.encode(v, torch.empty_like(v), EncodeContext(layout, step=2, world_size=world_size, rank=r))
         for r, (c, v) in enumerate(zip(compressors, velocities))
     ]
-    rows = torch.cat([e.gathered for e in encoded])
+    rows = torch.cat([e.payload.gathered for e in encoded])
     expected = torch.zeros(layout.numel)
     for row in rows.view(world_size, -1):
         compressors[0].add_decoded_chunk(
@@ -389,7 +389,7 @@ def test_gathered_quantisers_average_every_row_alike_on_every_rank(name: str, dt
         )
     expected = (expected / world_size).to(dtype)
     for compressor, e, v in zip(compressors, encoded, velocities):
-        e.gathered_out.copy_(rows)
+        e.payload.gathered_out.copy_(rows)
         out = torch.empty_like(v)
         compressor.decode(e, out, world_size=world_size)
         assert torch.equal(out, expected) and torch.equal(out.signbit(), expected.signbit())
@@ -399,7 +399,7 @@ def test_qsgd_scales_by_a_norm_beyond_float32_without_decoding_nan() -> None:
     layout, _ = _layout_and_params([(2, 2)])
     velocity = torch.tensor([3e19, 3e19, -1.5e19, 0.0])  # ||x||^2 overflows float32
     out, encoded, _ = _round_trip(create("qsgd", min_compress_numel=1), velocity, layout, 0)
-    assert out.isfinite().all() and encoded.dense_sent.isfinite().all()  # not 0 * inf
+    assert out.isfinite().all() and encoded.sent.dense_values.isfinite().all()  # not 0 * inf
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -417,7 +417,7 @@ def test_quantisers_send_one_dimensional_and_small_tensors_exactly(name: str, dt
     for segment, shape in zip(layout.segments, shapes):
         if len(shape) == 1 or segment.numel < 400:
             assert torch.equal(segment.of(out), segment.of(x)), shape
-            assert torch.equal(segment.of(encoded.dense_sent), segment.of(x)), shape
+            assert torch.equal(segment.of(encoded.sent.dense_values), segment.of(x)), shape
         else:
             assert torch.equal(segment.of(out), segment.of(every_2d)), shape  # the same codes and seeds
             assert not torch.equal(segment.of(out), segment.of(x)), shape
@@ -438,12 +438,12 @@ def _local_trip(compressor, velocity: torch.Tensor, layout, world: int, step: in
 
     out = torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, EncodeContext(layout, step=step, world_size=world))
-    bytes_sent = encoded.bytes_sent
-    LocalTransport(world).launch(encoded)
+    bytes_sent = encoded.payload.bytes_sent
+    LocalTransport(world).launch(encoded.payload)
     while encoded.next_round is not None:
         encoded = encoded.next_round()
-        bytes_sent += encoded.bytes_sent
-        LocalTransport(world).launch(encoded)
+        bytes_sent += encoded.payload.bytes_sent
+        LocalTransport(world).launch(encoded.payload)
     compressor.decode(encoded, out, world_size=world)
     return out, bytes_sent
 
@@ -521,7 +521,7 @@ def test_random_k_rescaled_into_float16_saturates_instead_of_overflowing() -> No
     velocity = torch.full((layout.numel,), 70.0, dtype=torch.float16)
     out = torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, EncodeContext(layout, 0, 2, 0))
-    encoded.summed.mul_(2)  # the all-reduce over 2 ranks holding the same velocity
+    encoded.payload.summed.mul_(2)  # the all-reduce over 2 ranks holding the same velocity
     compressor.decode(encoded, out, world_size=2)
-    assert torch.isfinite(out).all() and torch.isfinite(encoded.sent_values).all()
+    assert torch.isfinite(out).all() and torch.isfinite(encoded.sent.values).all()
     assert out.max() == torch.finfo(torch.float16).max

@@ -97,13 +97,13 @@ class LaggingTransport(Transport):
         self.inner, self.lag = inner, lag
         self.world_size, self.rank = inner.world_size, inner.rank
 
-    def launch(self, encoded: Any) -> Future[Any]:
+    def launch(self, payload: Any) -> Future[Any]:
         late: Future[Any] = Future()
 
         def landed(done: Future[Any]) -> None:
             threading.Timer(self.lag, lambda: late.set_result(done.value())).start()
 
-        self.inner.launch(encoded).add_done_callback(landed)
+        self.inner.launch(payload).add_done_callback(landed)
         return late
 
 

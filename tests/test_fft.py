@@ -59,7 +59,7 @@ def test_all_coefficients_at_16_bits_reproduce_the_tensor() -> None:
     x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
     compressor = FFTCompressor(1.0, bits=16)
     encoded = _encode(compressor, layout, x)
-    encoded.gathered_out.copy_(encoded.gathered)
+    encoded.payload.gathered_out.copy_(encoded.payload.gathered)
     out = torch.empty_like(x)
     compressor.decode(encoded, out, world_size=1)
     torch.testing.assert_close(out, x, rtol=0, atol=2e-3 * x.abs().max().item())
@@ -72,8 +72,8 @@ def test_a_smooth_tensor_survives_heavy_sparsification() -> None:
     x = torch.sin(3 * t) + 0.5 * torch.cos(40 * t)
     compressor = FFTCompressor(0.001, bits=8)  # 5 coefficients of 5001
     encoded = _encode(compressor, layout, x)
-    assert 4 * layout.numel / encoded.bytes_sent > 200
-    local = encoded.dense_sent
+    assert 4 * layout.numel / encoded.payload.bytes_sent > 200
+    local = encoded.sent.dense_values
     assert (local - x).norm() < 0.1 * x.norm()
 
 
@@ -86,11 +86,11 @@ def test_decoding_sums_the_ranks_spectra() -> None:
     payloads, locals_, dense = [], [], []
     for x in xs:
         encoded = _encode(compressor, layout, x, world_size=2)
-        payloads.append(encoded.gathered.clone())
-        locals_.append(encoded.dense_sent.clone())
-        dense.append(encoded.summed.clone())
-    encoded.gathered_out.copy_(torch.cat(payloads))
-    encoded.summed.copy_(dense[0] + dense[1])
+        payloads.append(encoded.payload.gathered.clone())
+        locals_.append(encoded.sent.dense_values.clone())
+        dense.append(encoded.payload.summed.clone())
+    encoded.payload.gathered_out.copy_(torch.cat(payloads))
+    encoded.payload.summed.copy_(dense[0] + dense[1])
     out = torch.empty_like(xs[0])
     compressor.decode(encoded, out, world_size=2)
     torch.testing.assert_close(out, (locals_[0] + locals_[1]) / 2, rtol=1e-4, atol=1e-5)

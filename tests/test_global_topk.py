@@ -15,7 +15,8 @@ from conftest import launch_ranks, layout_of
 from lightning_gc import DGCStrategy, GradientCompressionStrategy
 from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors import registry
-from lightning_gc.compressors.base import EncodeContext, Encoded
+from lightning_gc.compressors.base import EncodeContext
+from lightning_gc.compressors.encoded import Encoded
 from lightning_gc.compressors.global_topk import (
     EXCHANGES,
     CandidateSlots,
@@ -45,10 +46,10 @@ def simulate(compressors: list, velocities: list[torch.Tensor], layout: BucketLa
     ]
     mailbox: dict[tuple[int, int], deque] = defaultdict(deque)
     posted, traffic = [False] * n, [0.0] * n
-    while any(e.peer is not None for e in current):
+    while any(e.payload.peer is not None for e in current):
         progress = False
         for rank, encoded in enumerate(current):
-            peer = encoded.peer
+            peer = encoded.payload.peer
             if peer is None:
                 continue
             if not posted[rank] and peer.to is not None:
@@ -58,16 +59,16 @@ def simulate(compressors: list, velocities: list[torch.Tensor], layout: BucketLa
                 if not mailbox[(peer.source, rank)]:
                     continue
                 peer.into.copy_(mailbox[(peer.source, rank)].popleft())
-            traffic[rank] += traffic_bytes(encoded, n)
+            traffic[rank] += traffic_bytes(encoded.payload, n)
             current[rank], posted[rank], progress = encoded.next_round(), False, True
         assert progress, "the rounds deadlock"
     assert not any(mailbox.values()), "a message was never received"
-    sent = [e.sent_values.clone() for e in current]
-    total = sum(e.summed.double() for e in current)
+    sent = [e.sent.values.clone() for e in current]
+    total = sum(e.payload.summed.double() for e in current)
     outs = []
     for compressor, encoded in zip(compressors, current):
-        traffic[len(outs)] += traffic_bytes(encoded, n)
-        encoded.summed.copy_(total)
+        traffic[len(outs)] += traffic_bytes(encoded.payload, n)
+        encoded.payload.summed.copy_(total)
         out = torch.empty(layout.numel)
         compressor.decode(encoded, out, world_size=n)
         outs.append(out)
@@ -183,15 +184,15 @@ def test_every_rank_agrees_on_k_positions_per_tensor_and_gets_their_exact_averag
     generator = torch.Generator().manual_seed(world_size)
     velocities = [torch.randn(layout.numel, generator=generator) for _ in range(world_size)]
     outs, final, _, sent_values = simulate(compressors, [v.clone() for v in velocities], layout)
-    agreed = final[0].sent_indices
+    agreed = final[0].sent.indices
     for encoded, out in zip(final[1:], outs[1:]):
-        assert torch.equal(encoded.sent_indices, agreed) and torch.equal(out, outs[0])
+        assert torch.equal(encoded.sent.indices, agreed) and torch.equal(out, outs[0])
     for segment in layout.segments[0], layout.segments[2], layout.segments[4]:  # compressed: exactly k each
         inside = ((agreed >= segment.start) & (agreed < segment.stop)).sum().item()
         assert inside == math.ceil(0.05 * segment.numel)
     assert agreed.unique().numel() == agreed.numel()
     mean = sum(velocities) / world_size
-    sent = torch.cat([agreed, final[0].dense_positions])
+    sent = torch.cat([agreed, final[0].sent.dense_positions])
     torch.testing.assert_close(outs[0][sent], mean[sent], rtol=1e-6, atol=1e-7)
     unsent = torch.ones(layout.numel, dtype=torch.bool)
     unsent[sent] = False
@@ -211,10 +212,10 @@ def test_the_agreed_positions_hold_most_of_the_global_top_ks_mass() -> None:
     velocities = [signal + torch.randn(layout.numel, generator=generator) for _ in range(world_size)]
     _, final, _, _ = simulate(global_topk(world_size), [v.clone() for v in velocities], layout)
     total = sum(velocities).abs()
-    captured = total[final[0].sent_indices].sum() / total.topk(k).values.sum()
+    captured = total[final[0].sent.indices].sum() / total.topk(k).values.sum()
     assert captured > 0.9, captured
     _, same, _, _ = simulate(global_topk(4), [signal.clone() for _ in range(4)], layout)
-    assert torch.equal(same[0].sent_indices, signal.abs().topk(k).indices.sort().values)
+    assert torch.equal(same[0].sent.indices, signal.abs().topk(k).indices.sort().values)
 
 
 def test_traffic_per_rank_grows_with_log_n_and_undercuts_the_gather_from_four_ranks() -> None:
@@ -226,7 +227,7 @@ def test_traffic_per_rank_grows_with_log_n_and_undercuts_the_gather_from_four_ra
     for world_size in (2, 4, 8, 16):
         velocities = [torch.randn(layout.numel)] * world_size
         _, final, traffic, _ = simulate(global_topk(world_size, compress_ratio=0.01), velocities, layout)
-        summed = final[0].summed.numel() * 4
+        summed = final[0].payload.summed.numel() * 4
         want = math.log2(world_size) * payload + 2 * (world_size - 1) / world_size * summed
         assert all(math.isclose(t, want) for t in traffic), (world_size, traffic, want)
         gathered = (world_size - 1) * payload + 2 * (world_size - 1) / world_size * 256 * 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_gc.common.layout import BucketLayout
-from lightning_gc.compressors.base import Encoded
+from lightning_gc.compressors.encoded import Sent
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.core.momentum import MomentumSpec
 
@@ -133,16 +133,16 @@ def test_commit_without_error_feedback_drops_the_residual_and_hands_over_what_le
         v = memory.compensate(state, g.clone(), ps, world_size=2).clone()
         assert torch.equal(v, g)
         if sent == "whole, exact":
-            encoded, left = Encoded(bytes_sent=0, elements_sent=v.numel(), dense_all=True), v
+            told, left = Sent.whole(), v
         elif sent == "whole, rounded":
             left = v.half().float()
-            encoded = Encoded(bytes_sent=0, elements_sent=v.numel(), dense_all=True, dense_sent=left.clone())
+            told = Sent.whole(left.clone())
         else:
             indices = torch.tensor([0, 7, 20])
-            encoded = Encoded(bytes_sent=0, elements_sent=3, sent_indices=indices, sent_values=v[indices].clone())
+            told = Sent(indices=indices, values=v[indices].clone())
             left = torch.zeros_like(v).index_copy_(0, indices, v[indices])
         own = torch.full_like(v, float("nan"))
-        memory.commit(state, encoded, own)
+        memory.commit(state, told, own)
         assert torch.equal(state.velocity, torch.zeros_like(v))
         assert torch.equal(own, left)
 

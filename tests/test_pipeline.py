@@ -136,7 +136,7 @@ def test_absent_parameters_send_nothing_and_keep_their_state() -> None:
 class _Failing(Transport):
     world_size, rank = 2, 0
 
-    def launch(self, encoded):  # type: ignore[no-untyped-def]
+    def launch(self, payload):  # type: ignore[no-untyped-def]
         future: Future[object] = Future()
         future.set_exception(ConnectionError("peer gone"))
         return future
@@ -176,9 +176,9 @@ def test_the_guard_stops_a_non_finite_gradient_before_memory_sees_it() -> None:
 class _FailingAllToAll(LocalTransport):
     """The local stand-in, whose all-to-all rounds fail once launched (a dead peer)."""
 
-    def launch(self, encoded):
-        launched = super().launch(encoded)
-        if encoded.scattered is None:
+    def launch(self, payload):
+        launched = super().launch(payload)
+        if payload.scattered is None:
             return launched
         failed: Future = Future()
         failed.set_exception(ConnectionError("peer gone"))

@@ -35,7 +35,7 @@ def test_full_rank_reproduces_the_matrix() -> None:
     out, encoded = _encode_decode(compressor, layout, velocity)
     torch.testing.assert_close(out, velocity, rtol=1e-4, atol=1e-5)
     # what memory subtracts leaves no residual: M - P Q^T = 0, and the dense bias left exactly
-    torch.testing.assert_close(encoded.dense_sent, velocity, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(encoded.sent.dense_values, velocity, rtol=1e-4, atol=1e-5)
 
 
 def test_low_rank_is_the_projection_on_p_and_warm_start_converges() -> None:
@@ -66,7 +66,7 @@ def test_small_and_1d_tensors_go_dense_and_bytes_are_counted() -> None:
     out = torch.empty_like(velocity)
     first = compressor.encode(velocity, out, EncodeContext(layout, step=0, world_size=1))
     second = first.next_round()
-    assert first.bytes_sent + second.bytes_sent == compressor.wire_bytes(layout, 4)
+    assert first.payload.bytes_sent + second.payload.bytes_sent == compressor.wire_bytes(layout, 4)
     compressor.decode(second, out, world_size=1)
     torch.testing.assert_close(out[64 * 64 :], velocity[64 * 64 :])  # dense tensors exact
 

@@ -174,11 +174,11 @@ def two_phase_step(compressors: list, velocities: list[torch.Tensor], step: int)
     ]
     for to in range(n):
         for frm in range(n):
-            first[to].scattered_out.view(n, -1)[frm] = first[frm].scattered.view(n, -1)[to]
+            first[to].payload.scattered_out.view(n, -1)[frm] = first[frm].payload.scattered.view(n, -1)[to]
     second = [e.next_round() for e in first]
     for to in range(n):
         for frm in range(n):
-            second[to].gathered_out.view(n, -1)[frm] = second[frm].gathered
+            second[to].payload.gathered_out.view(n, -1)[frm] = second[frm].payload.gathered
     for compressor, encoded, v in zip(compressors, second, velocities):
         compressor.decode(encoded, torch.empty_like(v), world_size=n)
 

@@ -14,7 +14,8 @@ import lightning_gc
 from lightning_gc import GradientCompressionStrategy
 from lightning_gc.common.layout import BucketLayout, Segment, chunk_segments, packed_layout
 from lightning_gc.compressors import registry
-from lightning_gc.compressors.base import EncodeContext, Encoded, compressible
+from lightning_gc.compressors.base import EncodeContext, compressible
+from lightning_gc.compressors.encoded import Encoded, Payload
 from lightning_gc.compressors.two_phase import EXCHANGES, two_phase_compressors
 from lightning_gc.exchanges.transport import LocalTransport, traffic_bytes
 from lightning_gc.perfmodel.calibration import time_codec
@@ -40,18 +41,18 @@ def simulate(compressors: list, velocities: list[torch.Tensor], layout: BucketLa
     ]
     for to in range(n):
         for frm in range(n):
-            first[to].scattered_out.view(n, -1)[frm] = first[frm].scattered.view(n, -1)[to]
+            first[to].payload.scattered_out.view(n, -1)[frm] = first[frm].payload.scattered.view(n, -1)[to]
     second: list[Encoded] = [e.next_round() for e in first]
     assert all(e.next_round is None for e in second)
     for to in range(n):
         for frm in range(n):
-            second[to].gathered_out.view(n, -1)[frm] = second[frm].gathered
+            second[to].payload.gathered_out.view(n, -1)[frm] = second[frm].payload.gathered
     outs = []
     for compressor, encoded, v in zip(compressors, second, velocities):
         out = torch.empty_like(v)
         compressor.decode(encoded, out, world_size=n)
         outs.append(out)
-    return outs, [e.dense_sent for e in second], first, second
+    return outs, [e.sent.dense_values for e in second], first, second
 
 
 def onebit_by_piece(x: torch.Tensor, pieces: list[tuple[int, int]]) -> torch.Tensor:
@@ -269,11 +270,11 @@ def test_two_phase_traffic_per_rank_is_flat_in_the_world_size(name: str) -> None
         compressors = [registry.create(name, exchange="two_phase") for _ in range(world_size)]
         velocities = [torch.randn(layout.numel) for _ in range(world_size)]
         _, _, first, second = simulate(compressors, velocities, layout, step=0)
-        traffic[world_size] = traffic_bytes(first[0], world_size) + traffic_bytes(second[0], world_size)
+        traffic[world_size] = traffic_bytes(first[0].payload, world_size) + traffic_bytes(second[0].payload, world_size)
         ideal = 2 * (world_size - 1) / world_size * dense / ratio
         assert abs(traffic[world_size] - ideal) <= 0.05 * ideal, (world_size, traffic[world_size], ideal)
         gather = traffic_bytes(
-            Encoded(gathered=torch.empty(gathered_payload, dtype=torch.uint8), bytes_sent=0, elements_sent=0),
+            Payload(gathered=torch.empty(gathered_payload, dtype=torch.uint8), bytes_sent=0, elements_sent=0),
             world_size,
         )
         if world_size > 2:
@@ -296,7 +297,7 @@ def test_auto_uses_two_phase_from_three_ranks_and_gather_is_unchanged() -> None:
     assert registry.create("qsgd", exchange="auto", server_feedback=True).server_feedback
     a = auto.encode(velocity.clone(), torch.empty_like(velocity), EncodeContext(layout, 2, 2, 1))
     b = gather.encode(velocity.clone(), torch.empty_like(velocity), EncodeContext(layout, 2, 2, 1))
-    assert a.scattered is None and torch.equal(a.gathered, b.gathered)
+    assert a.payload.scattered is None and torch.equal(a.payload.gathered, b.payload.gathered)
 
 
 def test_exchange_is_refused_for_compressors_that_cannot_and_bad_values_are_named() -> None:
@@ -470,10 +471,11 @@ def test_two_phase_bytes_sent_count_what_leaves_in_both_phases() -> None:
     layout, world_size = make_layout(), 4
     compressors = [registry.create("terngrad", exchange="two_phase") for _ in range(world_size)]
     _, _, first, second = simulate(compressors, [torch.randn(layout.numel) for _ in range(world_size)], layout, 0)
-    row = second[0].gathered.numel()  # each rank sends its other rows, then its re-encoded row: N rows
-    assert first[0].bytes_sent == (world_size - 1) * row and second[0].bytes_sent == row
-    assert first[0].elements_sent == layout.numel and second[0].elements_sent == 0
-    assert math.isclose(traffic_bytes(first[0], world_size), (world_size - 1) * row)
+    first_payload, second_payload = first[0].payload, second[0].payload
+    row = second_payload.gathered.numel()  # each rank sends its other rows, then its re-encoded row: N rows
+    assert first_payload.bytes_sent == (world_size - 1) * row and second_payload.bytes_sent == row
+    assert first_payload.elements_sent == layout.numel and second_payload.elements_sent == 0
+    assert math.isclose(traffic_bytes(first_payload, world_size), (world_size - 1) * row)
 
 
 # ---------------------------------------------------------------------------------------------- gloo
@@ -611,7 +613,7 @@ def test_the_server_error_of_a_parameter_no_rank_used_is_kept() -> None:
     ]
     for to in range(n):
         for frm in range(n):
-            first[to].scattered_out.view(n, -1)[frm] = first[frm].scattered.view(n, -1)[to]
+            first[to].payload.scattered_out.view(n, -1)[frm] = first[frm].payload.scattered.view(n, -1)[to]
     for encoded in first:
         encoded.next_round()
     after = [c.state_dict()["server"]["p2"]["server"] for c in compressors]
@@ -646,9 +648,10 @@ def test_fft_two_phase_transforms_each_piece_and_is_near_exact_when_it_keeps_eve
                 c.encode(v.clone(), torch.empty_like(v), EncodeContext(layout, 0, world_size, r))
                 for r, (c, v) in enumerate(zip(sparse, velocities))
             ]
-            gathered, summed = torch.cat([e.gathered for e in encoded]), sum(e.summed for e in encoded)
-            encoded[0].gathered_out.copy_(gathered)
-            encoded[0].summed.copy_(summed)  # rank 0's collectives, by hand
+            payloads = [e.payload for e in encoded]
+            gathered, summed = torch.cat([p.gathered for p in payloads]), sum(p.summed for p in payloads)
+            payloads[0].gathered_out.copy_(gathered)
+            payloads[0].summed.copy_(summed)  # rank 0's collectives, by hand
             out = torch.empty(layout.numel)
             sparse[0].decode(encoded[0], out, world_size=world_size)
         errors[exchange] = ((out - mean).norm() / mean.norm()).item()
@@ -660,9 +663,9 @@ def local_round_trip(compressor, velocity: torch.Tensor, layout: BucketLayout, w
     exchange, out = LocalTransport(world_size, rank), torch.empty_like(velocity)
     encoded = compressor.encode(velocity, out, EncodeContext(layout, 0, world_size, rank))
     while encoded.next_round is not None:
-        exchange.launch(encoded).wait()
+        exchange.launch(encoded.payload).wait()
         encoded = encoded.next_round()
-    exchange.launch(encoded).wait()
+    exchange.launch(encoded.payload).wait()
     compressor.decode(encoded, out, world_size=world_size)
     return out
 

@@ -101,7 +101,7 @@ def test_the_ratio_set_reaches_the_next_encode() -> None:
         encoded = trainer.strategy.compressor.encode(
             velocity, torch.empty_like(velocity), EncodeContext(layout, step=epoch, world_size=1)
         )
-        sent.append(encoded.elements_sent)
+        sent.append(encoded.payload.elements_sent)
     assert sent == [1024, 256, 5]  # ceil(ratio * 4096) at 0.25, 0.0625, then the target 0.001
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -238,13 +239,13 @@ def _exchange(compressors: list, velocities: list[torch.Tensor], layout: BucketL
     encoded = [c.encode(v, o, EncodeContext(layout, step=step, world_size=world, rank=r))
                for r, (c, v, o) in enumerate(zip(compressors, velocities, outs))]  # fmt: skip
     for e in encoded:
-        e.gathered_out.copy_(torch.cat([f.gathered for f in encoded]))
-    if encoded[0].summed is not None:
-        total = sum(f.summed for f in encoded[1:]) + encoded[0].summed  # in the summed buffers' dtype
-        sent = [None if f.dense_sent is None else f.dense_sent.clone() for f in encoded]
+        e.payload.gathered_out.copy_(torch.cat([f.payload.gathered for f in encoded]))
+    if encoded[0].payload.summed is not None:
+        total = sum(f.payload.summed for f in encoded[1:]) + encoded[0].payload.summed  # in the summed buffers' dtype
+        sent = [None if f.sent.dense_values is None else f.sent.dense_values.clone() for f in encoded]
         for e, s in zip(encoded, sent):
-            e.summed.copy_(total)
-            e.dense_sent = s  # memory is told before the collective overwrites the send buffer
+            e.payload.summed.copy_(total)
+            e.sent = replace(e.sent, dense_values=s)  # memory is told before the collective overwrites the send buffer
     for c, e, o in zip(compressors, encoded, outs):
         c.decode(e, o, world_size=world)
     return list(zip(outs, encoded))
@@ -264,12 +265,12 @@ def test_elias_fano_decodes_exactly_what_int32_decodes(cls: type, value_dtype: s
     for encoding in ("int32", "elias_fano"):
         compressors = [cls(0.05, value_dtype=value_dtype, index_encoding=encoding) for _ in range(world)]
         results[encoding] = _exchange(compressors, [v.clone() for v in velocities], layout, step=3)
-        assert [e.bytes_sent for _, e in results[encoding]] == [compressors[0].wire_bytes(layout, 4)] * world
+        assert [e.payload.bytes_sent for _, e in results[encoding]] == [compressors[0].wire_bytes(layout, 4)] * world
     for (out_a, enc_a), (out_b, enc_b) in zip(results["int32"], results["elias_fano"]):
         assert torch.equal(out_a, out_b)
-        assert torch.equal(enc_a.sent_indices, enc_b.sent_indices)  # memory commits the same pairs
-        assert torch.equal(enc_a.sent_values, enc_b.sent_values)
-    assert results["elias_fano"][0][1].bytes_sent < results["int32"][0][1].bytes_sent
+        assert torch.equal(enc_a.sent.indices, enc_b.sent.indices)  # memory commits the same pairs
+        assert torch.equal(enc_a.sent.values, enc_b.sent.values)
+    assert results["elias_fano"][0][1].payload.bytes_sent < results["int32"][0][1].payload.bytes_sent
 
 
 @pytest.mark.parametrize("encoding", sorted(INDEX_ENCODINGS))
@@ -324,13 +325,14 @@ def test_narrow_dense_tensors_keep_their_rounding_error_in_memory(dense_dtype: s
     compressors = [DGCCompressor(0.05, **{**NARROW, "dense_dtype": dense_dtype}) for _ in range(world)]
     exchanged = _exchange(compressors, [state.velocity for state in states], layout)
     dense_numel = sum(s.numel for s in dense)
-    assert compressors[0].wire_bytes(layout, 4) == exchanged[0][1].bytes_sent
-    assert exchanged[0][1].summed.dtype == wire_dtype and exchanged[0][1].summed.numel() == dense_numel
+    summed = exchanged[0][1].payload.summed
+    assert compressors[0].wire_bytes(layout, 4) == exchanged[0][1].payload.bytes_sent
+    assert summed.dtype == wire_dtype and summed.numel() == dense_numel
 
     rounded = [v.to(wire_dtype) for v in velocities]
     for rank, ((out, encoded), memory, state) in enumerate(zip(exchanged, memories, states)):
         momentum_before = state.momentum.clone()
-        memory.commit(state, encoded)
+        memory.commit(state, encoded.sent)
         for segment in dense:
             v = segment.of(velocities[rank])
             residual = v - segment.of(rounded[rank]).float()
@@ -339,8 +341,8 @@ def test_narrow_dense_tensors_keep_their_rounding_error_in_memory(dense_dtype: s
             assert torch.equal(segment.of(state.momentum), segment.of(momentum_before))  # dense: momentum kept
             want = (segment.of(rounded[0]) + segment.of(rounded[1])).float() / world  # summed in the wire dtype
             assert torch.equal(segment.of(out), want)
-        sent = torch.zeros(layout.numel).index_add_(0, encoded.sent_indices, encoded.sent_values)
-        chosen = encoded.sent_indices
+        sent = torch.zeros(layout.numel).index_add_(0, encoded.sent.indices, encoded.sent.values)
+        chosen = encoded.sent.indices
         assert torch.equal(state.velocity[chosen], velocities[rank][chosen] - sent[chosen])
         assert (state.momentum[chosen] == 0).all()  # masking as before
 
@@ -349,9 +351,9 @@ def test_default_dense_dtype_is_unchanged_and_wide_dense_parts_send_exactly() ->
     layout = _layout(SHAPES)
     velocity = torch.randn(layout.numel)
     ((_, encoded),) = _exchange([DGCCompressor(0.05)], [velocity.clone()], layout)
-    assert encoded.dense_sent is None and encoded.summed.dtype == torch.float32
+    assert encoded.sent.dense_values is None and encoded.payload.summed.dtype == torch.float32
     ((_, encoded),) = _exchange([DGCCompressor(0.05, dense_dtype="float32")], [velocity.clone()], layout)
-    assert encoded.dense_sent is None
+    assert encoded.sent.dense_values is None
 
 
 def test_options_reach_config_and_accept_torch_dtypes() -> None:
@@ -387,7 +389,7 @@ def test_resnet50_gradient_at_0_1_percent_fits_in_0_2_megabytes(resnet50_layout:
     # and what was measured is what is sent: one (simulated) step on the real layout's sizes
     velocity = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
     ((_, encoded),) = _exchange([compressor], [velocity], layout)
-    assert encoded.bytes_sent == 197_464
+    assert encoded.payload.bytes_sent == 197_464
 
 
 # ------------------------------------------------------------------ real training, 2 gloo processes
@@ -493,7 +495,7 @@ def test_values_beyond_fp16_range_saturate_and_the_excess_stays_in_memory(encodi
         exchanged = _exchange(compressors, [state.velocity for state in states], layout, step=step)
         for (out, encoded), memory, state in zip(exchanged, memories, states):
             assert out.isfinite().all()
-            memory.commit(state, encoded)
+            memory.commit(state, encoded.sent)
         delivered += exchanged[0][0]
     assert delivered[big] == pytest.approx(1e6) and delivered[dense_position] == pytest.approx(-1e6)
     assert all(state.velocity.abs().max() < 1 for state in states)  # nothing left behind, nothing lost

@@ -1,8 +1,9 @@
 """Gradient compressors behind one interface (:class:`Compressor`), registered by name."""
 
-from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded
+from lightning_gc.compressors.base import Compressor, EncodeContext
 from lightning_gc.compressors.dense import DensePart
 from lightning_gc.compressors.dgc import DGCCompressor
+from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.fft import FFTCompressor
 from lightning_gc.compressors.powersgd import PowerSGDCompressor
 from lightning_gc.compressors.quantize import (
@@ -27,10 +28,12 @@ __all__ = [
     "FP16Compressor",
     "NoCompressor",
     "OneBitCompressor",
+    "Payload",
     "PowerSGDCompressor",
     "QSGDCompressor",
     "RandomKCompressor",
     "SignSGDCompressor",
+    "Sent",
     "SparseCompressor",
     "TernGradCompressor",
     "TopKCompressor",

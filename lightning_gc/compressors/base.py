@@ -3,26 +3,9 @@
 A compressor turns one bucket's compensated velocity into what this rank hands to the
 collectives, and turns what came back into the averaged dense gradient. It never calls a
 collective itself (see :mod:`lightning_gc.exchanges.comm`) and never touches memory: it reports what it
-sent, and the hook tells the memory.
-
-Payloads come in two kinds, and one bucket may use both:
-
-* ``summed`` -- a floating tensor whose element-wise sum over ranks is meaningful (dense
-  values): all-reduced;
-* ``gathered`` -- a byte buffer of the same size on every rank (e.g. sparse values + indices):
-  all-gathered into ``gathered_out`` without a size exchange;
-* ``scattered`` -- ``world_size`` equal rows, row ``j`` for rank ``j``: exchanged all-to-all into
-  ``scattered_out``, whose row ``i`` is what rank ``i`` sent to this rank (the first phase of the
-  two-phase exchange, :mod:`lightning_gc.compressors.two_phase`);
-* ``peer`` -- a :class:`PeerTransfer`: a payload sent to one rank and/or one received from one
-  rank, point to point (the rounds of the global top-k selection,
-  :mod:`lightning_gc.compressors.global_topk`).
-
-A compressor may need several rounds of communication per bucket (PowerSGD all-reduces P, then
-Q computed from the reduced P). Its :meth:`Compressor.encode` then returns the first round with
-``next_round`` set; the hook completes each round's collectives *from the hook itself* before
-asking for the next, so every rank issues every collective in the same order (see
-:mod:`lightning_gc.exchanges.comm`). Only the last round is left in flight for DDP to overlap.
+sent, and the pipeline tells the memory. What :meth:`Compressor.encode` returns, an
+:class:`~lightning_gc.compressors.encoded.Encoded` round (what travels, what memory commits, and
+round control), is in :mod:`lightning_gc.compressors.encoded`.
 
 This module holds the interface only (and the per-bucket plan cache compressors build on); the
 arithmetic of wire values is in :mod:`lightning_gc.compressors.numerics`, the tensors that leave
@@ -41,78 +24,7 @@ import torch
 
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_range
-
-
-@dataclass(frozen=True)
-class PeerTransfer:
-    """One round of point-to-point traffic (ranks are ranks of the exchange's group).
-
-    ``payload`` is this rank's message of the round, sent to rank ``to`` unless that is ``None``;
-    when ``source`` is set, rank ``source``'s message (of the same size) is received into ``into``.
-    Neither: this rank sits the round out. Both ends of every transfer are in the same round on
-    their two ranks, so a round is a set of matched pairs and cannot deadlock.
-    """
-
-    payload: torch.Tensor
-    to: int | None = None
-    into: torch.Tensor | None = None
-    source: int | None = None
-
-    def __post_init__(self) -> None:
-        if (self.into is None) != (self.source is None):
-            raise ValueError("PeerTransfer receives with both `into` and `source`, or neither")
-
-
-@dataclass(kw_only=True)
-class Encoded:
-    """One rank's contribution for one bucket, and what it means for memory.
-
-    Attributes:
-        bytes_sent: bytes this rank hands to the collectives.
-        elements_sent: number of gradient values this rank sends.
-        summed: all-reduced in place (sum over ranks), or ``None``.
-        gathered: all-gathered into ``gathered_out`` (``world_size`` x its size), or ``None``.
-        scattered: exchanged all-to-all: ``world_size`` equal rows, row ``j`` goes to rank ``j``
-            and row ``i`` of ``scattered_out`` comes from rank ``i``; or ``None``.
-        peer: a point-to-point round (:class:`PeerTransfer`), or ``None``.
-        sent_indices: bucket positions (int64) of the pairs sent sparsely, or ``None``.
-        sent_values: the values of those pairs as receivers decode them; a pair with value 0
-            is a no-op (the Triton selection pads with such pairs).
-        dense_positions: bucket positions (int64) whose velocity left whole; ``None`` when the
-            whole bucket did (``dense_all``) or nothing did.
-        dense_all: every element of the bucket left this rank (exactly, or as ``dense_sent``).
-        dense_sent: the dense values as receivers decode them, when the wire rounds them (e.g.
-            fp16); ``None`` means they left exactly. Valid until decode, which may overwrite it
-            (see :func:`~lightning_gc.compressors.numerics.widened_for_commit`).
-        context: compressor-private data needed by :meth:`Compressor.decode`.
-        next_round: for multi-round compressors, called once this round's collectives have
-            completed; returns the next round. ``None`` on the last round.
-        commit_after_decode: memory learns what was sent only after :meth:`Compressor.decode`
-            (``dense_sent`` is filled there), for compressors whose residual depends on the
-            aggregate (PowerSGD's ``e = M - P Q_avg^T``).
-        stand_in: for exchanges without collectives (:class:`~lightning_gc.exchanges.transport.LocalTransport`):
-            fills ``gathered_out`` / ``scattered_out`` with what ranks holding this rank's velocity
-            would send, where a copy of this rank's own payload is no valid message (a two-phase
-            round's rows each have their chunk's format); ``None``: the copy is one.
-    """
-
-    bytes_sent: int
-    elements_sent: int
-    summed: torch.Tensor | None = None
-    gathered: torch.Tensor | None = None
-    gathered_out: torch.Tensor | None = None
-    scattered: torch.Tensor | None = None
-    scattered_out: torch.Tensor | None = None
-    peer: PeerTransfer | None = None
-    sent_indices: torch.Tensor | None = None
-    sent_values: torch.Tensor | None = None
-    dense_positions: torch.Tensor | None = None
-    dense_all: bool = False
-    dense_sent: torch.Tensor | None = None
-    context: Any = None
-    next_round: Callable[[], Encoded] | None = None
-    commit_after_decode: bool = False
-    stand_in: Callable[[], None] | None = None
+from lightning_gc.compressors.encoded import Encoded
 
 
 @dataclass(frozen=True)
@@ -216,7 +128,8 @@ class Compressor(ABC):
     @abstractmethod
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         """Bytes one rank would hand to the collectives for ``layout`` at the current settings,
-        for gradients of ``element_size`` bytes (what :meth:`encode` reports as ``bytes_sent``)."""
+        for gradients of ``element_size`` bytes (what :meth:`encode`'s rounds report as their payloads'
+        ``bytes_sent``, together)."""
 
     def config(self) -> dict[str, Any]:
         """Plain-data description, recorded in checkpoints: ``{"name": name, argument: value, ...}``

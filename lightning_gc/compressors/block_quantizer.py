@@ -29,9 +29,10 @@ import torch
 
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_int
-from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.base import EncodeContext, PlannedCompressor, split_segments
 from lightning_gc.compressors.chunks import ChunkFormat, encode_seed
 from lightning_gc.compressors.dense import DenseBlock
+from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.numerics import aligned, mean_into, summing_dtype
 from lightning_gc.compressors.two_phase import TwoPhaseExchange
 from lightning_gc.kernels.packing import packed_bytes
@@ -182,15 +183,8 @@ class BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
         plan = self.plan(context, velocity)
         self.encode_chunk(velocity, plan.fmt, plan.payload, plan.decoded, encode_seed(context.step, context.rank))
         plan.rank = context.rank
-        return Encoded(
-            gathered=plan.payload,
-            gathered_out=plan.gathered,
-            dense_all=True,
-            bytes_sent=plan.payload.numel(),
-            elements_sent=velocity.numel(),
-            context=plan,
-            dense_sent=plan.decoded,
-        )
+        payload = Payload.all_gather(plan.payload, plan.gathered, elements_sent=velocity.numel())
+        return Encoded(payload, Sent.whole(plan.decoded), context=plan)
 
     def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         plan: _QuantPlan = encoded.context

@@ -15,7 +15,7 @@ Invariant: what memory subtracts is what receivers decode. A float32 wire (the d
 :class:`DenseBlock`) carries every fp16, bf16 and float32 value exactly, so error feedback keeps
 nothing of it; a narrower wire saturates so that the sum over ranks stays finite
 (:func:`~lightning_gc.compressors.numerics.saturating_copy_`) and rounds, and the decoded values
-(``Encoded.dense_sent``) say so, leaving the rounding in the residual.
+(``Sent.dense_values``) say so, leaving the rounding in the residual.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_gc.common.layout import Segment, segment_positions
-from lightning_gc.compressors.base import Encoded
+from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.numerics import mean_into, saturating_copy_
 
 
@@ -78,7 +78,7 @@ class DensePart:
 
     @property
     def sent(self) -> torch.Tensor | None:
-        """What receivers decode when the wire dtype differs from the velocity's (``Encoded.dense_sent``:
+        """What receivers decode when the wire dtype differs from the velocity's (``Sent.dense_values``:
         memory subtracts it before the collective overwrites it); ``None`` when the values leave exactly."""
         return None if self.staging is None else self.values
 
@@ -174,18 +174,15 @@ class DenseBlock:
 def encode_whole_bucket(velocity: torch.Tensor, out: torch.Tensor) -> Encoded:
     """The bucket's velocity, sent whole and exactly through one all-reduce in ``out``; the
     compressor's decode finishes it with :func:`decode_whole_bucket`."""
-    return Encoded(
-        summed=out.copy_(velocity),
-        dense_all=True,
-        bytes_sent=velocity.numel() * velocity.element_size(),
-        elements_sent=velocity.numel(),
-    )
+    numel = velocity.numel()
+    payload = Payload(summed=out.copy_(velocity), bytes_sent=numel * velocity.element_size(), elements_sent=numel)
+    return Encoded(payload, Sent.whole())
 
 
 def decode_whole_bucket(encoded: Encoded, out: torch.Tensor, world_size: int) -> bool:
     """Finish a bucket from :func:`encode_whole_bucket` (``out`` was the all-reduce buffer, so the
     mean is ``out / N``) and return ``True``; return ``False`` for any other encoding."""
-    if encoded.summed is not out:
+    if encoded.payload.summed is not out:
         return False
     out.div_(world_size)
     return True

@@ -36,9 +36,10 @@ import torch
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_choice, check_int
 from lightning_gc.compressors import rangefloat
-from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, PlannedCompressor, split_segments
 from lightning_gc.compressors.chunks import ChunkFormat
 from lightning_gc.compressors.dense import DenseBlock, DensePart, decode_whole_bucket, encode_whole_bucket
+from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.numerics import aligned
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.two_phase import TwoPhaseExchange
@@ -204,16 +205,8 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
         if plan.dense is not None:
             summed = plan.dense.gather(velocity)
             plan.local.index_copy_(0, plan.dense.positions, summed)  # dense tensors leave exactly
-        return Encoded(
-            summed=summed,
-            gathered=plan.payload,
-            gathered_out=plan.gathered,
-            dense_all=True,
-            dense_sent=plan.local,
-            bytes_sent=plan.payload.numel() + (0 if summed is None else summed.numel() * summed.element_size()),
-            elements_sent=2 * plan.layout.total_k + (0 if summed is None else summed.numel()),
-            context=plan,
-        )
+        payload = Payload.all_gather(plan.payload, plan.gathered, elements_sent=2 * plan.layout.total_k, summed=summed)
+        return Encoded(payload, Sent.whole(plan.local), context=plan)
 
     def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         """Every rank's coefficients added into one spectrum per tensor, one ``irfft`` (the

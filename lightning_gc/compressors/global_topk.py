@@ -53,8 +53,9 @@ from dataclasses import dataclass
 import torch
 
 from lightning_gc.common.layout import Segment, segment_positions
-from lightning_gc.compressors.base import EncodeContext, Encoded, PeerTransfer
+from lightning_gc.compressors.base import EncodeContext
 from lightning_gc.compressors.dense import DensePart
+from lightning_gc.compressors.encoded import Encoded, Payload, PeerTransfer, Sent
 from lightning_gc.compressors.wire import SparseWireFormat
 
 EXCHANGES = ("gather", "global_topk")
@@ -239,15 +240,15 @@ class GlobalTopKPlan:
             decoded = self.wire.pack(self.payload, self.positions, self.values, self.universe)
             self.values.copy_(decoded)  # merge what the partner decodes, as it does: the two stay equal
         receives = current.source is not None
+        peer = PeerTransfer(
+            self.payload, to=current.to, into=self.received if receives else None, source=current.source
+        )
         return Encoded(
-            peer=PeerTransfer(
-                self.payload,
-                to=current.to,
-                into=self.received if receives else None,
-                source=current.source,
+            Payload(
+                peer=peer,
+                bytes_sent=0 if current.to is None else self.payload.numel(),
+                elements_sent=0,  # the values sent are counted once, in the all-reduce
             ),
-            bytes_sent=0 if current.to is None else self.payload.numel(),
-            elements_sent=0,  # the values sent are counted once, in the all-reduce
             next_round=self._after(current, velocity, rest, context),
         )
 
@@ -275,13 +276,13 @@ class GlobalTopKPlan:
         sent = self.agreed.sent if self.agreed.sent is not None else summed
         dense = self.agreed.positions.numel() > total
         return Encoded(
-            summed=summed,
-            sent_indices=self.agreed.positions[:total],
-            sent_values=sent[:total],
-            dense_positions=self.agreed.positions[total:] if dense else None,
-            dense_sent=sent[total:] if dense and self.agreed.sent is not None else None,
-            bytes_sent=summed.numel() * summed.element_size(),
-            elements_sent=summed.numel(),
+            Payload.all_reduce(summed),
+            Sent(
+                indices=self.agreed.positions[:total],
+                values=sent[:total],
+                dense_positions=self.agreed.positions[total:] if dense else None,
+                dense_values=sent[total:] if dense and self.agreed.sent is not None else None,
+            ),
             context=self,
         )
 

@@ -68,7 +68,7 @@ def saturating_copy_(wire: torch.Tensor, values: torch.Tensor, summands: int = 1
 
 def widened_for_commit(wire: torch.Tensor, velocity: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """What memory should subtract from ``velocity`` for the narrow ``wire`` values (its
-    ``Encoded.dense_sent``): on CPU a copy of ``wire`` in ``velocity``'s dtype, written into
+    ``Sent.dense_values``): on CPU a copy of ``wire`` in ``velocity``'s dtype, written into
     ``scratch`` (a bucket-sized buffer free until decode) when the dtypes match; else ``wire``.
 
     Why: CPU kernels for in-place arithmetic across dtypes (``v -= fp16``) are not vectorised and

@@ -33,8 +33,9 @@ import torch
 from lightning_gc.common.flatstate import copy_into
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_bool, check_int, check_range
-from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor
+from lightning_gc.compressors.base import EncodeContext, PlannedCompressor
 from lightning_gc.compressors.dense import DensePart, decode_whole_bucket, encode_whole_bucket
+from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.registry import register
 
 _SEED_PARAM, _SEED_STEP = 1_000_003, 7_919
@@ -190,12 +191,7 @@ class PowerSGDCompressor(PlannedCompressor[_PowerPlan]):
             torch.matmul(factor.matrix(velocity), q, out=factor.p(plan.round1))
         if plan.dense is not None:
             plan.dense.gather(velocity)
-        return Encoded(
-            summed=plan.round1,
-            bytes_sent=plan.round1.numel() * plan.round1.element_size(),
-            elements_sent=plan.round1.numel(),
-            next_round=lambda: self._second_round(plan, velocity),
-        )
+        return Encoded(Payload.all_reduce(plan.round1), next_round=lambda: self._second_round(plan, velocity))
 
     def _second_round(self, plan: _PowerPlan, velocity: torch.Tensor) -> Encoded:
         """Round 2, once the P's are summed over ranks: ``Q = M^T orthonormalise(P)``."""
@@ -203,12 +199,9 @@ class PowerSGDCompressor(PlannedCompressor[_PowerPlan]):
             p = orthonormalise_(factor.p(plan.round1))
             torch.matmul(factor.matrix(velocity).t(), p, out=factor.q(plan.round2))
         return Encoded(
-            summed=plan.round2,
-            dense_all=True,
-            dense_sent=plan.sent,
+            Payload.all_reduce(plan.round2),
+            Sent.whole(plan.sent),  # filled by decode: M_hat, and the velocity where dense
             commit_after_decode=True,
-            bytes_sent=plan.round2.numel() * plan.round2.element_size(),
-            elements_sent=plan.round2.numel(),
             context=(plan, velocity),
         )
 

@@ -20,7 +20,8 @@ import torch
 
 from lightning_gc.common.layout import BucketLayout, Segment, segment_positions
 from lightning_gc.common.validation import check_bool, check_int
-from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, PlannedCompressor, split_segments
+from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.numerics import saturating_copy_
 from lightning_gc.compressors.registry import register
 from lightning_gc.kernels.rng import counter_uniform
@@ -116,12 +117,8 @@ class RandomKCompressor(AdjustableRatio, PlannedCompressor[_RandomKPlan]):
         else:
             plan.sent.copy_(plan.summed[dense_count:])
         return Encoded(
-            summed=plan.summed,
-            sent_indices=plan.indices,
-            sent_values=plan.sent,
-            dense_positions=plan.dense_positions if dense_count else None,
-            bytes_sent=plan.summed.numel() * plan.summed.element_size(),
-            elements_sent=plan.summed.numel(),
+            Payload.all_reduce(plan.summed),
+            Sent(indices=plan.indices, values=plan.sent, dense_positions=plan.dense_positions if dense_count else None),
             context=plan,
         )
 

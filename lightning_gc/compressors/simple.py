@@ -7,9 +7,10 @@ from collections.abc import Sequence
 import torch
 
 from lightning_gc.common.layout import BucketLayout, Segment
-from lightning_gc.compressors.base import EncodeContext, Encoded, PlannedCompressor
+from lightning_gc.compressors.base import EncodeContext, PlannedCompressor
 from lightning_gc.compressors.chunks import ChunkFormat
 from lightning_gc.compressors.dense import DenseBlock, decode_whole_bucket, encode_whole_bucket
+from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.numerics import aligned, mean_into, saturating_copy_, widened_for_commit
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
@@ -88,17 +89,13 @@ class _CastCompressor(_DenseChunks, PlannedCompressor[torch.Tensor]):
     def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         wire = self.plan(context, velocity)
         saturating_copy_(wire, velocity, context.world_size)  # the sum over ranks stays finite
-        return Encoded(
-            summed=wire,
-            dense_all=True,
-            bytes_sent=wire.numel() * wire.element_size(),
-            elements_sent=wire.numel(),
-            dense_sent=widened_for_commit(wire, velocity, out),  # memory subtracts it: v keeps the rounding
-        )
+        # memory subtracts what receivers decode: v keeps the rounding
+        return Encoded(Payload.all_reduce(wire), Sent.whole(widened_for_commit(wire, velocity, out)))
 
     def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
-        assert encoded.summed is not None
-        mean_into(out, encoded.summed, world_size)
+        summed = encoded.payload.summed
+        assert summed is not None
+        mean_into(out, summed, world_size)
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
         return layout.numel * self.wire_dtype.itemsize

@@ -34,8 +34,9 @@ import torch
 from lightning_gc import kernels
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_choice, check_int
-from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, Encoded, PlannedCompressor, split_segments
+from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, PlannedCompressor, split_segments
 from lightning_gc.compressors.dense import DensePart, decode_whole_bucket, encode_whole_bucket
+from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.global_topk import EXCHANGES, GlobalTopKPlan
 from lightning_gc.compressors.wire import INDEX_ENCODINGS, VALUE_DTYPES
 from lightning_gc.kernels.selection import SegmentedTopK, for_each_segment
@@ -228,18 +229,17 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
         self.select_segments(velocity, plan, context.step * _SALT_STEP)
         if plan.global_topk is not None:
             return plan.global_topk.first_round(velocity, plan.sent_indices, plan.sent_values, context)
-        sent = self.wire.pack(plan.payload, plan.sent_indices, plan.sent_values, context.layout.numel)
-        summed = None if plan.dense is None else plan.dense.gather(velocity, context.world_size)
+        decoded = self.wire.pack(plan.payload, plan.sent_indices, plan.sent_values, context.layout.numel)
+        dense = plan.dense
+        summed = None if dense is None else dense.gather(velocity, context.world_size)
         return Encoded(
-            summed=summed,
-            gathered=plan.payload,
-            gathered_out=plan.gathered,
-            sent_indices=plan.sent_indices,
-            sent_values=sent,
-            dense_positions=None if plan.dense is None else plan.dense.positions,
-            dense_sent=None if plan.dense is None else plan.dense.sent,
-            bytes_sent=plan.payload.numel() + (0 if summed is None else summed.numel() * summed.element_size()),
-            elements_sent=plan.total_k + (0 if summed is None else summed.numel()),
+            Payload.all_gather(plan.payload, plan.gathered, elements_sent=plan.total_k, summed=summed),
+            Sent(
+                indices=plan.sent_indices,
+                values=decoded,
+                dense_positions=None if dense is None else dense.positions,
+                dense_values=None if dense is None else dense.sent,
+            ),
             context=plan,
         )
 

@@ -65,8 +65,9 @@ from lightning_gc.common.errors import IncompatibleCheckpoint
 from lightning_gc.common.flatstate import FlatState
 from lightning_gc.common.layout import BucketLayout, Segment, chunk_segments, packed_layout
 from lightning_gc.common.validation import check_bool, check_choice
-from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlanCache
+from lightning_gc.compressors.base import Compressor, EncodeContext, PlanCache
 from lightning_gc.compressors.chunks import ChunkCodec, ChunkFormat, encode_seed
+from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.numerics import aligned, summing_dtype
 from lightning_gc.compressors.registry import available, compressor_class
 
@@ -187,15 +188,14 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             seed = encode_seed(context.step, context.rank, chunk)
             self.encode_chunk(velocity, fmt, rows[chunk, : fmt.nbytes], plan.own_decoded, seed)
         rows_out = plan.scattered.numel() // context.world_size * (context.world_size - 1)
-        return Encoded(
+        payload = Payload(
             scattered=plan.scattered,
             scattered_out=plan.received,
             bytes_sent=rows_out,  # its own row stays here: with phase 2's row, N rows ~ the gathered payload
             elements_sent=velocity.numel(),
-            context=plan,
-            next_round=lambda: self._server_round(plan, context),
             stand_in=lambda: self._stand_in_chunks(plan, velocity, context),
         )
+        return Encoded(payload, context=plan, next_round=lambda: self._server_round(plan, context))
 
     def _stand_in_chunks(self, plan: _TwoPhasePlan, velocity: torch.Tensor, context: EncodeContext) -> None:
         """Phase 1 without collectives: every rank sends this rank its chunk of ``velocity``, encoded
@@ -229,16 +229,13 @@ class TwoPhaseExchange(ChunkCodec, Compressor):
             errors = torch._foreach_sub(_views(fed, plan.owned_values), _views(fed, plan.owned_decoded))
             _copy_pieces(fed, plan.server, errors)
         plan.owner = rank
-        return Encoded(
-            gathered=plan.server_payload,
-            gathered_out=plan.gathered,
-            dense_all=True,
-            dense_sent=plan.own_decoded,
-            bytes_sent=plan.server_payload.numel(),
+        payload = Payload.all_gather(
+            plan.server_payload,
+            plan.gathered,
             elements_sent=0,  # counted with phase 1: the same values, averaged
-            context=plan,
             stand_in=lambda: self._stand_in_means(plan, rank, world_size),
         )
+        return Encoded(payload, Sent.whole(plan.own_decoded), context=plan)
 
     @staticmethod
     def _stand_in_means(plan: _TwoPhasePlan, rank: int, world_size: int) -> None:

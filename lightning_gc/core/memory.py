@@ -38,7 +38,7 @@ from lightning_gc import kernels
 from lightning_gc.common.flatstate import FlatState
 from lightning_gc.common.layout import BucketLayout, Segment, bucket_order
 from lightning_gc.common.validation import check_range
-from lightning_gc.compressors.base import Encoded
+from lightning_gc.compressors.encoded import Sent
 from lightning_gc.core.compensation_pieces import CompensationPiece, ParamsCopy, plan_pieces
 from lightning_gc.core.momentum import NO_MOMENTUM, MomentumSpec
 
@@ -265,42 +265,43 @@ class CompensationMemory:
             memory.params_copy = ParamsCopy(memory.velocity)
         return memory.params_copy
 
-    def commit(self, memory: BucketMemory, encoded: Encoded, own: torch.Tensor | None = None) -> None:
-        """Record what left this rank for one bucket, as ``encoded`` describes it, then end the
-        bucket's step: drop the residual without error feedback, restore set-aside state.
+    def commit(self, memory: BucketMemory, sent: Sent, own: torch.Tensor | None = None) -> None:
+        """Record what left this rank for one bucket, as ``sent`` (the codec's last round's
+        :class:`~lightning_gc.compressors.encoded.Sent`) describes it, then end the bucket's step: drop
+        the residual without error feedback, restore set-aside state.
 
         ``own`` (bucket-sized) receives this rank's contribution as receivers decode it: for a
-        whole bucket, ``encoded.dense_sent`` (or the velocity, sent exactly); otherwise the
+        whole bucket, ``sent.dense_values`` (or the velocity, sent exactly); otherwise the
         velocity before the commit minus the velocity after it (before any zeroing).
         """
         # Without error feedback, momentum (to mask) or ``own``, subtracting what left would only be
         # undone by the zeroing below: a pass over the bucket saved.
         emptied = False
         if self.error_feedback or own is not None or memory.momentum is not None:
-            emptied = self._subtract_sent(memory, encoded, own)
+            emptied = self._subtract_sent(memory, sent, own)
         if not self.error_feedback and not emptied:
             memory.velocity.zero_()
         self.put_back(memory, memory.aside)
         memory.aside = []
 
-    def _subtract_sent(self, memory: BucketMemory, encoded: Encoded, own: torch.Tensor | None) -> bool:
-        """Remove what ``encoded`` says left from the velocity (and mask momentum); ``own`` gets the
+    def _subtract_sent(self, memory: BucketMemory, sent: Sent, own: torch.Tensor | None) -> bool:
+        """Remove what ``sent`` says left from the velocity (and mask momentum); ``own`` gets the
         difference. When the whole bucket left, that is what left as receivers decode it (or the
         velocity itself, sent exactly), copied at once rather than subtracted after the commit.
         Returns whether the velocity is now zero (the whole bucket left exactly)."""
-        if encoded.dense_all and encoded.sent_indices is None:
+        if sent.dense_all and sent.indices is None:
             if own is not None:
-                own.copy_(memory.velocity if encoded.dense_sent is None else encoded.dense_sent)
-            self.commit_dense(memory, None, encoded.dense_sent)
-            return encoded.dense_sent is None
+                own.copy_(memory.velocity if sent.dense_values is None else sent.dense_values)
+            self.commit_dense(memory, None, sent.dense_values)
+            return sent.dense_values is None
         if own is not None:
             own.copy_(memory.velocity)
-        if encoded.sent_indices is not None:
-            assert encoded.sent_values is not None
-            self.commit_sparse(memory, encoded.sent_indices, encoded.sent_values)
-        if encoded.dense_all or encoded.dense_positions is not None:
-            positions = None if encoded.dense_all else encoded.dense_positions
-            self.commit_dense(memory, positions, encoded.dense_sent)
+        if sent.indices is not None:
+            assert sent.values is not None
+            self.commit_sparse(memory, sent.indices, sent.values)
+        if sent.dense_all or sent.dense_positions is not None:
+            positions = None if sent.dense_all else sent.dense_positions
+            self.commit_dense(memory, positions, sent.dense_values)
         if own is not None:
             own.sub_(memory.velocity)
         return False

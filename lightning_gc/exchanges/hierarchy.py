@@ -9,8 +9,8 @@ and torchrun's numbering), one bucket with local gradient ``g_r`` goes::
        (lightning_gc.common.layout.chunk_segments, as the two-phase exchange's chunks)
     2. within node k (fast link), reduce-scatter: local rank l gets S_k[shard l], S_k = sum_l g_(k,l)
     3. the pipeline on the shard (lightning_gc.exchanges.pipeline), among the K ranks of local rank l:
-           v <- compensate(S_k[shard l]) ; enc = encode(v) ; memory.commit(enc)
-           exchange enc across nodes (slow link) ; decode -> (1/K) sum_k decode(enc_k)
+           v <- compensate(S_k[shard l]) ; enc = encode(v) ; memory.commit(enc.sent)
+           exchange enc.payload across nodes (slow link) ; decode -> (1/K) sum_k decode(enc_k)
            divide by L                          -> the mean over all N ranks, on shard l
     4. within node k, all-gather of the L shards: every rank holds the whole averaged bucket
 

@@ -62,7 +62,8 @@ from torch.futures import Future
 
 from lightning_gc import kernels
 from lightning_gc.common.layout import BucketLayout, piece_bounds
-from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded, PlannedCompressor
+from lightning_gc.compressors.base import Compressor, EncodeContext, PlannedCompressor
+from lightning_gc.compressors.encoded import Encoded
 from lightning_gc.compressors.global_topk import GlobalTopKPlan
 from lightning_gc.compressors.numerics import mean_into
 from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan

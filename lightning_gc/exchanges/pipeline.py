@@ -7,9 +7,13 @@ local stand-in (:class:`~lightning_gc.exchanges.transport.LocalTransport`)::
     guard.screen(g)                              non-finite policy (lightning_gc.core.guard)
     v   = memory.compensate(g)                   DGC's momentum correction, clipping (lightning_gc.core.memory)
     enc = compressor.encode(v)                   what this rank sends (lightning_gc.compressors)
-    memory.commit(enc)                           v (and u) forget what was sent; momentum masking
-    transport.launch(enc)                        the collectives, from the caller, in bucket order
+    memory.commit(enc.sent)                      v (and u) forget what was sent; momentum masking
+    transport.launch(enc.payload)                the collectives, from the caller, in bucket order
     on completion: compressor.decode(enc)        -> the bucket's averaged gradient
+
+Each reader gets its part of the :class:`~lightning_gc.compressors.encoded.Encoded` round: memory its
+``sent``, the transport its ``payload``; the round control (``next_round``, ``commit_after_decode``)
+is read here, and ``context`` by the codec's decode alone.
 
 Multi-round compressors (PowerSGD, the two-phase exchange, global top-k's merges) return their
 first round with ``next_round`` set: an earlier round's exchange must complete before the next is
@@ -41,7 +45,8 @@ import torch
 from torch.futures import Future
 
 from lightning_gc.common.layout import BucketLayout, Segment
-from lightning_gc.compressors.base import Compressor, EncodeContext, Encoded
+from lightning_gc.compressors.base import Compressor, EncodeContext
+from lightning_gc.compressors.encoded import Payload
 from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import BucketMemory, CompensationMemory
 from lightning_gc.exchanges.timeline import COMMIT_AFTER_DECODE, EXCHANGE, Timeline
@@ -163,11 +168,11 @@ def run_bucket(job: BucketJob, bucket: BucketMemory, transport: Transport) -> Bu
         encoded = compressor.encode(velocity, target, context)
         timeline.mark("encode")
         while encoded.next_round is not None:  # an earlier round completes before the next is encoded
-            sent.bytes_sent += encoded.bytes_sent
-            sent.elements_sent += encoded.elements_sent
-            launched = transport.launch(encoded)
+            sent.bytes_sent += encoded.payload.bytes_sent
+            sent.elements_sent += encoded.payload.elements_sent
+            launched = transport.launch(encoded.payload)
             timeline.mark(EXCHANGE)
-            if _in_flight(encoded):
+            if _in_flight(encoded.payload):
                 yield  # the caller resumes when it is ready to wait (at once, or at the next bucket's hook)
                 timeline.start()  # what ran in between was not this bucket's
             wait(launched, failure)
@@ -181,19 +186,19 @@ def run_bucket(job: BucketJob, bucket: BucketMemory, transport: Transport) -> Bu
                     "decode), so this rank's own contribution is not known before the exchange"
                 )
         else:
-            memory.commit(bucket, encoded, own)
+            memory.commit(bucket, encoded.sent, own)
             timeline.mark("commit")
-        launched = transport.launch(encoded)
+        last = encoded
+        launched = transport.launch(last.payload)
         timeline.mark("launch")  # before `.then` below: decode may run on another thread once attached
 
-        def decode(done: Future[Encoded]) -> torch.Tensor:
-            wait(done, failure)
-            received = done.value()
+        def decode(done: Future[Payload]) -> torch.Tensor:
+            wait(done, failure)  # the payload's receive buffers, which the round's decode reads, are filled
             timeline.start()
-            compressor.decode(received, target, world_size=world_size)
+            compressor.decode(last, target, world_size=world_size)
             timeline.mark("decode")
-            if received.commit_after_decode:
-                memory.commit(bucket, received)
+            if last.commit_after_decode:
+                memory.commit(bucket, last.sent)
                 timeline.mark(COMMIT_AFTER_DECODE)
             if out is None:
                 memory.restore_loss_scale(grad, loss_scale)
@@ -201,8 +206,8 @@ def run_bucket(job: BucketJob, bucket: BucketMemory, transport: Transport) -> Bu
                 on_decoded(timeline)
             return target
 
-        sent.bytes_sent += encoded.bytes_sent
-        sent.elements_sent += encoded.elements_sent
+        sent.bytes_sent += last.payload.bytes_sent
+        sent.elements_sent += last.payload.elements_sent
         decoded = launched.then(decode)
         if sent.deferred:
             placeholder = sent.averaged
@@ -235,10 +240,10 @@ def complete(sent: BucketStep) -> None:
         _step(sent)
 
 
-def _in_flight(encoded: Encoded) -> bool:
+def _in_flight(payload: Payload) -> bool:
     """Whether a launched round leaves collectives in flight: a point-to-point round alone (global
     top-k's merges) completes inside the launch (:func:`lightning_gc.exchanges.comm.transfer` blocks)."""
-    return encoded.summed is not None or encoded.gathered is not None or encoded.scattered is not None
+    return payload.summed is not None or payload.gathered is not None or payload.scattered is not None
 
 
 def pending_like(tensor: torch.Tensor) -> Future[torch.Tensor]:

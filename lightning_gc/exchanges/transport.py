@@ -1,9 +1,11 @@
 """Transports: how one round of an encoded payload moves between ranks.
 
-The pipeline (:mod:`lightning_gc.exchanges.pipeline`) hands a transport one round of
-:class:`~lightning_gc.compressors.base.Encoded`; the transport launches its collectives *from the
-caller's thread* (the comm hook, in bucket order on every rank, see
-:mod:`lightning_gc.exchanges.comm`) and returns a future of the round that decode is to read, whose
+The pipeline (:mod:`lightning_gc.exchanges.pipeline`) hands a transport one round's
+:class:`~lightning_gc.compressors.encoded.Payload` (the part of an
+:class:`~lightning_gc.compressors.encoded.Encoded` that travels; what memory commits and the round
+control stay with the pipeline); the transport launches its collectives *from the caller's thread*
+(the comm hook, in bucket order on every rank, see :mod:`lightning_gc.exchanges.comm`) and returns a
+future of the payload once its receive buffers hold what decode is to read:
 
 * ``summed`` holds the sum over ranks of what they put there;
 * ``gathered_out`` holds every rank's ``gathered`` payload, in rank order;
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future, collect_all
 
-from lightning_gc.compressors.base import Encoded
+from lightning_gc.compressors.encoded import Payload
 from lightning_gc.exchanges import comm
 from lightning_gc.exchanges.traffic import ALLREDUCE, GATHER, exchange_bytes
 
@@ -44,19 +46,20 @@ class Transport(ABC):
     rank: int
 
     @abstractmethod
-    def launch(self, encoded: Encoded) -> Future[Encoded]:
-        """Start the collectives of ``encoded``; the future resolves to the round to decode."""
+    def launch(self, payload: Payload) -> Future[Payload]:
+        """Start the collectives of ``payload``; the future resolves to it once its receive buffers
+        hold what decode is to read."""
 
 
-def _payloads(encoded: Encoded) -> None:
-    if encoded.summed is None and encoded.gathered is None and encoded.scattered is None and encoded.peer is None:
+def _payloads(payload: Payload) -> None:
+    if payload.summed is None and payload.gathered is None and payload.scattered is None and payload.peer is None:
         raise RuntimeError(
-            "a compressor round sends nothing: Encoded needs `summed`, `gathered`, `scattered` or `peer`"
+            "a compressor round sends nothing: Payload needs `summed`, `gathered`, `scattered` or `peer`"
         )
-    if encoded.gathered is not None and encoded.gathered_out is None:
-        raise RuntimeError("Encoded.gathered needs `gathered_out` to receive every rank's payload")
-    if encoded.scattered is not None and encoded.scattered_out is None:
-        raise RuntimeError("Encoded.scattered needs `scattered_out` to receive every rank's row")
+    if payload.gathered is not None and payload.gathered_out is None:
+        raise RuntimeError("Payload.gathered needs `gathered_out` to receive every rank's payload")
+    if payload.scattered is not None and payload.scattered_out is None:
+        raise RuntimeError("Payload.scattered needs `scattered_out` to receive every rank's row")
 
 
 class GroupTransport(Transport):
@@ -74,34 +77,34 @@ class GroupTransport(Transport):
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def launch(self, encoded: Encoded) -> Future[Encoded]:
-        _payloads(encoded)
+    def launch(self, payload: Payload) -> Future[Payload]:
+        _payloads(payload)
         futures: list[Future[Any]] = []
-        if encoded.peer is not None:
-            peer = encoded.peer
+        if payload.peer is not None:
+            peer = payload.peer
             try:  # blocking (see comm.transfer): done before anything else is launched
                 comm.transfer(peer.payload, peer.to, peer.into, peer.source, self.group)
             except Exception as error:  # a dead peer or a timeout fails the round, as a failed collective does
-                return _resolved(encoded, error)
-            if encoded.summed is None and encoded.gathered is None and encoded.scattered is None:
-                return _resolved(encoded)
-        if encoded.summed is not None:
-            futures.append(comm.allreduce_sum(encoded.summed, self.group))
-        if encoded.gathered is not None:
-            assert encoded.gathered_out is not None
-            futures.append(comm.allgather_fixed(encoded.gathered, encoded.gathered_out, self.group))
-        if encoded.scattered is not None:
-            assert encoded.scattered_out is not None
-            futures.append(comm.alltoall_fixed(encoded.scattered, encoded.scattered_out, self.group))
+                return _resolved(payload, error)
+            if payload.summed is None and payload.gathered is None and payload.scattered is None:
+                return _resolved(payload)
+        if payload.summed is not None:
+            futures.append(comm.allreduce_sum(payload.summed, self.group))
+        if payload.gathered is not None:
+            assert payload.gathered_out is not None
+            futures.append(comm.allgather_fixed(payload.gathered, payload.gathered_out, self.group))
+        if payload.scattered is not None:
+            assert payload.scattered_out is not None
+            futures.append(comm.alltoall_fixed(payload.scattered, payload.scattered_out, self.group))
         joined = futures[0] if len(futures) == 1 else collect_all(futures).then(_raise_first_error)
-        return joined.then(lambda done: _completed(done, encoded))
+        return joined.then(lambda done: _completed(done, payload))
 
 
 class LocalTransport(Transport):
     """A stand-in without collectives, for timing and benchmarks: a world of ``world_size`` ranks
     that all send what this rank sends (the all-reduce sums ``world_size`` equal payloads, the
     all-gather repeats this one, the all-to-all hands every rank row ``rank`` of this one's, a
-    point-to-point round receives this one's message; a round with a ``stand_in`` fills its
+    point-to-point round receives this one's message; a payload with a ``stand_in`` fills its
     receive buffers itself). Completes at once. Counts the bytes each
     kind of collective payload would hand to its collective over all rounds (``summed_bytes``,
     ``gathered_bytes``, ``scattered_bytes``), its point-to-point rounds and the payload bytes they
@@ -118,38 +121,38 @@ class LocalTransport(Transport):
         self.peer_messages = 0
         self.traffic = 0.0
 
-    def launch(self, encoded: Encoded) -> Future[Encoded]:
-        _payloads(encoded)
-        self.summed_bytes += payload_bytes(encoded.summed)
-        self.gathered_bytes += payload_bytes(encoded.gathered)
-        self.scattered_bytes += payload_bytes(encoded.scattered)
-        if encoded.peer is not None:  # a round in sequence, one payload through the link, sent or received
+    def launch(self, payload: Payload) -> Future[Payload]:
+        _payloads(payload)
+        self.summed_bytes += payload_bytes(payload.summed)
+        self.gathered_bytes += payload_bytes(payload.gathered)
+        self.scattered_bytes += payload_bytes(payload.scattered)
+        if payload.peer is not None:  # a round in sequence, one payload through the link, sent or received
             self.peer_messages += 1
-            self.peer_bytes += payload_bytes(encoded.peer.payload)
-        self.traffic += traffic_bytes(encoded, self.world_size)
-        if encoded.peer is not None and encoded.peer.into is not None:
-            encoded.peer.into.copy_(encoded.peer.payload)
-        if encoded.summed is not None:
-            encoded.summed.mul_(self.world_size)
-        if encoded.stand_in is not None:
-            encoded.stand_in()
-            return _resolved(encoded)
-        if encoded.gathered is not None:
-            assert encoded.gathered_out is not None
-            rows = encoded.gathered_out.view(self.world_size, -1)
-            rows.copy_(encoded.gathered.view(1, -1).expand(self.world_size, -1))
-        if encoded.scattered is not None:
-            assert encoded.scattered_out is not None
-            mine = encoded.scattered.view(self.world_size, -1)[self.rank]
-            encoded.scattered_out.view(self.world_size, -1).copy_(mine.view(1, -1).expand(self.world_size, -1))
-        return _resolved(encoded)
+            self.peer_bytes += payload_bytes(payload.peer.payload)
+        self.traffic += traffic_bytes(payload, self.world_size)
+        if payload.peer is not None and payload.peer.into is not None:
+            payload.peer.into.copy_(payload.peer.payload)
+        if payload.summed is not None:
+            payload.summed.mul_(self.world_size)
+        if payload.stand_in is not None:
+            payload.stand_in()
+            return _resolved(payload)
+        if payload.gathered is not None:
+            assert payload.gathered_out is not None
+            rows = payload.gathered_out.view(self.world_size, -1)
+            rows.copy_(payload.gathered.view(1, -1).expand(self.world_size, -1))
+        if payload.scattered is not None:
+            assert payload.scattered_out is not None
+            mine = payload.scattered.view(self.world_size, -1)[self.rank]
+            payload.scattered_out.view(self.world_size, -1).copy_(mine.view(1, -1).expand(self.world_size, -1))
+        return _resolved(payload)
 
 
-def _resolved(encoded: Encoded, error: Exception | None = None) -> Future[Encoded]:
-    """A completed future of ``encoded`` (failed with ``error`` when one is given)."""
-    done: Future[Encoded] = Future()
+def _resolved(payload: Payload, error: Exception | None = None) -> Future[Payload]:
+    """A completed future of ``payload`` (failed with ``error`` when one is given)."""
+    done: Future[Payload] = Future()
     if error is None:
-        done.set_result(encoded)
+        done.set_result(payload)
     else:
         done.set_exception(error)
     return done
@@ -160,24 +163,24 @@ def _raise_first_error(done: Future[list[Future[Any]]]) -> None:
         future.value()  # re-raises a failed collective's error
 
 
-def _completed(done: Future[Any], encoded: Encoded) -> Encoded:
+def _completed(done: Future[Any], payload: Payload) -> Payload:
     done.value()  # a failed collective fails the round instead of passing on whatever the buffers hold
-    return encoded
+    return payload
 
 
-def traffic_bytes(encoded: Encoded, world_size: int) -> float:
+def traffic_bytes(payload: Payload, world_size: int) -> float:
     """Bytes one rank puts on the wire for one round (what it sends; with these algorithms, also
     what it receives): ring all-reduce of ``summed`` and all-gather of ``gathered`` as the
     performance model counts them (:func:`~lightning_gc.perfmodel.exchange_bytes`), the
     all-to-all of ``scattered``, ``(N-1)/N m`` (every row but its own), and a point-to-point
     ``peer`` message when this rank sends one."""
     n = world_size
-    sent_to_peer = encoded.peer is not None and encoded.peer.to is not None
+    sent_to_peer = payload.peer is not None and payload.peer.to is not None
     return (
-        exchange_bytes(ALLREDUCE, payload_bytes(encoded.summed), n)
-        + exchange_bytes(GATHER, payload_bytes(encoded.gathered), n)
-        + (n - 1) / n * payload_bytes(encoded.scattered)
-        + (payload_bytes(encoded.peer.payload) if sent_to_peer else 0)
+        exchange_bytes(ALLREDUCE, payload_bytes(payload.summed), n)
+        + exchange_bytes(GATHER, payload_bytes(payload.gathered), n)
+        + (n - 1) / n * payload_bytes(payload.scattered)
+        + (payload_bytes(payload.peer.payload) if sent_to_peer else 0)
     )
 
 

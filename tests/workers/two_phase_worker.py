@@ -63,18 +63,21 @@ def build(run: dict[str, Any], plan: dict[str, Any]) -> tuple[torch.nn.Module, A
 
 def record_launches(state: CompressionHookState | None, launches: list[tuple[str, int]]) -> None:
     """Append each collective the hook launches to ``launches`` as (kind, bucket), the bucket
-    numbered by the first launch of its run's plan since ``launches`` was last emptied."""
+    numbered by the first launch of its run's plan since ``launches`` was last emptied (a plan is
+    known by its receive buffer: both phases of a two-phase run receive into the same one)."""
     if state is None:
         return
     transport = state.exchange.transport
     launch, runs = transport.launch, {}
 
-    def recording(encoded: Any) -> Any:
+    def recording(payload: Any) -> Any:
         if not launches:
             runs.clear()
-        kind = "all-to-all" if encoded.scattered is not None else "all-gather"
-        launches.append((kind, runs.setdefault(id(encoded.context), len(runs))))
-        return launch(encoded)
+        all_to_all = payload.scattered is not None
+        kind = "all-to-all" if all_to_all else "all-gather"
+        receiving = payload.scattered_out if all_to_all else payload.gathered_out
+        launches.append((kind, runs.setdefault(id(receiving), len(runs))))
+        return launch(payload)
 
     transport.launch = recording
 
