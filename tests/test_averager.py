@@ -17,7 +17,7 @@ SHAPES = [("w", (48, 40)), ("b", (40,)), ("v", (3000,))]
 
 def local(compressor: str, world_size: int = 3, **arguments) -> CompressedAverager:
     """An averager in a stand-in world where every rank sends what this one sends."""
-    return CompressedAverager(compressor, SHAPES, exchange=FlatExchange(LocalTransport(world_size)), **arguments)
+    return CompressedAverager(compressor, SHAPES, via=FlatExchange(LocalTransport(world_size)), **arguments)
 
 
 def series(n: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
@@ -102,12 +102,12 @@ def test_resumes_bit_for_bit():
 def test_bad_input_is_refused_in_one_line():
     with pytest.raises(ValueError, match="compressor.*'nope'"):
         CompressedAverager("nope", SHAPES)
-    with pytest.raises(ValueError, match="not both"):
-        CompressedAverager("topk", SHAPES, group=object(), exchange=FlatExchange(LocalTransport(2)))
+    with pytest.raises(ValueError, match="`group` or `via`"):
+        CompressedAverager("topk", SHAPES, group=object(), via=FlatExchange(LocalTransport(2)))
     with pytest.raises(ValueError, match="error_decay"):
         local("topk", error_decay=0.0)
     with pytest.raises(ValueError, match="go with a compressor name"):
-        CompressedAverager(create("topk"), SHAPES, exchange=FlatExchange(LocalTransport(2)), compress_ratio=0.1)
+        CompressedAverager(create("topk"), SHAPES, via=FlatExchange(LocalTransport(2)), compress_ratio=0.1)
     averager = local("topk")
     with pytest.raises(ValueError, match="flat tensor of 4960 elements"):
         averager.average(torch.zeros(10))

@@ -66,9 +66,10 @@ class CompressedAverager:
         group: the process group to average over (``None``: the default group).
         error_feedback: keep what was not sent; ``None`` (default): on for biased codecs.
         error_decay: ``beta`` in ``e <- beta e + x``, in (0, 1].
-        exchange: where the rounds go (:mod:`lightning_gc.exchanges.base`); default every round
-            over ``group`` (``FlatExchange(GroupTransport(group))``); e.g.
-            ``FlatExchange(LocalTransport(4))`` to time or test without peers.
+        via: the :class:`~lightning_gc.exchanges.base.Exchange` the rounds go through; default
+            every round over ``group`` (``FlatExchange(GroupTransport(group))``); e.g.
+            ``FlatExchange(LocalTransport(4))`` to time or test without peers. (Not ``exchange``:
+            that is the codec's own argument, e.g. ``exchange="global_topk"``.)
         **compressor_arguments: the named compressor's arguments (e.g. ``compress_ratio``).
 
     Raises:
@@ -83,7 +84,7 @@ class CompressedAverager:
         group: ProcessGroup = None,
         error_feedback: bool | None = None,
         error_decay: float = 1.0,
-        exchange: Exchange | None = None,
+        via: Exchange | None = None,
         **compressor_arguments: Any,
     ) -> None:
         if isinstance(compressor, str):
@@ -103,9 +104,9 @@ class CompressedAverager:
             error_decay=error_decay,
         )
         self.group = group
-        if exchange is not None and group is not None:
-            raise ValueError("give `group` or `exchange` (which knows its ranks), not both")
-        self.exchange = exchange if exchange is not None else FlatExchange(GroupTransport(group))
+        if via is not None and group is not None:
+            raise ValueError("give `group` or `via` (an exchange, which knows its ranks), not both")
+        self.exchange = via if via is not None else FlatExchange(GroupTransport(group))
         self.calls = 0
         self.bytes_sent = 0
         """Payload bytes this rank handed to the transport over all calls (indices included)."""
