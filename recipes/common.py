@@ -3,7 +3,6 @@ loaders, synthetic data, and missing-data errors."""
 
 from __future__ import annotations
 
-import bisect
 import functools
 import math
 import os
@@ -19,49 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_gc.common.validation import check_choice, check_int, check_range
-
-
-class WarmupMultiStep:
-    """Learning-rate factor per optimizer step: linear warm-up, then step decay.
-
-    With ``e = step / steps_per_epoch`` (fractional epochs):
-    ``factor(e) = start + (1 - start) * e / warmup_epochs`` while ``e < warmup_epochs`` (Goyal et al.
-    2017's gradual warm-up), afterwards ``gamma ** (number of milestones <= e)``. ``factor`` is
-    1 at the end of the warm-up and never exceeds 1.
-
-    ``steps_per_epoch`` may be ``None`` until the first step after step 0: the recipes set it at
-    ``on_train_start``, when the fit loop has loaded the training data (with ``max_epochs=-1``
-    Lightning does not load them to configure the optimizers). Without a warm-up or milestones the
-    factor is 1 and the epoch length is never read. Every attribute is plain data, because
-    ``LambdaLR`` saves a callable object's ``__dict__`` in checkpoints.
-    """
-
-    def __init__(
-        self,
-        steps_per_epoch: int | None,
-        warmup_epochs: float = 0.0,
-        milestones: Sequence[float] = (),
-        gamma: float = 0.1,
-        start: float = 0.1,
-    ) -> None:
-        self.steps_per_epoch = None if steps_per_epoch is None else check_int("steps_per_epoch", steps_per_epoch, 1)
-        self.warmup_epochs = check_range("warmup_epochs", warmup_epochs, 0.0)
-        self.milestones = sorted(check_range("milestones[]", m, 0.0) for m in milestones)
-        self.gamma = check_range("gamma", gamma, 0.0, 1.0, low_inclusive=False)
-        self.start = check_range("start", start, 0.0, 1.0)
-
-    def __call__(self, step: int) -> float:
-        if not self.warmup_epochs and not self.milestones:
-            return 1.0
-        if step == 0:
-            epoch = 0.0
-        elif self.steps_per_epoch is None:
-            raise RuntimeError("WarmupMultiStep stepped past step 0 before its steps_per_epoch was set")
-        else:
-            epoch = step / self.steps_per_epoch
-        if epoch < self.warmup_epochs:
-            return self.start + (1.0 - self.start) * epoch / self.warmup_epochs
-        return self.gamma ** bisect.bisect_right(self.milestones, epoch)
+from recipes.plain import WarmupMultiStep
 
 
 class RecipeTask(L.LightningModule):

@@ -20,6 +20,7 @@ from torchmetrics.text import Perplexity
 
 from lightning_gc.common.validation import check_int, check_range
 from recipes.common import RecipeDataModule, RecipeTask, SyntheticDataset, dataset_missing, fetching
+from recipes.plain import add_lstm_layers, lstm_forward
 
 PTB_SPLITS = {"train": "ptb.train.txt", "valid": "ptb.valid.txt", "test": "ptb.test.txt"}
 PTB_URL = "http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz"
@@ -213,22 +214,10 @@ class LSTMLanguageModel(_LanguageModel):
         check_int("model.num_layers", num_layers, 1)
         check_range("model.dropout", dropout, 0.0, 1.0, high_inclusive=False)
         self.save_hyperparameters()
-        self.embed = nn.Embedding(vocab_size, embedding_size)
-        self.drop = nn.Dropout(dropout)
-        self.lstm = nn.LSTM(embedding_size, hidden_size, num_layers, dropout=dropout, batch_first=True)
-        self.decoder = nn.Linear(hidden_size, vocab_size)
-        if tie_weights:
-            if embedding_size != hidden_size:
-                raise ValueError(
-                    "`model.tie_weights=true` needs embedding_size == hidden_size, "
-                    f"got {embedding_size} and {hidden_size}"
-                )
-            self.decoder.weight = self.embed.weight
-        nn.init.uniform_(self.embed.weight, -0.1, 0.1)
+        add_lstm_layers(self, vocab_size, embedding_size, hidden_size, num_layers, dropout, tie_weights)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out, _ = self.lstm(self.drop(self.embed(tokens)))
-        return self.decoder(self.drop(out))
+        return lstm_forward(self, tokens)
 
 
 class TransformerLanguageModel(_LanguageModel):

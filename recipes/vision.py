@@ -6,46 +6,12 @@ import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchvision.models import resnet50
-from torchvision.models.resnet import BasicBlock
 
 from lightning_gc.common.validation import check_choice, check_int
 from recipes.common import RecipeTask
+from recipes.plain import resnet_cifar
 
 ARCHS = ("resnet20", "resnet32", "resnet44", "resnet56", "resnet110", "resnet50")
-
-
-class _PadShortcut(nn.Module):
-    """He et al.'s option-A shortcut: subsample by 2 and zero-pad the new channels (no parameters)."""
-
-    def __init__(self, extra_channels: int) -> None:
-        super().__init__()
-        self.extra = extra_channels
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x[:, :, ::2, ::2]
-        return nn.functional.pad(x, (0, 0, 0, 0, self.extra // 2, self.extra - self.extra // 2))
-
-
-def resnet_cifar(depth: int, num_classes: int = 10) -> nn.Sequential:
-    """The CIFAR ResNet of ``depth = 6n + 2`` layers: 3 stages of n torchvision ``BasicBlock``\\ s
-    with 16, 32, 64 channels; ResNet-20 has 0.27 M parameters, ResNet-110 1.7 M."""
-    if (depth - 2) % 6 != 0 or depth < 8:
-        raise ValueError(f"`depth` of a CIFAR ResNet must be 6n+2 >= 8 (20, 32, 44, 56, 110, ...), got {depth}")
-    n = (depth - 2) // 6
-    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True)]
-    channels = 16
-    for stage, width in enumerate((16, 32, 64)):
-        for block in range(n):
-            stride = 2 if stage > 0 and block == 0 else 1
-            down = _PadShortcut(width - channels) if stride == 2 else None
-            layers.append(BasicBlock(channels, width, stride=stride, downsample=down))
-            channels = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
-    net = nn.Sequential(*layers)
-    for m in net.modules():
-        if isinstance(m, (nn.Conv2d, nn.Linear)):
-            nn.init.kaiming_normal_(m.weight)
-    return net
 
 
 def build_backbone(arch: str, num_classes: int) -> nn.Module:
