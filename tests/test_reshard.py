@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 from conftest import launch_ranks, layout_of
+from test_two_phase import simulate
 
 from lightning_gc.common.layout import piece_bounds
 from lightning_gc.compressors import registry
-from lightning_gc.compressors.base import EncodeContext
 from lightning_gc.runtime.checkpoint import CHECKPOINT_FORMAT, IncompatibleCheckpoint, rank_state
 from lightning_gc.runtime.reshard import reshard
 
@@ -165,29 +165,11 @@ def test_random_values_keep_the_mean_to_one_rounding_and_a_round_trip_keeps_the_
 ALL_2D = {"min_compress_numel": 1}
 
 
-def two_phase_step(compressors: list, velocities: list[torch.Tensor], step: int) -> None:
-    """One two-phase exchange among ``len(compressors)`` ranks in this process (collectives by hand)."""
-    layout, n = layout_of(SHAPES), len(compressors)
-    first = [
-        c.encode(v, torch.empty_like(v), EncodeContext(layout, step, n, r))
-        for r, (c, v) in enumerate(zip(compressors, velocities))
-    ]
-    for to in range(n):
-        for frm in range(n):
-            first[to].payload.scattered_out.view(n, -1)[frm] = first[frm].payload.scattered.view(n, -1)[to]
-    second = [e.next_round() for e in first]
-    for to in range(n):
-        for frm in range(n):
-            second[to].payload.gathered_out.view(n, -1)[frm] = second[frm].payload.gathered
-    for compressor, encoded, v in zip(compressors, second, velocities):
-        compressor.decode(encoded, torch.empty_like(v), world_size=n)
-
-
 def two_phase_entry(exchange: str, world_size: int) -> dict[str, Any]:
     """A checkpoint of ``world_size`` signsgd ranks with server errors (and whole residuals)."""
     config = {"name": "signsgd", "exchange": exchange, "server_feedback": True, **ALL_2D}
     compressors = [registry.create(**config) for _ in range(world_size)]
-    two_phase_step(compressors, [torch.randn(layout_of(SHAPES).numel) for _ in range(world_size)], step=0)
+    simulate(compressors, [torch.randn(layout_of(SHAPES).numel) for _ in range(world_size)], layout_of(SHAPES), step=0)
     generator = torch.Generator().manual_seed(3)
     memory = {
         f"p{i}": {"velocity": torch.randn(torch.Size(s).numel(), generator=generator)} for i, s in enumerate(SHAPES)
@@ -233,7 +215,7 @@ def test_two_phase_server_errors_are_cut_again_for_the_new_chunks_bit_for_bit() 
         for compressor, state in zip(resumed, entry["ranks"]):
             assert state["compressor"]["world_size"] == size
             compressor.load_state_dict(state["compressor"])  # the pieces fit this world's chunks: it runs
-        two_phase_step(resumed, [torch.randn(layout_of(SHAPES).numel) for _ in range(size)], step=1)
+        simulate(resumed, [torch.randn(layout_of(SHAPES).numel) for _ in range(size)], layout_of(SHAPES), step=1)
 
 
 def test_server_errors_join_every_residual_where_the_new_world_runs_no_two_phase_form() -> None:

@@ -62,6 +62,43 @@ def node_env(node_rank: int, world_size: int, master_addr: str, master_port: int
     return env
 
 
+def run_nodes(
+    command: Sequence[str],
+    nodes: Sequence[Node],
+    envs: Sequence[dict[str, str]],
+    *,
+    logs: Path,
+    timeout: float,
+    what: str,
+) -> None:
+    """Run ``command`` once per node (its ``prefix`` first, e.g. ``ip netns exec`` or ``taskset``)
+    with that rank's environment, output in ``logs/node<rank>.log``; wait for all, kill what is
+    left on the way out, and raise ``RuntimeError`` naming ``what`` with every log's tail when a
+    process failed."""
+    procs, files = [], []
+    try:
+        for rank, (node, env) in enumerate(zip(nodes, envs)):
+            files.append(open(logs / f"node{rank}.log", "w"))
+            procs.append(
+                subprocess.Popen(
+                    [*node.prefix, *command], env=env, cwd=REPO, stdout=files[-1], stderr=subprocess.STDOUT
+                )
+            )
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+    if any(codes):
+        tails = "\n".join(
+            f"--- node {r} (exit {c}) ---\n{(logs / f'node{r}.log').read_text()[-3000:]}" for r, c in enumerate(codes)
+        )
+        raise RuntimeError(f"{what} failed:\n{tails}")
+
+
 def run_mode(
     mode: str,
     model: str,
@@ -86,30 +123,10 @@ def run_mode(
     command = [sys.executable, "-m", "benchmarks.netbench.worker", "--mode", mode, "--model", model]
     command += ["--out", str(out), "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(batch_size)]
     command += ["--devices", str(devices_per_node), "--nodes", str(len(used))]
-    procs, logs = [], []
-    try:
-        for rank, node in enumerate(used):
-            env = node_env(rank, len(used), master_addr, port, node.ifname)
-            if mode == IDEAL:
-                env = {k: v for k, v in env.items() if k not in DISTRIBUTED_ENV}
-            log = open(out / f"node{rank}.log", "w")
-            logs.append(log)
-            procs.append(
-                subprocess.Popen([*node.prefix, *command], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-            )
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    if any(codes):
-        tails = "\n".join(
-            f"--- node {r} (exit {c}) ---\n{(out / f'node{r}.log').read_text()[-3000:]}" for r, c in enumerate(codes)
-        )
-        raise RuntimeError(f"mode {mode!r} failed:\n{tails}")
+    envs = [node_env(rank, len(used), master_addr, port, node.ifname) for rank, node in enumerate(used)]
+    if mode == IDEAL:
+        envs = [{k: v for k, v in env.items() if k not in DISTRIBUTED_ENV} for env in envs]
+    run_nodes(command, used, envs, logs=out, timeout=timeout, what=f"mode {mode!r}")
     record = json.loads((out / "rank0.json").read_text())
     record["processes"] = len(used)
     record["samples_per_s"] = record["batch_size"] * len(nodes) * devices_per_node / record["median_s"]

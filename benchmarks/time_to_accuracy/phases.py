@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.netbench.launch import REPO, Node, free_port, node_env
+from benchmarks.netbench.launch import REPO, Node, free_port, node_env, run_nodes
 from benchmarks.time_to_accuracy import modes, tasks
 
 LOOPBACK = "loopback"
@@ -49,29 +49,8 @@ def run_worker(
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port(master_addr) if master_addr == MASTER else free_port()
     command = [sys.executable, "-m", "benchmarks.time_to_accuracy.worker", *arguments]
-    procs, files = [], []
-    try:
-        for rank, node in enumerate(nodes):
-            files.append(open(logs / f"node{rank}.log", "w"))
-            env = node_env(rank, len(nodes), master_addr, port, node.ifname)
-            procs.append(
-                subprocess.Popen(
-                    [*node.prefix, *command], env=env, cwd=REPO, stdout=files[-1], stderr=subprocess.STDOUT
-                )
-            )
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in files:
-            f.close()
-    if any(codes):
-        tails = "\n".join(
-            f"--- node {r} (exit {c}) ---\n{(logs / f'node{r}.log').read_text()[-3000:]}" for r, c in enumerate(codes)
-        )
-        raise RuntimeError(f"worker {' '.join(arguments)} failed:\n{tails}")
+    envs = [node_env(rank, len(nodes), master_addr, port, node.ifname) for rank, node in enumerate(nodes)]
+    run_nodes(command, nodes, envs, logs=logs, timeout=timeout, what=f"worker {' '.join(arguments)}")
 
 
 def worker_arguments(cfg: tasks.TaskConfig, data: Path, mode: str, out: Path, **options: int) -> list[str]:
