@@ -36,6 +36,10 @@ from lightning_gc.exchanges.transport import Transport
 class Exchange(ABC):
     """Runs one flat tensor's step among the ranks (module docstring)."""
 
+    knows_own_contribution: bool = True
+    """Whether a job's ``own`` receives this rank's contribution as decoded (what ``local_update``
+    needs); false where a rank's part is a piece of its node's sum."""
+
     @abstractmethod
     def run(self, job: BucketJob) -> BucketStep:
         """Run ``job`` (its collectives launched from this thread); the returned step's

@@ -257,6 +257,10 @@ class DelayedExchange(Exchange):
         self._before_rebucketing, self._on_wait = before_rebucketing, on_wait
 
     @property
+    def knows_own_contribution(self) -> bool:  # type: ignore[override]
+        return self.inner.knows_own_contribution
+
+    @property
     def state_shape(self) -> tuple[int, ...]:
         return self.inner.state_shape
 

@@ -175,6 +175,8 @@ class NodeHierarchy(Exchange):
     same order (as ``torch.distributed.new_group`` requires): the ranks of each node, then the
     ranks of each local rank across nodes."""
 
+    knows_own_contribution = False  # a rank's part is a piece of its node's sum
+
     def __init__(self, topology: NodeTopology) -> None:
         if dist.get_world_size() != topology.world_size:
             raise ValueError(

@@ -113,7 +113,7 @@ class CompressionHookState:
         )
         self._resumed_delayed_since: int | None = None  # a resumed run that was delayed from this step on
         self.sync_warmup_steps = options.sync_warmup_steps
-        if options.local_update and not isinstance(self.exchange, FlatExchange):
+        if options.local_update and not self.exchange.knows_own_contribution:
             raise ValueError(
                 "`local_update=True` does not combine with a hierarchical exchange: a rank's own part is a node's sum"
             )
