@@ -19,11 +19,12 @@ What the Trainer sees:
 * Gradient accumulation and mixed precision work as under DDP: one inner step per optimizer step.
 * ``outer/syncs`` and ``outer/bytes_sent`` (this rank's running totals) are logged every step.
 
-DDP's ``broadcast_buffers`` defaults to ``False`` here: buffers (BatchNorm statistics) stay local
+DDP's per-forward buffer sync is off by default here: buffers (BatchNorm statistics) stay local
 between syncs and are averaged at each sync, rather than rank 0's sent at every forward.
 """
 
 # No ``from __future__ import annotations``: DDP checks the comm hook's annotations at runtime.
+import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -62,6 +63,17 @@ def keep_local_gradients(state: Any, bucket: dist.GradBucket) -> torch.futures.F
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
+
+
+_LOCAL_BUFFERS = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
+"""DDP's switch for syncing buffers at every forward: torch >= 2.10 names it ``forward_sync_buffers``
+and deprecates ``broadcast_buffers`` (which older versions only have). Off here: the outer loop
+averages buffers at each sync; the sync at construction (new name only) is harmless, every rank
+starts alike."""
 
 
 class _OuterFirst(Callback):
@@ -137,9 +149,9 @@ class OuterLoopStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ wiring
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
-        # DDPStrategy's, with broadcast_buffers=False unless given (module docstring)
+        # DDPStrategy's, with buffers kept local between syncs unless asked otherwise (module docstring)
         device_ids = self.determine_ddp_device_ids()
-        ddp_kwargs = {"broadcast_buffers": False, **self._ddp_kwargs}
+        ddp_kwargs = {_LOCAL_BUFFERS: False, **self._ddp_kwargs}
         with torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext():
             return DistributedDataParallel(module=model, device_ids=device_ids, **ddp_kwargs)
 
