@@ -42,14 +42,16 @@ def test_the_package_the_perf_model_and_attach_import_no_lightning(tmp_path: Pat
         import lightning_gc
         assert heavy() == [], ("import lightning_gc", heavy())
         assert "torch" not in sys.modules
-        import lightning_gc.perfmodel
+        import lightning_gc.perfmodel, lightning_gc.perfmodel.step
         assert heavy() == [], ("import lightning_gc.perfmodel", heavy())
+        assert "torch" not in sys.modules, "import lightning_gc.perfmodel imported torch"
         sys.argv = ["lightning_gc.perfmodel", "--help"]
         try:
             runpy.run_module("lightning_gc.perfmodel", run_name="__main__", alter_sys=True)
         except SystemExit as stop:
             assert stop.code in (0, None), stop.code
         assert heavy() == [], ("python -m lightning_gc.perfmodel --help", heavy())
+        assert "torch" not in sys.modules, "python -m lightning_gc.perfmodel --help imported torch"
 
         from lightning_gc import attach, AttachedCompression, Compressor, available
         import lightning_gc.integrations.attach as front_end
@@ -128,3 +130,26 @@ ORDERS = {
 def test_trainer_and_fabric_find_the_strategy_names_in_any_import_order(order: str, tmp_path: Path) -> None:
     script = "import sys\n" + textwrap.dedent(ORDERS[order]) + BUILD
     assert run_fresh(script, tmp_path).splitlines()[-1] == "built"
+
+
+def test_the_perf_model_help_imports_no_torch(tmp_path: Path) -> None:
+    """``python -m lightning_gc.perfmodel --help`` itself, as a user types it: it exits 0 with the
+    usage and imports neither torch nor Lightning (torch alone is about 1 s warm and 10 s cold on
+    2 cores; without it the help answers in well under the 2 s asked for). ``-X importtime``
+    names every module the interpreter imports, on stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "lightning_gc.perfmodel", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.startswith("usage: python -m lightning_gc.perfmodel"), done.stdout[:200]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "lightning_gc.perfmodel.__main__" in imported or "lightning_gc.perfmodel" in imported
+    top = {name.split(".")[0] for name in imported}
+    assert top.isdisjoint({"torch", *HEAVY}), sorted(top & {"torch", *HEAVY})

@@ -34,27 +34,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import Progress
-
 from lightning_gc.common.validation import check_choice, check_int, check_range
-from lightning_gc.compressors.registry import available, create
-from lightning_gc.compressors.two_phase import two_phase_compressors
-from lightning_gc.perfmodel import (
-    BITS_PER_BYTE,
-    DENSE,
-    CodecCost,
-    Network,
-    calibration,
-    parse_rate,
-    two_phase_cost,
-)
+from lightning_gc.perfmodel import BITS_PER_BYTE, DENSE, CodecCost, Network, parse_rate, two_phase_cost
 from lightning_gc.perfmodel.step import Prediction, Workload, best, predict
+
+# The compressors, calibration and rich are imported inside the functions that use them: they
+# bring in torch (about 1 s warm, 10 s cold on 2 cores), which building the parser and `--help`
+# do not need (tests/test_imports.py holds `--help` to no torch).
 
 
 def two_phase_row(name: str, cost: CodecCost, arguments: dict[str, Any], world_size: int) -> CodecCost | None:
     """The ``<name>+two_phase`` row of ``cost``, for a compressor that takes ``exchange`` and
     all-gathers with these ``arguments``; ``None`` for the others (summed payloads gain nothing)."""
+    from lightning_gc.compressors.two_phase import two_phase_compressors
+
     if (
         name not in two_phase_compressors()
         or not cost.gathered_bytes
@@ -95,6 +88,8 @@ def _positive_rate(text: str, option: str) -> float:
 
 def _parse_costs(items: Sequence[str]) -> dict[str, tuple[float, float]]:
     """``NAME=ENCODE_MS,DECODE_MS`` -> {name: (encode_s, decode_s)}."""
+    from lightning_gc.compressors.registry import available
+
     costs = {}
     for item in items:
         name, _, values = item.partition("=")
@@ -132,6 +127,9 @@ def scaled_cost(name: str, numel: int, sample: CodecCost, sampled_numel: int, ar
     gradient), its rounds kept."""
     if sampled_numel == numel:
         return sample
+    from lightning_gc.compressors.registry import create
+    from lightning_gc.perfmodel import calibration
+
     factor = numel / sampled_numel
     if sample.peer_bytes:
         return sample.scaled(factor)
@@ -220,6 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the process exit status (2 with a message on bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from lightning_gc.compressors.registry import available, create
+    from lightning_gc.perfmodel import calibration
+
     try:
         check_int("--world-size", args.world_size, 1)
         bits = _positive_rate(args.bandwidth, "--bandwidth")
