@@ -29,6 +29,7 @@ def test_every_compressor_has_a_preset() -> None:
         "signsgd",
         "powersgd",
         "fft",
+        "chunk_topk",
     }
     assert expected == set(available())
     for name in available():

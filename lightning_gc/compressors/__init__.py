@@ -1,6 +1,7 @@
 """Gradient compressors behind one interface (:class:`Compressor`), registered by name."""
 
 from lightning_gc.compressors.base import Compressor, EncodeContext
+from lightning_gc.compressors.chunk_topk import ChunkTopKCompressor
 from lightning_gc.compressors.dense import DensePart
 from lightning_gc.compressors.dgc import DGCCompressor
 from lightning_gc.compressors.encoded import Encoded, Payload, Sent
@@ -19,6 +20,7 @@ from lightning_gc.compressors.sparse import SparseCompressor
 
 __all__ = [
     "BF16Compressor",
+    "ChunkTopKCompressor",
     "Compressor",
     "DGCCompressor",
     "DensePart",
