@@ -12,9 +12,10 @@ import pytest
 import torch
 from conftest import launch_ranks
 
-from lightning_gc.runtime.outer import OuterLoop
+from lightning_gc.runtime.outer import OuterLoop, OuterSGD, Streaming
+from lightning_gc.runtime.outer_fragments import partition
 
-CASES = ["equivalence", "diloco", "compressed", "resume", "mismatch"]
+CASES = ["equivalence", "diloco", "compressed", "resume", "mismatch", "unstreamed", "stagger", "streaming_resume"]
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +73,62 @@ def test_different_starting_parameters_are_refused(ranks):
         assert error is not None and "same starting parameters" in error and "'0.weight'" in error
 
 
+def test_one_fragment_without_delay_equals_the_unstreamed_loop(ranks):
+    for rank in ranks:
+        assert_bitwise_equal(rank["unstreamed"]["streamed"], rank["unstreamed"]["reference"], "P=1, tau=0")
+
+
+def test_fragments_land_at_their_staggered_steps(ranks):
+    """H = 4, P = 2 (offsets 0 and 2), tau = 1: fragment 0 launches at steps 4, 8, 12 and lands
+    at 5, 9; fragment 1 at 2, 6, 10 and lands at 3, 7, 11. Its theta_g changes only then, and
+    its theta_r is set to theta_g then (mix 0); the ranks hold the same theta_g at every step."""
+    mine, theirs = ranks[0]["stagger"], ranks[1]["stagger"]
+    assert mine["sizes"] == [32 * 64 + 64, 64 * 64 + 64 + 64 + 1]  # cut nearest to half of the elements
+    lands = {0: {5, 9}, 1: {3, 7, 11}}
+    for fragment, steps in lands.items():
+        changed = set()
+        for step in range(2, 13):
+            before, after = mine["globals"][step - 2][fragment], mine["globals"][step - 1][fragment]
+            if not all(torch.equal(a, b) for a, b in zip(before, after)):
+                changed.add(step)
+        assert changed == steps, (fragment, changed)
+        for step in steps:
+            assert mine["local_is_global"][step - 1][fragment], (fragment, step)
+            assert not mine["local_is_global"][step - 2][fragment], (fragment, step)  # trained meanwhile
+    assert mine["landed"] == [step in {3, 5, 7, 9, 11} for step in range(1, 13)]
+    assert mine["flying"] == [[1] if s in (2, 6, 10) else [0] if s in (4, 8, 12) else [] for s in range(1, 13)]
+    assert mine["syncs"] == 5
+    for step, (a, b) in enumerate(zip(mine["globals"], theirs["globals"]), start=1):
+        for fragment, (x, y) in enumerate(zip(a, b)):
+            assert all(torch.equal(u, v) for u, v in zip(x, y)), (step, fragment)
+
+
+def test_streaming_resume_with_an_exchange_in_flight_is_bit_for_bit(ranks):
+    for rank in ranks:
+        case = rank["streaming_resume"]
+        assert case["in_flight"] == case["resumed_in_flight"] == [1]  # launched at step 10, lands at 11
+        assert case["straight"]["syncs"] == case["resumed"]["syncs"] == 7  # fragment 0: 5, 9, 13; 1: 3, 7, 11, 15
+        assert case["bytes"][0] == case["bytes"][1]
+        assert_bitwise_equal(case["straight"]["model"], case["resumed"]["model"], "module")
+        assert_bitwise_equal(case["straight"]["global"], case["resumed"]["global"], "theta_g")
+    assert_bitwise_equal(
+        ranks[0]["streaming_resume"]["resumed"]["global"], ranks[1]["streaming_resume"]["resumed"]["global"], "ranks"
+    )
+
+
 # ---------------------------------------------------------------- one process
 def small() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def built(arguments: dict[str, Any]) -> OuterLoop:
+    """``OuterLoop(small(), sync_every=2, ...)`` with the outer SGD's and streaming's settings by
+    their front-end names (``outer_lr``, ``fragments``, ...)."""
+    arguments = {"sync_every": 2, **arguments}
+    sgd = {k[len("outer_") :]: arguments.pop(k) for k in list(arguments) if k.startswith("outer_")}
+    streaming = {k: arguments.pop(k) for k in ("fragments", "sync_delay", "mix") if k in arguments}
+    return OuterLoop(small(), outer=OuterSGD(**sgd), streaming=Streaming(**streaming), **arguments)
 
 
 @pytest.mark.parametrize(
@@ -91,11 +144,22 @@ def small() -> torch.nn.Module:
         ({"outer_nesterov": "yes"}, "`outer_nesterov` must be True or False"),
         ({"compressor": "nope"}, r"`compressor` must be one of \[.*\], got 'nope'"),
         ({"compressor": "topk", "ratio": 0.1}, r"compressor 'topk' takes no argument\(s\) \['ratio'\]"),
+        ({"fragments": 0}, "`fragments` must be an integer >= 1, got 0"),
+        ({"fragments": 5}, "`fragments=5` must be at most the module's 4 trainable parameter tensors"),
+        ({"sync_delay": -1}, "`sync_delay` must be an integer >= 0, got -1"),
+        (
+            {"sync_every": 4, "fragments": 2, "sync_delay": 2},
+            r"`sync_delay=2` must be below sync_every / fragments = 4/2 = 2",
+        ),
+        ({"sync_every": 2, "sync_delay": 2}, r"`sync_delay=2` must be below sync_every / fragments = 2/1 = 2"),
+        ({"mix": 1.0}, r"`mix` must be in \[0, 1\), got 1.0"),
+        ({"mix": -0.1}, r"`mix` must be in \[0, 1\), got -0.1"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(world_of_one, arguments, match):
-    with pytest.raises(ValueError, match=match):
-        OuterLoop(small(), **{"sync_every": 2, **arguments})
+    with pytest.raises(ValueError, match=match) as caught:
+        built(arguments)
+    assert "\n" not in str(caught.value)
 
 
 def test_a_module_without_trainable_parameters_is_refused(world_of_one):
@@ -116,7 +180,7 @@ def test_syncs_exactly_every_sync_every_steps(world_of_one, sync_every):
 def test_one_rank_sync_lands_on_the_local_parameters(world_of_one):
     """One rank, exact average, outer SGD lr 1 without momentum: theta_g <- theta_r."""
     model = small()
-    outer = OuterLoop(model, sync_every=1, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+    outer = OuterLoop(model, sync_every=1, outer=OuterSGD(lr=1.0, momentum=0.0, nesterov=False))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.5)
@@ -134,4 +198,66 @@ def test_a_state_for_another_module_is_refused(world_of_one):
     torch.manual_seed(0)
     other = OuterLoop(torch.nn.Sequential(torch.nn.Linear(4, 8)), sync_every=2)
     with pytest.raises(ValueError, match="the state holds parameters"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("numels", "parts", "ranges"),
+    [
+        ([10, 10, 10, 10], 2, [(0, 2), (2, 4)]),
+        ([100, 1, 1, 1], 2, [(0, 1), (1, 4)]),  # the big tensor alone: each fragment keeps one at least
+        ([1, 1, 1, 100], 3, [(0, 2), (2, 3), (3, 4)]),  # the big tensor alone
+        ([5, 5, 5], 3, [(0, 1), (1, 2), (2, 3)]),
+        ([7, 3], 1, [(0, 2)]),
+    ],
+)
+def test_fragments_are_contiguous_and_balanced_by_elements(numels, parts, ranges):
+    assert partition(numels, parts) == ranges
+
+
+def test_mix_keeps_part_of_the_steps_taken_in_flight(world_of_one):
+    """One rank, exact average, outer SGD lr 1 without momentum: theta_g <- theta_r at launch;
+    tau = 1 step later theta_r <- lerp(theta_g, theta_r, 0.25). With mix 0 it is theta_g."""
+    for mix in (0.0, 0.25):
+        model = small()
+        outer = OuterLoop(
+            model, sync_every=2, outer=OuterSGD(1.0, 0.0, False), streaming=Streaming(sync_delay=1, mix=mix)
+        )
+        moves = []
+        for step in range(3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.1 * (step + 1))
+            moves.append([p.detach().clone() for p in model.parameters()])
+            assert outer.inner_step_done() == (step == 2)
+        assert outer.in_flight == [] and outer.syncs == 1
+        for p, g, at_launch, now in zip(model.parameters(), outer.global_parameters.values(), moves[1], moves[2]):
+            torch.testing.assert_close(g, at_launch, rtol=0, atol=1e-6)
+            assert torch.equal(p, torch.lerp(g, now, mix))
+        assert outer.pending == (mix > 0)
+        assert outer.sync() == (mix > 0)
+        assert all(torch.equal(p, g) for p, g in zip(model.parameters(), outer.global_parameters.values()))
+        assert not outer.pending and not outer.sync()
+
+
+def test_a_final_sync_lands_what_is_in_flight_then_sends_the_rest(world_of_one):
+    model = small()
+    outer = OuterLoop(model, sync_every=4, streaming=Streaming(fragments=2, sync_delay=1))
+    for _ in range(4):  # fragment 1 launched at 2, landed at 3; fragment 0 launched at 4
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        outer.inner_step_done()
+    assert outer.in_flight == [0] and outer.syncs == 1 and outer.pending
+    assert outer.sync()
+    assert outer.syncs == 3  # fragment 0 landed (mix 0: theta_r <- theta_g), then fragment 1, trained since step 3
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), outer.global_parameters.values()))
+    with outer.global_weights():
+        pass
+
+
+def test_a_state_with_other_fragments_is_refused(world_of_one):
+    state = OuterLoop(small(), sync_every=2).state_dict()
+    other = OuterLoop(small(), sync_every=2, streaming=Streaming(fragments=2))
+    with pytest.raises(ValueError, match=r"the state holds 1 fragment\(s\), this outer loop has fragments=2"):
         other.load_state_dict(state)

@@ -11,8 +11,13 @@ What the Trainer sees:
   the fit runs on ``theta_g`` (swapped into the module, this rank's ``theta_r`` restored after),
   and checkpoints hold ``theta_g`` as the model's weights.
 * The end of the fit syncs once more when inner steps remain since the last sync (``max_steps`` not
-  a multiple of ``sync_every``): after ``fit`` every rank's module holds the same ``theta_g``
-  (checkpoints written during the fit precede that sync; ``trainer.save_checkpoint`` after it does not).
+  a multiple of ``sync_every``) or an exchange is in flight (``sync_delay``; it lands first):
+  after ``fit`` every rank's module holds the same ``theta_g`` (checkpoints written during the fit
+  precede that sync; ``trainer.save_checkpoint`` after it does not).
+* Streaming (``fragments``, ``sync_delay``, ``mix``; :mod:`lightning_gc.runtime.outer_fragments`):
+  each fragment's ``theta_g`` moves at its own steps; validation and checkpoints take every
+  fragment's latest ``theta_g``, and a checkpoint holds the average of an exchange in flight, which
+  the resumed run applies at the step it would have.
 * A checkpoint also holds, under ``"lightning_gc_outer"``, every rank's outer-loop state, its own
   ``theta_r`` and floating-point buffers, and its inner optimizer's state (Lightning keeps rank 0's
   only); resuming with the same number of ranks continues exactly, also between syncs.
@@ -100,8 +105,9 @@ class OuterLoopStrategy(DDPStrategy):
             ``error_decay=0.95``, outer SGD lr 1 without momentum); :data:`OUTER_PRESETS`.
         **kwargs: overrides of the preset: ``sync_every``, ``compressor`` (a name or a
             :class:`~lightning_gc.compressors.Compressor`), ``error_decay``, ``outer_lr``,
-            ``outer_momentum``, ``outer_nesterov``, the compressor's own arguments (e.g.
-            ``compress_ratio``); and anything :class:`~lightning.pytorch.strategies.DDPStrategy` or
+            ``outer_momentum``, ``outer_nesterov``, ``fragments``, ``sync_delay``, ``mix`` (default
+            1, 0, 0.0: no streaming), the compressor's own arguments (e.g. ``compress_ratio``);
+            and anything :class:`~lightning.pytorch.strategies.DDPStrategy` or
             ``DistributedDataParallel`` take (``timeout``, ``start_method``, ...). Unknown names
             and bad values raise ``ValueError`` here, in one line naming them.
     """
@@ -118,7 +124,6 @@ class OuterLoopStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.outer: OuterLoop | None = None
         """The fit's outer loop, built when DDP wraps the module (a new one each fit)."""
-        self._since_sync = 0  # inner steps since the last sync
         self._aside: list[torch.Tensor] | None = None  # theta_r while theta_g is in the module
         self._pending: dict[str, Any] | None = None  # this rank's part of a loaded checkpoint
         self._finished = True
@@ -161,10 +166,9 @@ class OuterLoopStrategy(DDPStrategy):
         self.model.register_comm_hook(None, keep_local_gradients)
         self._aside = None
         self.outer = self.outer_arguments.build(self.model.module)  # all ranks, the default group
-        self._since_sync = 0
         if self._pending is not None:
             resume_outer(self.outer, self._pending)
-            self._since_sync, self._pending = int(self._pending["outer"]["since_sync"]), None
+            self._pending = None
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -176,7 +180,7 @@ class OuterLoopStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.outer is not None
-        self._since_sync = 0 if self.outer.inner_step_done() else self._since_sync + 1
+        self.outer.inner_step_done()
         module = self.lightning_module
         if module is not None and module._current_fx_name is not None:
             metrics = {"outer/syncs": float(self.outer.syncs), "outer/bytes_sent": float(self.outer.bytes_sent)}
@@ -218,16 +222,15 @@ class OuterLoopStrategy(DDPStrategy):
         self.swap_back()  # after every callback's on_validation_end (checkpoints hold theta_g)
 
     def finish_training(self) -> None:
-        """Once per fit: a final sync when inner steps remain since the last one, so that the fit
-        ends with ``theta_g`` in every rank's module."""
+        """Once per fit: a final sync when inner steps remain since the last one or an exchange is
+        in flight, so that the fit ends with ``theta_g`` in every rank's module."""
         if self._finished or self.outer is None:
             return
         self._finished = True
         self.swap_back()
-        if self._since_sync > 0:
-            rank_zero_info(f"lightning_gc: final outer sync, {self._since_sync} inner step(s) after the last one")
+        if self.outer.pending:
+            rank_zero_info(f"lightning_gc: final outer sync after inner step {self.outer.inner_steps}")
             self.outer.sync()
-            self._since_sync = 0
 
     def on_train_end(self) -> None:
         self.finish_training()

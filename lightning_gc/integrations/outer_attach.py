@@ -12,7 +12,7 @@ takes the same preset names and arguments through :func:`outer_arguments`::
         loss_fn(model(x), y).backward()                      # local gradient: nothing is sent
         optimizer.step()
         outer.inner_step_done()                              # syncs every `sync_every` steps
-    outer.sync()                                             # if steps remain since the last sync
+    outer.sync()                                             # lands and sends what remains (if any)
 
 Checkpoints: :func:`gather_outer_entry` (every rank calls it; rank 0's copy is complete) holds every
 rank's outer-loop state, own weights and inner optimizer state; to resume, build the outer loop
@@ -36,13 +36,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.common.errors import IncompatibleCheckpoint
-from lightning_gc.common.validation import check_bool, check_int, check_range
+from lightning_gc.common.validation import check_int, check_range
 from lightning_gc.compressors import available, create
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
 from lightning_gc.exchanges.comm import ProcessGroup
 from lightning_gc.runtime.build import SETTING_NAMES
-from lightning_gc.runtime.outer import OuterLoop
+from lightning_gc.runtime.outer import OuterLoop, OuterSGD, Streaming
 
 OUTER_PRESETS: dict[str, dict[str, Any]] = {
     "diloco": {  # DiLoCo (arXiv:2311.08105): exact average, outer Nesterov SGD; the paper syncs every 500 steps
@@ -76,12 +76,19 @@ OUTER_PRESETS: dict[str, dict[str, Any]] = {
 user's arguments win. The compressor's own arguments (``levels``, ``compress_ratio``) apply only
 while the preset's compressor is kept; another ``compressor`` brings its own defaults."""
 
-OUTER_ARGUMENTS = ("sync_every", "compressor", "error_decay", "outer_lr", "outer_momentum", "outer_nesterov")
+STREAMING_DEFAULTS: dict[str, Any] = {"fragments": 1, "sync_delay": 0, "mix": 0.0}
+"""Every preset's streaming settings unless given (:class:`~lightning_gc.runtime.outer.Streaming`):
+one fragment, no delay, no mix: the plain DiLoCo sync."""
+
+OUTER_ARGUMENTS = (
+    "sync_every", "compressor", "error_decay", "outer_lr", "outer_momentum", "outer_nesterov",
+    "fragments", "sync_delay", "mix",
+)  # fmt: skip
 """The outer loop's own arguments, the same in every front end and Hydra config."""
 
 OUTER_CHECKPOINT_KEY = "lightning_gc_outer"
 """Where the Trainer strategy keeps :func:`gather_outer_entry`'s entry in a checkpoint."""
-OUTER_CHECKPOINT_FORMAT = 1
+OUTER_CHECKPOINT_FORMAT = 2  # 2: the outer loop's state per fragment (streaming)
 
 _PER_STEP_SETTINGS = SETTING_NAMES
 """Settings of per-step gradient compression (``delay``, ``local_update``, ``hierarchy``, the Adam
@@ -97,11 +104,34 @@ class OuterArguments:
     sync_every: int
     compressor: Compressor
     error_decay: float
-    outer_lr: float
-    outer_momentum: float
-    outer_nesterov: bool
+    outer: OuterSGD
+    streaming: Streaming
     compressor_arguments: dict[str, Any] = field(default_factory=dict)
     """The compressor's arguments as given (preset and user), for the record; already applied."""
+
+    @property
+    def outer_lr(self) -> float:
+        return self.outer.lr
+
+    @property
+    def outer_momentum(self) -> float:
+        return self.outer.momentum
+
+    @property
+    def outer_nesterov(self) -> bool:
+        return self.outer.nesterov
+
+    @property
+    def fragments(self) -> int:
+        return self.streaming.fragments
+
+    @property
+    def sync_delay(self) -> int:
+        return self.streaming.sync_delay
+
+    @property
+    def mix(self) -> float:
+        return self.streaming.mix
 
     def build(self, module: torch.nn.Module, group: ProcessGroup = None) -> OuterLoop:
         """The outer loop of ``module`` over ``group`` (a collective: every rank of the group calls
@@ -111,9 +141,8 @@ class OuterArguments:
             sync_every=self.sync_every,
             compressor=self.compressor,
             error_decay=self.error_decay,
-            outer_lr=self.outer_lr,
-            outer_momentum=self.outer_momentum,
-            outer_nesterov=self.outer_nesterov,
+            outer=self.outer,
+            streaming=self.streaming,
             group=group,
         )
 
@@ -140,7 +169,7 @@ def outer_arguments(
             f"`preset={preset!r}` is not one of {sorted(OUTER_PRESETS)}"
             + (_hint(preset, set(OUTER_PRESETS)) if isinstance(preset, str) else "")
         )
-    defaults = dict(OUTER_PRESETS[preset])
+    defaults = {**STREAMING_DEFAULTS, **OUTER_PRESETS[preset]}
     compressor = kwargs.pop("compressor", defaults["compressor"])
     if isinstance(compressor, str):
         if compressor not in available():
@@ -174,18 +203,14 @@ def outer_arguments(
             + f": the outer loop takes {list(OUTER_ARGUMENTS)}, compressor {built.name!r} takes "
             f"{sorted(argument_names(type(built)))}{takes}"
         )
-    momentum = check_range("outer_momentum", settings["outer_momentum"], 0.0, 1.0, high_inclusive=False)
-    nesterov = check_bool("outer_nesterov", settings["outer_nesterov"])
-    if nesterov and momentum == 0:
-        raise ValueError("`outer_nesterov=True` needs `outer_momentum` > 0, got 0.0; set outer_nesterov=False")
+    sync_every = check_int("sync_every", settings["sync_every"], 1)
     return OuterArguments(
         preset=preset,
-        sync_every=check_int("sync_every", settings["sync_every"], 1),
+        sync_every=sync_every,
         compressor=built,
         error_decay=check_range("error_decay", settings["error_decay"], 0.0, 1.0, low_inclusive=False),
-        outer_lr=check_range("outer_lr", settings["outer_lr"], 0.0, None, low_inclusive=False),
-        outer_momentum=momentum,
-        outer_nesterov=nesterov,
+        outer=OuterSGD(settings["outer_lr"], settings["outer_momentum"], settings["outer_nesterov"]),
+        streaming=Streaming(settings["fragments"], settings["sync_delay"], settings["mix"]).check(sync_every),
         compressor_arguments=codec_arguments,
     )
 
@@ -206,8 +231,9 @@ def outer_loop(
         preset: ``"diloco"``, ``"diloco_int8"`` or ``"sparseloco"`` (:data:`OUTER_PRESETS`).
         group: the process group to sync over.
         **kwargs: ``sync_every``, ``compressor``, ``error_decay``, ``outer_lr``,
-            ``outer_momentum``, ``outer_nesterov``, and the compressor's own arguments (e.g.
-            ``compress_ratio``); they override the preset's.
+            ``outer_momentum``, ``outer_nesterov``, the streaming settings ``fragments``,
+            ``sync_delay`` and ``mix`` (:mod:`lightning_gc.runtime.outer_fragments`), and the
+            compressor's own arguments (e.g. ``compress_ratio``); they override the preset's.
 
     Raises:
         ValueError: an unknown preset or argument, or a bad value, in one line naming it.
@@ -243,7 +269,7 @@ def gather_outer_entry(
         first = 0 if outer.group is None else dist.get_global_rank(outer.group, 0)
         ranks = [None] * world_size if dist.get_rank() == first else None
         dist.gather_object(mine, ranks, dst=first, group=outer.group)
-    compressor = outer.averager.compressor.config()
+    compressor = outer.compressor.config()
     return {"format": OUTER_CHECKPOINT_FORMAT, "world_size": world_size, "compressor": compressor, "ranks": ranks}
 
 

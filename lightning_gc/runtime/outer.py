@@ -25,35 +25,51 @@ Floating-point buffers (BatchNorm running statistics) are averaged exactly (all-
 at every sync; integer buffers (``num_batches_tracked``) and frozen parameters
 (``requires_grad=False``) are left alone: they are the same on every rank by construction.
 
+Streaming (``streaming=Streaming(fragments, sync_delay, mix)``; Streaming DiLoCo,
+arXiv:2501.18512): the trainable parameters are cut into ``fragments`` contiguous groups in
+parameter order, balanced by elements; each has its own ``theta_g``, residual and outer momentum,
+launches its exchange every ``sync_every`` steps at its own offset, lands it ``sync_delay`` steps
+later (training goes on meanwhile) and then sets its ``theta_r`` to
+``lerp(theta_g, theta_r, mix)`` (:mod:`lightning_gc.runtime.outer_fragments` has the schedule). The
+defaults (1, 0, 0.0) are the sync above. Buffers are averaged when fragment 0 lands (once every
+``sync_every`` steps).
+
 Which weights the module holds: right after :meth:`OuterLoop.sync` it holds ``theta_g``; between
-syncs it holds the rank's own ``theta_r``. ``theta_g`` (:attr:`OuterLoop.global_parameters`) is
-what users evaluate and keep; a front end evaluates it, not ``theta_r``.
+syncs it holds the rank's own ``theta_r``. ``theta_g`` (:attr:`OuterLoop.global_parameters`,
+every fragment's latest) is what users evaluate and keep; a front end evaluates it, not ``theta_r``
+(:meth:`OuterLoop.global_weights` swaps it in for a block).
 
 Memory per rank on top of training: ``theta_g``, the outer momentum and the residual ``e_r``
 (about 3x the trainable parameters; no residual for unbiased codecs such as ``"none"``), plus one
 flat pseudo-gradient at each sync.
 
 A checkpoint (:meth:`OuterLoop.state_dict`, per rank: residuals differ) holds ``theta_g`` by
-parameter name, the outer optimizer's state, the averager's state (residuals, codec state, bytes
-sent) and the step counters. The caller saves the module (``theta_r``) and the inner optimizer;
-with those, a run resumed between syncs continues bit for bit like an uninterrupted one.
+parameter name, and per fragment the outer optimizer's state, the averager's state (residuals, codec
+state, bytes sent), its counters and its exchange in flight (waited for at save: the average, which
+a resumed run applies at the same step), and the inner step count. The caller saves the module
+(``theta_r``) and the inner optimizer; with those, a run resumed between syncs continues bit for
+bit like an uninterrupted one.
 """
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_gc.common.validation import check_bool, check_int, check_range
+from lightning_gc.common.validation import check_int, check_range
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.exchanges.averager import CompressedAverager
 from lightning_gc.exchanges.comm import ProcessGroup
 from lightning_gc.runtime.consistency import verify_same_parameters
+from lightning_gc.runtime.outer_fragments import Fragment, OuterSGD, Streaming, partition
 
-STATE_FORMAT = 1
+__all__ = ["OuterLoop", "OuterSGD", "Streaming"]
+
+STATE_FORMAT = 2
 
 
 class OuterLoop:
@@ -68,12 +84,15 @@ class OuterLoop:
         module: the model; its trainable parameters must all be on one device, and all its
             parameters (frozen ones too) equal on every rank (checked here with one collective).
         sync_every: inner steps between syncs (``H``), >= 1.
-        compressor: a registered compressor name (its arguments in ``compressor_arguments``) or a
-            built :class:`~lightning_gc.compressors.base.Compressor`; ``"none"``: exact average.
+        compressor: a registered compressor name (its arguments in ``compressor_arguments``; each
+            fragment builds its own) or a built :class:`~lightning_gc.compressors.base.Compressor`
+            (shared by the fragments); ``"none"``: exact average.
         error_decay: ``beta`` in ``e <- beta e + delta``, in (0, 1].
-        outer_lr, outer_momentum, outer_nesterov: the outer ``torch.optim.SGD`` (lr > 0, momentum
-            in [0, 1), Nesterov only with momentum > 0). On resume these settings win over the
-            checkpoint's.
+        outer: the outer SGD's settings (default :class:`OuterSGD`: lr 0.7, momentum 0.9,
+            Nesterov). On resume these settings win over the checkpoint's.
+        streaming: fragments, sync delay and mix (default :class:`Streaming`: one fragment, no
+            delay, no mix); ``fragments`` at most the trainable tensors, ``sync_delay`` below
+            ``sync_every / fragments``.
         group: the process group to sync over (``None``: the default group).
         **compressor_arguments: the named compressor's arguments (e.g. ``compress_ratio``).
 
@@ -90,53 +109,46 @@ class OuterLoop:
         sync_every: int,
         compressor: str | Compressor = "none",
         error_decay: float = 1.0,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_nesterov: bool = True,
+        outer: OuterSGD | None = None,
+        streaming: Streaming | None = None,
         group: ProcessGroup = None,
         **compressor_arguments: Any,
     ) -> None:
         self.sync_every = check_int("sync_every", sync_every, 1)
         error_decay = check_range("error_decay", error_decay, 0.0, 1.0, low_inclusive=False)
-        self.outer_lr = check_range("outer_lr", outer_lr, 0.0, None, low_inclusive=False)
-        self.outer_momentum = check_range("outer_momentum", outer_momentum, 0.0, 1.0, high_inclusive=False)
-        self.outer_nesterov = check_bool("outer_nesterov", outer_nesterov)
-        if self.outer_nesterov and self.outer_momentum == 0:
-            raise ValueError("`outer_nesterov=True` needs `outer_momentum` > 0, got 0.0; set outer_nesterov=False")
+        self.outer = OuterSGD() if outer is None else outer
+        streaming = Streaming() if streaming is None else streaming
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(f"`module` ({type(module).__name__}) has no trainable parameters: nothing to sync")
+        self.streaming = streaming.check(self.sync_every, len(named))
         devices = sorted({str(p.device) for _, p in named})
         if len(devices) != 1:
             raise ValueError(f"`module`'s trainable parameters must be on one device, got {devices}")
         self.module = module
         self.group = group
         self._names = [name for name, _ in named]
-        self._params = [p for _, p in named]
-        self._numels = [p.numel() for p in self._params]
-        self._dtype = self._params[0].dtype
-        for p in self._params[1:]:
-            self._dtype = torch.promote_types(self._dtype, p.dtype)
-        self.averager = CompressedAverager(
-            compressor,
-            [(name, tuple(p.shape)) for name, p in named],
-            group=group,
-            error_decay=error_decay,
-            **compressor_arguments,
-        )
+        self.fragments: list[Fragment] = []
+        """The fragments in parameter order (one by default)."""
+        ranges = partition([p.numel() for _, p in named], streaming.fragments)
+        for index, (start, stop) in enumerate(ranges):
+            part = named[start:stop]
+            averager = CompressedAverager(
+                compressor,
+                [(name, tuple(p.shape)) for name, p in part],
+                group=group,
+                error_decay=error_decay,
+                **compressor_arguments,
+            )
+            offset = index * self.sync_every // streaming.fragments
+            self.fragments.append(Fragment(index, offset, [p for _, p in part], averager, self.outer))
         try:
             verify_same_parameters(module, group)
         except RuntimeError as error:
             raise RuntimeError(
                 f"OuterLoop needs the same starting parameters on every rank (seed or broadcast the model): {error}"
             ) from error
-        self._global = [p.detach().clone() for p in self._params]
-        self.outer_optimizer = torch.optim.SGD(
-            self._global, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov
-        )
         self._inner_steps = 0
-        self._since_sync = 0
-        self._syncs = 0
 
     # ------------------------------------------------------------------ progress
     @property
@@ -146,47 +158,76 @@ class OuterLoop:
 
     @property
     def syncs(self) -> int:
-        """Syncs done since the start of the run."""
-        return self._syncs
+        """Exchanges landed on ``theta_g`` since the start of the run, over all fragments (with ``P``
+        fragments, ``P`` per ``sync_every`` steps)."""
+        return sum(f.syncs for f in self.fragments)
 
     @property
     def bytes_sent(self) -> int:
         """Payload bytes this rank handed to the transport over all syncs (indices included)."""
-        return self.averager.bytes_sent
+        return sum(f.averager.bytes_sent for f in self.fragments)
+
+    @property
+    def compressor(self) -> Compressor:
+        """The codec (fragment 0's; every fragment's has the same settings)."""
+        return self.fragments[0].averager.compressor
 
     @property
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """``theta_g`` by parameter name: the live tensors (read, do not modify)."""
-        return dict(zip(self._names, self._global))
+        return dict(zip(self._names, (t for f in self.fragments for t in f.globals)))
+
+    @property
+    def in_flight(self) -> list[int]:
+        """The fragments whose exchange is launched and not landed yet."""
+        return [f.index for f in self.fragments if f.in_flight is not None]
+
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`sync` would do anything: an exchange in flight, or a fragment whose
+        ``theta_r`` may differ from its ``theta_g`` (the same answer on every rank)."""
+        return any(f.in_flight is not None or f.dirty for f in self.fragments)
 
     def inner_step_done(self) -> bool:
-        """Count one inner step (call after every inner ``optimizer.step()``, on every rank) and
-        :meth:`sync` when ``sync_every`` steps have passed since the last sync; whether it synced."""
+        """Count one inner step (call after every inner ``optimizer.step()``, on every rank), launch
+        the exchanges due at it, land those due; whether ``theta_g`` changed (an exchange landed)."""
         self._inner_steps += 1
-        self._since_sync += 1
-        if self._since_sync >= self.sync_every:
-            self.sync()
-            return True
-        return False
+        step = self._inner_steps
+        for fragment in self.fragments:
+            fragment.dirty = True
+        for fragment in self.fragments:  # in fragment order: the same collectives' order on every rank
+            if fragment.due(step, self.sync_every):
+                fragment.launch(step)
+        due = [f for f in self._flying() if f.in_flight.launched_at + self.streaming.sync_delay <= step]
+        for fragment in due:
+            fragment.land(self.streaming.mix)
+            if fragment.index == 0:
+                self._average_buffers()
+        return bool(due)
 
     # ------------------------------------------------------------------ the sync
-    def sync(self) -> None:
-        """One outer step now, on every rank of the group (the module then holds ``theta_g``);
-        :meth:`inner_step_done` calls it, a caller may too (e.g. at the end of training)."""
-        with torch.no_grad():
-            delta = torch.empty(sum(self._numels), dtype=self._dtype, device=self._params[0].device)
-            for piece, theta_g, theta_r in zip(delta.split(self._numels), self._global, self._params):
-                torch.sub(theta_g, theta_r, out=piece.view(theta_g.shape))
-            average = self.averager.average(delta).wait()
-            for piece, theta_g in zip(average.split(self._numels), self._global):
-                theta_g.grad = piece.view(theta_g.shape).to(theta_g.dtype)
-            self.outer_optimizer.step()
-            self.outer_optimizer.zero_grad(set_to_none=True)
-            for theta_g, theta_r in zip(self._global, self._params):
-                theta_r.copy_(theta_g)
+    def sync(self) -> bool:
+        """A full sync now, on every rank of the group, e.g. at the end of training: the exchanges
+        in flight land (mixed as scheduled), then every fragment whose ``theta_r`` may differ from
+        ``theta_g`` is exchanged and applied at once; the module then holds ``theta_g`` (whatever
+        ``mix``) and buffers are averaged. The schedule of :meth:`inner_step_done` does not move.
+        Whether anything was done (nothing when :attr:`pending` is false)."""
+        flying = self._flying()
+        for fragment in flying:
+            fragment.land(self.streaming.mix)
+        todo = [f for f in self.fragments if f.dirty]
+        for fragment in todo:
+            fragment.launch(self._inner_steps)
+        for fragment in todo:
+            fragment.land(0.0)
+        if flying or todo:
             self._average_buffers()
-        self._since_sync = 0
-        self._syncs += 1
+        return bool(flying or todo)
+
+    def _flying(self) -> list[Fragment]:
+        """The fragments in flight, in launch order (by step, then fragment)."""
+        flying = [f for f in self.fragments if f.in_flight is not None]
+        return sorted(flying, key=lambda f: (f.in_flight.launched_at, f.index))  # type: ignore[union-attr]
 
     def _average_buffers(self) -> None:
         """Floating-point buffers <- their exact mean over the group (one all-reduce per dtype)."""
@@ -195,46 +236,64 @@ class OuterLoop:
             if buffer.is_floating_point():
                 by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
         world_size = dist.get_world_size(self.group)
-        for buffers in by_kind.values():
-            flat = torch.cat([b.reshape(-1) for b in buffers])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            flat.div_(world_size)
-            for buffer, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
-                buffer.copy_(piece.view(buffer.shape))
+        with torch.no_grad():
+            for buffers in by_kind.values():
+                flat = torch.cat([b.reshape(-1) for b in buffers])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+                flat.div_(world_size)
+                for buffer, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
+                    buffer.copy_(piece.view(buffer.shape))
+
+    @contextmanager
+    def global_weights(self) -> Iterator[None]:
+        """Hold ``theta_g`` in the module inside the block (to evaluate or save it), this rank's
+        ``theta_r`` again after it. No collective; exchanges in flight stay in flight."""
+        named = dict(self.module.named_parameters())
+        own = {name: named[name].detach().clone() for name in self._names}
+        with torch.no_grad():
+            for name, theta_g in self.global_parameters.items():
+                named[name].copy_(theta_g)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, theta_r in own.items():
+                    named[name].copy_(theta_r)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's resumable state (copies): ``theta_g`` by name, the outer optimizer, the
-        averager (residuals differ per rank: save every rank's) and the step counters."""
+        """This rank's resumable state (copies): ``theta_g`` by name, per fragment its outer
+        optimizer, averager (residuals differ per rank: save every rank's), counters and the
+        average of its exchange in flight (waited for here), and the inner step count."""
         return {
             "format": STATE_FORMAT,
             "inner_steps": self._inner_steps,
-            "since_sync": self._since_sync,
-            "syncs": self._syncs,
-            "global": {name: theta_g.clone() for name, theta_g in zip(self._names, self._global)},
-            "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
-            "averager": self.averager.state_dict(),
+            "syncs": self.syncs,
+            "fragments": [f.state_dict() for f in self.fragments],
+            "global": {name: theta_g.clone() for name, theta_g in self.global_parameters.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s output (same parameters, same codec settings); the
-        caller restores the module and the inner optimizer itself."""
+        """Continue from :meth:`state_dict`'s output (same parameters, same number of fragments,
+        same codec settings); the caller restores the module and the inner optimizer itself. An
+        exchange that was in flight lands ``sync_delay`` steps after its launch, as it would have."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"outer loop state format {state.get('format')!r} is not {STATE_FORMAT}")
         saved = state["global"]
         if list(saved) != self._names:
             raise ValueError(f"the state holds parameters {list(saved)}, this module trains {self._names}")
-        for name, theta_g in zip(self._names, self._global):
+        if len(state["fragments"]) != len(self.fragments):
+            raise ValueError(
+                f"the state holds {len(state['fragments'])} fragment(s), this outer loop has "
+                f"fragments={len(self.fragments)}: residuals and outer momenta are kept per fragment"
+            )
+        for name, theta_g in self.global_parameters.items():
             if saved[name].shape != theta_g.shape:
                 shapes = f"{tuple(saved[name].shape)} in the state, {tuple(theta_g.shape)} here"
                 raise ValueError(f"parameter {name!r} has shape {shapes}")
-        self.averager.load_state_dict(state["averager"])
         with torch.no_grad():
-            for name, theta_g in zip(self._names, self._global):
+            for name, theta_g in self.global_parameters.items():
                 theta_g.copy_(saved[name])
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        for settings in self.outer_optimizer.param_groups:  # this run's settings, not the checkpoint's
-            settings.update(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_nesterov)
+        for fragment, fragment_state in zip(self.fragments, state["fragments"]):
+            fragment.load_state_dict(fragment_state, self.outer)
         self._inner_steps = int(state["inner_steps"])
-        self._since_sync = int(state["since_sync"])
-        self._syncs = int(state["syncs"])

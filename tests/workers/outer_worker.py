@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rank_setup import run_gloo_rank  # noqa: E402
 
-from lightning_gc.runtime.outer import OuterLoop  # noqa: E402
+from lightning_gc.exchanges.averager import CompressedAverager  # noqa: E402
+from lightning_gc.runtime.outer import OuterLoop, OuterSGD, Streaming  # noqa: E402
 
 WIDTH = 32
 
@@ -83,7 +84,8 @@ def equivalence(rank: int) -> dict[str, Any]:
     """H = 1, exact average, outer SGD lr 1 without momentum vs plain DDP."""
     model = mlp()
     reference = DistributedDataParallel(copy.deepcopy(model))
-    outer = OuterLoop(model, sync_every=1, compressor="none", outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False)
+    plain_sgd = OuterSGD(lr=1.0, momentum=0.0, nesterov=False)
+    outer = OuterLoop(model, sync_every=1, compressor="none", outer=plain_sgd)
     train(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, range(5), outer)
     train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), rank, range(5))
     return {"outer": snapshot(model), "ddp": snapshot(reference.module), "syncs": outer.syncs}
@@ -154,7 +156,118 @@ def mismatch(rank: int) -> dict[str, Any]:
     return {"error": None}
 
 
-CASES = {"equivalence": equivalence, "diloco": diloco, "compressed": compressed, "resume": resume, "mismatch": mismatch}
+class UnstreamedDiLoCo:
+    """The outer loop written out without fragments (what OuterLoop did before streaming): every
+    ``sync_every`` steps, one averager over every parameter, outer Nesterov SGD, theta_r <- theta_g."""
+
+    def __init__(self, model: torch.nn.Module, sync_every: int, **codec: Any) -> None:
+        self.model, self.sync_every, self.steps = model, sync_every, 0
+        self.params = list(model.parameters())
+        shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+        self.averager = CompressedAverager(codec.pop("compressor"), shapes, **codec)
+        self.globals = [p.detach().clone() for p in self.params]
+        self.optimizer = torch.optim.SGD(self.globals, lr=0.7, momentum=0.9, nesterov=True)
+
+    def inner_step_done(self) -> bool:
+        self.steps += 1
+        if self.steps % self.sync_every:
+            return False
+        numels = [p.numel() for p in self.params]
+        with torch.no_grad():
+            delta = torch.cat([(g - p).reshape(-1) for g, p in zip(self.globals, self.params)])
+            average = self.averager.average(delta).wait()
+            for piece, g in zip(average.split(numels), self.globals):
+                g.grad = piece.view(g.shape).clone()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            for g, p in zip(self.globals, self.params):
+                p.copy_(g)
+        return True
+
+
+def unstreamed(rank: int) -> dict[str, Any]:
+    """fragments=1, sync_delay=0, mix=0 vs the outer loop written out without fragments."""
+    codec = {"compressor": "topk", "compress_ratio": 0.1, "error_decay": 0.95}
+    results = {}
+    for name in ("streamed", "reference"):
+        model = mlp()
+        if name == "streamed":
+            outer: Any = OuterLoop(model, sync_every=3, streaming=Streaming(1, 0, 0.0), **codec)
+        else:
+            outer = UnstreamedDiLoCo(model, 3, **codec)
+        train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank, range(10), outer)
+        results[name] = snapshot(model)
+    return results
+
+
+def stagger(rank: int) -> dict[str, Any]:
+    """P = 2, H = 4, tau = 1: theta_g of every fragment after every inner step, and whether the
+    module then held it."""
+    model = mlp()
+    outer = OuterLoop(model, sync_every=4, streaming=Streaming(fragments=2, sync_delay=1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    globals_after, local_is_global, landed, flying = [], [], [], []
+    for step in range(12):
+        x, y = batch(rank, step)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        landed.append(outer.inner_step_done())
+        flying.append(outer.in_flight)
+        globals_after.append([[t.clone() for t in f.globals] for f in outer.fragments])
+        local_is_global.append([all(torch.equal(p, g) for p, g in zip(f.params, f.globals)) for f in outer.fragments])
+    sizes = [sum(p.numel() for p in f.params) for f in outer.fragments]
+    return {
+        "globals": globals_after, "local_is_global": local_is_global, "landed": landed, "flying": flying,
+        "sizes": sizes, "syncs": outer.syncs,
+    }  # fmt: skip
+
+
+def streaming_settings(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, OuterLoop]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    streaming = Streaming(fragments=2, sync_delay=1, mix=0.5)
+    outer = OuterLoop(model, sync_every=4, compressor="topk", compress_ratio=0.1, error_decay=0.95, streaming=streaming)
+    return optimizer, outer
+
+
+def streaming_resume(rank: int) -> dict[str, Any]:
+    """P = 2, tau = 1, mix 0.5: 16 steps straight vs 10 (fragment 1's exchange launched at step
+    10 still in flight), a checkpoint, fresh objects, 6 more steps."""
+    model = mlp(norm=True)
+    optimizer, outer = streaming_settings(model)
+    train(model, optimizer, rank, range(16), outer)
+    straight = {"model": snapshot(model), "global": copy.deepcopy(outer.global_parameters), "syncs": outer.syncs}
+    sent = outer.bytes_sent
+
+    model = mlp(norm=True)
+    optimizer, outer = streaming_settings(model)
+    train(model, optimizer, rank, range(10), outer)
+    in_flight = outer.in_flight
+    buffer = io.BytesIO()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer.state_dict()}
+    torch.save(state, buffer)
+    del model, optimizer, outer, state
+
+    model = mlp(norm=True)
+    optimizer, outer = streaming_settings(model)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    outer.load_state_dict(state["outer"])
+    resumed_in_flight = outer.in_flight
+    train(model, optimizer, rank, range(10, 16), outer)
+    resumed = {"model": snapshot(model), "global": copy.deepcopy(outer.global_parameters), "syncs": outer.syncs}
+    return {
+        "straight": straight, "resumed": resumed, "in_flight": in_flight, "resumed_in_flight": resumed_in_flight,
+        "bytes": (sent, outer.bytes_sent),
+    }  # fmt: skip
+
+
+CASES = {
+    "equivalence": equivalence, "diloco": diloco, "compressed": compressed, "resume": resume, "mismatch": mismatch,
+    "unstreamed": unstreamed, "stagger": stagger, "streaming_resume": streaming_resume,
+}  # fmt: skip
 
 
 def body(plan: dict, rank: int) -> None:
