@@ -27,6 +27,8 @@ from lightning_gc.integrations.outer_attach import (
 
 AS_DDP = {"kind": "outer", "preset": "diloco", "outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
 DILOCO_H4 = {"kind": "outer", "preset": "diloco", "sync_every": 4}
+STREAMED = {"kind": "outer", "preset": "diloco", "sync_every": 5, "fragments": 2, "sync_delay": 1, "mix": 0.5}
+"""Fragment 0 launches at steps 5 and 10, fragment 1 at 2 and 7; each lands a step later."""
 DIGITS_NUMEL = 64 * 32 + 32 + 32 * 10 + 10  # the workers' MLP: 2410 parameters
 
 
@@ -37,11 +39,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # resumes an epoch-end checkpoint of a run with max_steps set with the data of the wrong epoch (plain DDP too)
     whole = {"max_epochs": 2, "data": {"batch_size": 128}}
     h4 = {"strategy": DILOCO_H4, **whole, "limit_val_batches": 1}  # validated after steps 5 and 10
+    streamed = {**h4, "strategy": STREAMED}
     fits = [
         {"name": "ddp", "strategy": {"kind": "ddp"}, **whole},
         {"name": "h1", "strategy": {**AS_DDP, "sync_every": 1}, **whole},
         {"name": "h4", **h4, "checkpoint_dir": str(out / "h4")},  # written during validation, theta_g swapped in
         {"name": "h4_resumed", **h4, "resume_from": str(out / "h4" / "epoch=0.ckpt")},
+        # checkpoint after step 5, fragment 0's exchange in flight
+        {"name": "streamed", **streamed, "checkpoint_dir": str(out / "streamed")},
+        {"name": "streamed_resumed", **streamed, "resume_from": str(out / "streamed" / "epoch=0.ckpt")},
         {
             "name": "accumulated_bf16",
             "strategy": {**DILOCO_H4, "sync_every": 2},
@@ -122,6 +128,21 @@ def test_gradient_accumulation_and_bf16_mixed_precision(runs):
     assert_equal(runs[0]["accumulated_bf16"]["params"], runs[1]["accumulated_bf16"]["params"], "ranks")
 
 
+def test_streamed_fit_resumes_with_an_exchange_in_flight_bit_for_bit(runs, tmp_path):
+    checkpoint = torch.load(runs[0]["out"] / "streamed" / "epoch=0.ckpt", weights_only=True)
+    for rank, state in zip(runs, checkpoint["lightning_gc_outer"]["ranks"]):
+        fragments = state["outer"]["fragments"]
+        assert [f["in_flight"] is not None for f in fragments] == [True, False]  # fragment 0, launched at step 5
+        assert fragments[0]["in_flight"]["launched_at"] == 5
+        resumed, whole = rank["streamed_resumed"], rank["streamed"]
+        # landed at 3, 6, 8; the end lands fragment 0 (launched at 10), then sends both (mixed, so not theta_g)
+        assert whole["syncs"] == resumed["syncs"] == 6 and resumed["inner_steps"] == 10
+        assert_equal(resumed["params"], whole["params"], "resumed vs uninterrupted")
+        assert_equal(whole["params"], whole["global"], "module after fit vs theta_g")
+        assert resumed["totals"] == whole["totals"]
+    assert_equal(runs[0]["streamed"]["params"], runs[1]["streamed"]["params"], "rank 0 vs rank 1")
+
+
 # ---------------------------------------------------------------------- construction, in this process
 def test_presets_register_and_construct_with_their_documented_settings():
     from lightning.pytorch.strategies import StrategyRegistry
@@ -160,6 +181,11 @@ def test_presets_register_and_construct_with_their_documented_settings():
         ({"hierarchy": "node"}, r"\{'hierarchy': 'node'\} for OuterLoopStrategy \(`hierarchy` is a per-step"),
         ({"ddp_comm_hook": None}, r"installs its own DDP comm hook"),
         ({"outer_momentum": 0.0}, r"`outer_nesterov=True` needs `outer_momentum` > 0"),
+        ({"fragments": 0}, r"`fragments` must be an integer >= 1, got 0"),
+        ({"sync_every": 8, "fragments": 4, "sync_delay": 2}, r"`sync_delay=2` must be below sync_every / fragments"),
+        ({"sync_delay": 1.5}, r"`sync_delay` must be an integer >= 0, got 1.5"),
+        ({"mix": 1}, r"`mix` must be in \[0, 1\), got 1"),
+        ({"local_update": True}, r"\{'local_update': True\} for OuterLoopStrategy \(`local_update` is a per-step"),
     ],
 )
 def test_a_bad_argument_fails_at_construction_in_one_line(arguments: dict[str, Any], message: str):
@@ -259,3 +285,24 @@ def test_the_plain_front_end_imports_no_lightning(tmp_path: Path):
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("preset", sorted(OUTER_PRESETS))
+def test_hydra_configs_list_the_streaming_settings_with_their_defaults(preset: str):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lightning_gc.integrations.outer_attach import STREAMING_DEFAULTS
+
+    config = OmegaConf.load(REPO / "configs" / "strategy" / f"{preset}.yaml")
+    assert {name: config[name] for name in STREAMING_DEFAULTS} == STREAMING_DEFAULTS
+    config.merge_with({"fragments": 2, "sync_delay": 1, "mix": 0.25})
+    built = instantiate(config).outer_arguments
+    assert (built.preset, built.fragments, built.sync_delay, built.mix) == (preset, 2, 1, 0.25)
+
+
+def test_a_module_with_fewer_tensors_than_fragments_is_refused_when_built(world_of_one):
+    with pytest.raises(ValueError, match=r"`fragments=5` must be at most the module's 4 trainable parameter tensors"):
+        outer_loop(two_layers(), "diloco", sync_every=10, fragments=5)
+    outer = outer_loop(two_layers(), "diloco", sync_every=10, fragments=4, sync_delay=2, mix=0.5)
+    assert [f.offset for f in outer.fragments] == [0, 2, 5, 7] and outer.streaming.mix == 0.5
