@@ -4,6 +4,9 @@
 * A page line ``<!-- include: PATH -->`` (``PATH`` relative to the repository root) is replaced
   by that file's text: ``docs/benchmarks.md`` shows ``benchmarks/RESULTS.md``, and
   ``docs/changelog.md`` ``CHANGELOG.md``, each kept in one place.
+* A page line ``<!-- api: the rest of lightning_gc.__all__ -->`` becomes a ``::: module.Name``
+  entry (under its own heading) for every public name the page does not document yet, so a name
+  added to ``lightning_gc.__all__`` is in the API reference from its first commit.
 * Relative links are written as they work on GitHub, from the file they are in
   (``../benchmarks/netbench-….png`` in ``docs/results-log.md``, ``../docs/results-log.md`` and
   ``netbench-….png`` in ``benchmarks/RESULTS.md``); each one that resolves to a plot or a page of
@@ -13,6 +16,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from pathlib import Path
@@ -23,6 +27,7 @@ from mkdocs.structure.files import File, Files
 REPO = Path(__file__).resolve().parents[2]
 PLOTS = REPO / "benchmarks"
 INCLUDE = re.compile(r"^<!-- include: (\S+) -->$", re.MULTILINE)
+API_REST = "<!-- api: the rest of lightning_gc.__all__ -->"
 LINK = re.compile(r"(\]\()([^)\s#]+)((?:#[^)\s]*)?\))")
 
 
@@ -42,7 +47,30 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
             raise FileNotFoundError(f"{page.file.src_uri}: include {match.group(1)!r}: no such file")
         return relink(source.read_text(encoding="utf-8"), source.parent, page_dir, docs)
 
-    return relink(INCLUDE.sub(included, markdown), page_dir, page_dir, docs)
+    markdown = INCLUDE.sub(included, markdown)
+    if API_REST in markdown:
+        markdown = markdown.replace(API_REST, api_entries(markdown))
+    return relink(markdown, page_dir, page_dir, docs)
+
+
+def public_names() -> dict[str, str]:
+    """``lightning_gc.__all__``, each name with the module that defines it (``_SOURCES``), read
+    from the package's ``__init__.py`` without importing it."""
+    values: dict[str, object] = {}
+    for node in ast.parse((REPO / "lightning_gc" / "__init__.py").read_text(encoding="utf-8")).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+        if isinstance(target, ast.Name) and target.id in ("__all__", "_SOURCES"):
+            values[target.id] = ast.literal_eval(node.value)
+    sources = values["_SOURCES"]
+    assert isinstance(sources, dict)
+    return {name: sources[name] for name in values["__all__"]}  # type: ignore[union-attr]
+
+
+def api_entries(markdown: str) -> str:
+    """``::: module.Name`` entries for the public names ``markdown`` has no entry for."""
+    documented = set(re.findall(r"^::: \S+\.(\w+)$", markdown, re.MULTILINE))
+    rest = [f"::: {module}.{name}" for name, module in public_names().items() if name not in documented]
+    return "## Other public names\n\n" + "\n\n".join(rest) if rest else ""
 
 
 def relink(markdown: str, written_in: Path, page_dir: Path, docs: Path) -> str:
