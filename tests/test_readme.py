@@ -1,9 +1,10 @@
-"""The README's newcomer commands are the ones CI runs, and its front-end snippets (Trainer, plain
-DDP under torchrun, Fabric) are complete scripts that run on 2 CPU processes."""
+"""The README's newcomer commands are the ones CI runs, and the guides' complete front-end scripts
+(docs/guides: Trainer, plain DDP under torchrun, Fabric) run on 2 CPU processes."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,11 @@ from conftest import run_torchrun
 REPO = Path(__file__).resolve().parents[1]
 
 
-def readme_script(heading: str, tmp_path: Path) -> Path:
-    """The first ``python`` block after ``heading`` in the README, as a script file."""
-    section = (REPO / "README.md").read_text().split(heading, 1)[1]
+def guide_script(page: str, tmp_path: Path) -> Path:
+    """The first ``python`` block of the guide ``docs/guides/<page>``, as a script file."""
+    text = (REPO / "docs" / "guides" / page).read_text()
     script = tmp_path / "snippet.py"
-    script.write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    script.write_text(text.split("```python\n", 1)[1].split("```", 1)[0])
     return script
 
 
@@ -40,15 +41,25 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "pip install -e . && python train.py" in readme
 
 
+def test_the_readme_is_short_and_its_links_resolve() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250, "the README stays a few screens; details go to docs/"
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [t for t in targets if "://" not in t]
+    assert local, "the README links into docs/"
+    missing = [t for t in local if not (REPO / t).exists()]
+    assert not missing, f"README links to missing files: {missing}"
+
+
 def test_the_trainer_snippet_runs(tmp_path: Path) -> None:
-    done = run_script(readme_script("## Using DGC", tmp_path))
+    done = run_script(guide_script("trainer.md", tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     accuracy = float(done.stdout.split("val/acc ")[1].split()[0])
     assert accuracy > 0.8, done.stdout[-2000:]
 
 
 def test_the_plain_ddp_snippet_runs_under_torchrun(tmp_path: Path) -> None:
-    done = run_torchrun(readme_script("### Without Lightning: a plain DDP loop", tmp_path), cwd=tmp_path)
+    done = run_torchrun(guide_script("plain-ddp.md", tmp_path), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "'steps': 30" in done.stdout
     # the warm-up ended at 1 %: the last step sends about 1/50 of the dense bytes (indices + values)
@@ -58,7 +69,7 @@ def test_the_plain_ddp_snippet_runs_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_the_fabric_snippet_runs(tmp_path: Path) -> None:
-    done = run_script(readme_script("### Lightning Fabric", tmp_path))
+    done = run_script(guide_script("fabric.md", tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "'steps': 30" in done.stdout
     entry = torch.load(tmp_path / "fabric_dgc.ckpt", weights_only=True)["lightning_gc"]
