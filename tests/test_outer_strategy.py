@@ -159,7 +159,7 @@ def test_presets_register_and_construct_with_their_documented_settings():
     assert settings == {
         "diloco": ("none", 1.0, 0.7, 0.9, True),
         "diloco_int8": ("qsgd", 1.0, 0.7, 0.9, True),
-        "sparseloco": ("topk", 0.95, 1.0, 0.0, False),
+        "sparseloco": ("chunk_topk", 0.95, 1.0, 0.0, False),
     }
     assert built["diloco_int8"].compressor.levels == 127 and built["diloco_int8"].compressor.code_bits == 8
     assert built["sparseloco"].compressor.compress_ratio == 0.02
@@ -204,7 +204,8 @@ def two_layers() -> torch.nn.Module:
 BYTES_PER_SYNC = {
     "diloco": 2410 * 4,  # every element as float32
     "diloco_int8": (2048 + 4 * 4) + (32 + 320 + 10) * 4,  # 64x32 weight: 8-bit codes + a scale per 512; rest float32
-    "sparseloco": 41 * (4 + 4) + (32 + 320 + 10) * 4,  # top 2 % of the 2048 weights (value + int32 index); rest dense
+    # top 2 % of the 2048 weights (one 32x64 chunk): 2 levels (4 bytes), 41 2-bit codes (12), 41 12-bit indices (64)
+    "sparseloco": (4 + 12 + 64) + (32 + 320 + 10) * 4,
 }
 """Payload bytes per sync of the 2-layer model (64 -> 32 -> 10): only tensors of >= 1024 elements
 (here the first weight) are compressed; biases and the 320-element weight travel dense."""
