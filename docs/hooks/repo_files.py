@@ -7,6 +7,8 @@
 * A page line ``<!-- api: the rest of lightning_gc.__all__ -->`` becomes a ``::: module.Name``
   entry (under its own heading) for every public name the page does not document yet, so a name
   added to ``lightning_gc.__all__`` is in the API reference from its first commit.
+* Sphinx roles left in docstrings (``:class:`~a.b.C` ``) render as their code span alone
+  (``C``; the full path without ``~``), not as ``:class:`` followed by the path.
 * Relative links are written as they work on GitHub, from the file they are in
   (``../benchmarks/netbench-….png`` in ``docs/results-log.md``, ``../docs/results-log.md`` and
   ``netbench-….png`` in ``benchmarks/RESULTS.md``); each one that resolves to a plot or a page of
@@ -28,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 PLOTS = REPO / "benchmarks"
 INCLUDE = re.compile(r"^<!-- include: (\S+) -->$", re.MULTILINE)
 API_REST = "<!-- api: the rest of lightning_gc.__all__ -->"
+SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):<code>(~?)([\w.]+)</code>")
 LINK = re.compile(r"(\]\()([^)\s#]+)((?:#[^)\s]*)?\))")
 
 
@@ -51,6 +54,14 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     if API_REST in markdown:
         markdown = markdown.replace(API_REST, api_entries(markdown))
     return relink(markdown, page_dir, page_dir, docs)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    def code(match: re.Match[str]) -> str:
+        path = match.group(2)
+        return f"<code>{path.rsplit('.', 1)[-1] if match.group(1) else path}</code>"
+
+    return SPHINX_ROLE.sub(code, html)
 
 
 def public_names() -> dict[str, str]:
