@@ -8,11 +8,13 @@ with bitwise equal parameters at the same step count.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -63,6 +65,14 @@ def _replica(tmp: Path, lighthouse: str, replica: int, name: str, *extra: str) -
     command += ["--timeout", str(TIMEOUT), "--log", str(tmp / f"{name}.log"), "--result", str(tmp / f"{name}.pt")]
     with (tmp / f"{name}.out").open("wb") as out:
         return subprocess.Popen([*command, *extra], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+@contextlib.contextmanager
+def socket_closed() -> Iterator[int]:
+    """A loopback port nothing listens on (bound, never listened, so connections are refused)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
 
 
 def _lines(path: Path) -> list[dict[str, float]]:
@@ -157,3 +167,36 @@ def test_killed_replica_survivors_step_restarted_one_heals(tmp_path: Path, light
     assert len(steps) == 1 and next(iter(steps))[0] >= STEPS, [(r["steps"], r["manager_step"]) for r in results]
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0]["parameters"], other["parameters"]))
+
+
+def test_replica_with_other_compression_settings_is_refused(tmp_path: Path, lighthouse: str) -> None:
+    """Two replica groups that differ in ``compress_ratio``: the one that heals from the other (at
+    step 0, torchft's init_sync) is refused with one line naming both settings."""
+    processes = [
+        _replica(tmp_path, lighthouse, r, f"r{r}", "--compress-ratio", ratio) for r, ratio in enumerate(("0.05", "0.1"))
+    ]
+    try:
+        _wait_for("one replica to be refused", lambda: any(p.poll() is not None for p in processes), [], tmp_path,
+                  time.monotonic() + DEADLINE)  # fmt: skip
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    refused = [p for p in processes if p.returncode not in (0, -signal.SIGKILL)]
+    assert len(refused) == 1, [p.returncode for p in processes]
+    output = (tmp_path / f"r{processes.index(refused[0])}.out").read_text()
+    message = [line for line in output.splitlines() if line.startswith("ValueError")]
+    assert message and "compress_ratio=0.05" in message[-1] and "compress_ratio=0.1" in message[-1], output[-2000:]
+    assert "differ from the quorum's" in message[-1]
+
+
+def test_unreachable_lighthouse_is_named() -> None:
+    from lightning_gc.integrations.ft import fault_tolerant
+
+    with socket_closed() as port:
+        model = torch.nn.Linear(4, 2)
+        address = f"http://127.0.0.1:{port}"
+        with pytest.raises(ConnectionError, match=re.escape(f"cannot reach the torchft lighthouse at {address}")):
+            fault_tolerant(model, torch.optim.SGD(model.parameters(), lr=0.1), lighthouse=address, replica_id="0",
+                           timeout=1.0)  # fmt: skip
