@@ -33,6 +33,7 @@ __all__ = [
     "GradientCompressionStrategy",
     "OuterLoopStrategy",
     "outer_loop",
+    "fault_tolerant",
     "SparsityWarmup",
 ]
 
@@ -49,6 +50,7 @@ _SOURCES = {
     "GradientCompressionStrategy": "lightning_gc.integrations.strategy",
     "OuterLoopStrategy": "lightning_gc.integrations.outer",
     "outer_loop": "lightning_gc.integrations.outer_attach",
+    "fault_tolerant": "lightning_gc.integrations.ft",  # imports torchft (the [ft] extra) on first use
 }
 """Where each public name is defined."""
 _SUBPACKAGES = ("common", "kernels", "compressors", "core", "exchanges", "perfmodel", "runtime", "integrations")
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
     from lightning_gc.integrations.callbacks import PAPER_WARMUP_DENSITIES, SparsityWarmup
     from lightning_gc.integrations.dgc import DGCStrategy
     from lightning_gc.integrations.fabric import FabricCompressionStrategy
+    from lightning_gc.integrations.ft import fault_tolerant
     from lightning_gc.integrations.outer import OuterLoopStrategy
     from lightning_gc.integrations.outer_attach import outer_loop
     from lightning_gc.integrations.strategy import GradientCompressionStrategy
