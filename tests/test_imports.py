@@ -42,7 +42,7 @@ def test_the_package_the_perf_model_and_attach_import_no_lightning(tmp_path: Pat
         import lightning_gc
         assert heavy() == [], ("import lightning_gc", heavy())
         assert "torch" not in sys.modules
-        import lightning_gc.perfmodel, lightning_gc.perfmodel.step
+        import lightning_gc.perfmodel, lightning_gc.perfmodel.step, lightning_gc.perfmodel.outer_options
         assert heavy() == [], ("import lightning_gc.perfmodel", heavy())
         assert "torch" not in sys.modules, "import lightning_gc.perfmodel imported torch"
         sys.argv = ["lightning_gc.perfmodel", "--help"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_gc.common.outer_presets import OUTER_PRESETS
 from lightning_gc.compressors import available, create
 from lightning_gc.perfmodel import (
     CodecCost,
@@ -234,12 +235,12 @@ def test_cli_in_a_subprocess_rejects_nonsense_and_predicts():
         (["--bandwidth", "fast"], "`--bandwidth` must look like 1gbit, 100mbit or 2.5e9 (bits/s), got 'fast'"),
         (["--latency-us", "-1"], "`--latency-us` must be in [0, inf], got -1.0"),
         (["--host-bandwidth", "0"], "`--host-bandwidth (bits/s)` must be in (0, inf], got 0.0"),
-        (["--compressor", "zip"], "`--compressor` must be 'all' or one of ['bf16', 'dgc'"),
+        (["--compressor", "zip"], f"`--compressor` must be 'all' or one of {available()}, got 'zip'"),
         (["--overlap", "1.5"], "`--overlap` must be in [0, 1], got 1.5"),
         (["--params", "0.5"], "`--params` must be an integer >= 1, got 0.5"),
         (["--cost", "dgc=5"], "`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got 'dgc=5'"),
         (["--cost", "dgc=5,x"], "`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got 'dgc=5,x'"),
-        (["--cost", "gzip=5,1"], "`--cost compressor` must be one of ['bf16', 'dgc'"),
+        (["--cost", "gzip=5,1"], f"`--cost compressor` must be one of {[*available(), *sorted(OUTER_PRESETS)]}"),
         (["--cost", "dgc=5,-1"], "`--cost dgc` must be in [0, inf], got -1.0"),
         (["--compressor", "dgc", "--cost", "topk=1,1"], "`--cost` names ['topk'], which `--compressor dgc` does not"),
         (["--compressor", "dgc", "--arg", "compress_ratio=2"], "`--arg` for dgc: `compress_ratio` must be in (0, 1]"),

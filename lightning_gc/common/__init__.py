@@ -7,4 +7,6 @@
 * :mod:`~lightning_gc.common.validation`: one-line errors for bad arguments.
 * :mod:`~lightning_gc.common.errors`: the exceptions front ends report to users.
 * :mod:`~lightning_gc.common.log`: warnings and notices from rank zero, without Lightning.
+* :mod:`~lightning_gc.common.outer_presets`: the outer loop's presets as plain data, for the front
+  ends and the performance model (which sits below them).
 """

@@ -40,7 +40,8 @@ make, and whether compression pays: :mod:`lightning_gc.perfmodel.step`. ``T_enc`
 come from :mod:`lightning_gc.perfmodel.calibration` (the real compressor timed on this device) or
 are given. The model is checked against measured two-node runs by ``benchmarks/netbench``; it is
 a model, not a measurement. Command line: ``python -m lightning_gc.perfmodel --help``
-(:mod:`lightning_gc.perfmodel.__main__`).
+(:mod:`lightning_gc.perfmodel.__main__`). The outer loop (one compressed sync every ``sync_every``
+inner steps, in fragments, overlapped by a delay): :mod:`lightning_gc.perfmodel.outer`.
 """
 
 from __future__ import annotations

@@ -22,11 +22,19 @@ compressor with ``exchange="two_phase"`` (all-to-all, decode + average + re-enco
 :func:`~lightning_gc.perfmodel.two_phase_cost`), so the ``use:`` line weighs it too. Its encode
 and decode are derived from the calibrated (or ``--cost``) ones (:func:`~lightning_gc.perfmodel.two_phase_cost`:
 two payloads decoded instead of ``p``, one chunk re-encoded): nothing more is timed.
+
+With ``--outer`` (or ``--sync-every``) the outer-loop presets get rows of their own
+(:mod:`lightning_gc.perfmodel.outer_options`, the maths in :mod:`lightning_gc.perfmodel.outer`):
+time per inner step and link use for one compressed sync of a fragment every ``sync_every / fragments``
+inner steps, its codec timed like a per-step one (``--cost PRESET=ENCODE_MS,DECODE_MS`` for the whole
+model's sync). The ``use:`` line names an outer preset only when it is faster than every per-step
+scheme, and says that it changes the optimisation.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -34,8 +42,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_gc.common.outer_presets import OUTER_PRESETS
 from lightning_gc.common.validation import check_choice, check_int, check_range
 from lightning_gc.perfmodel import BITS_PER_BYTE, DENSE, CodecCost, Network, parse_rate, two_phase_cost
+from lightning_gc.perfmodel.outer import format_outer_table, predict_outer, recommendation
+from lightning_gc.perfmodel.outer_options import add_outer_options, outer_rows
 from lightning_gc.perfmodel.step import Prediction, Workload, best, predict
 
 # The compressors, calibration and rich are imported inside the functions that use them: they
@@ -87,7 +98,8 @@ def _positive_rate(text: str, option: str) -> float:
 
 
 def _parse_costs(items: Sequence[str]) -> dict[str, tuple[float, float]]:
-    """``NAME=ENCODE_MS,DECODE_MS`` -> {name: (encode_s, decode_s)}."""
+    """``NAME=ENCODE_MS,DECODE_MS`` -> {name: (encode_s, decode_s)}; a name is a compressor's or
+    an outer-loop preset's."""
     from lightning_gc.compressors.registry import available
 
     costs = {}
@@ -97,7 +109,7 @@ def _parse_costs(items: Sequence[str]) -> dict[str, tuple[float, float]]:
             encode_ms, decode_ms = (float(v) for v in values.split(","))
         except ValueError:
             raise ValueError(f"`--cost` must look like NAME=ENCODE_MS,DECODE_MS, got {item!r}") from None
-        check_choice("--cost compressor", name, available())
+        check_choice("--cost compressor", name, [*available(), *sorted(OUTER_PRESETS)])
         for value in (encode_ms, decode_ms):
             check_range(f"--cost {name}", value, 0.0, None)
         costs[name] = (encode_ms / 1e3, decode_ms / 1e3)
@@ -195,7 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--compressor", default="all", help="a registered compressor name, or 'all'")
     parser.add_argument("--arg", action="append", default=[], help="compressor argument NAME=VALUE (repeatable)")
-    parser.add_argument("--cost", action="append", default=[], help="measured NAME=ENCODE_MS,DECODE_MS (skips timing)")
+    parser.add_argument(
+        "--cost",
+        action="append",
+        default=[],
+        help="measured NAME=ENCODE_MS,DECODE_MS of a compressor or an outer preset's whole sync (skips timing)",
+    )
     parser.add_argument("--device", default="cpu", help="device to calibrate encode/decode on")
     parser.add_argument(
         "--calibrate-numel",
@@ -211,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--cache", type=Path, default=None, help="JSON file caching calibrations (default: per user)")
     parser.add_argument("--no-cache", action="store_true", help="time afresh and keep nothing")
+    add_outer_options(parser)
     return parser
 
 
@@ -243,9 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload = Workload(numel, args.compute_ms / 1e3, args.overlap, rounds=args.rounds, delay=args.delay)
         measured = _parse_costs(args.cost)
         names = available() if args.compressor == "all" else [args.compressor]
-        unselected = sorted(set(measured) - set(names))
+        outer = outer_rows(args)
+        unselected = sorted(set(measured) - set(names) - set(OUTER_PRESETS))
         if unselected:
             raise ValueError(f"`--cost` names {unselected}, which `--compressor {args.compressor}` does not select")
+        unselected = sorted(set(measured) & set(OUTER_PRESETS) - {row.preset for row in outer})
+        if unselected:
+            raise ValueError(f"`--cost` names outer preset(s) {unselected}, which `--outer` does not select")
         arguments = calibration.parse_arguments(args.arg)
         for name in names:  # bad values fail here, with the option's message, not mid-calibration
             try:
@@ -265,30 +287,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     timed_numel = min(numel, sampled_numel)
-    costs, decode_scaled = [], []
+    costs, decode_scaled, fragments = [], [], []
+    # (label, compressor, its arguments, elements its cost is for): per-step compressors on the whole
+    # gradient, outer presets on one fragment of the model
+    todo = [(name, name, arguments.get(name, {}), numel) for name in names]
+    todo += [(row.preset, row.compressor, row.arguments, row.schedule.fragment_numel(numel)) for row in outer]
     with Progress(transient=True, console=Console(stderr=True)) as progress:
-        timing = progress.add_task(f"timing codecs on {timed_numel:,} elements", total=len(names))
-        for name in names:
+        timing = progress.add_task(f"timing codecs on {timed_numel:,} elements", total=len(todo))
+        for label, name, codec_arguments, target in todo:
+            sampled = numel if label in measured else timed_numel
             sample = calibration.codec_cost(
                 name,
-                numel if name in measured else timed_numel,
+                sampled,
                 world_size=network.world_size,
-                arguments=arguments.get(name, {}),
+                arguments=codec_arguments,
                 device=args.device,
-                measured=measured.get(name),
+                measured=measured.get(label),
                 cache=cache,
                 repeats=args.repeats,
                 busy=busy is not None,
             )
             if sample.decode_timed_ranks:
-                decode_scaled.append(name)
-            sampled = numel if name in measured else timed_numel
-            costs.append(scaled_cost(name, numel, sample, sampled, arguments.get(name, {})))
-            row = two_phase_row(name, costs[-1], arguments.get(name, {}), network.world_size)
-            if row is not None:
-                costs.append(row)
+                decode_scaled.append(label)
+            cost = scaled_cost(name, target, sample, sampled, codec_arguments)
+            if label in OUTER_PRESETS:  # one fragment's sync, named by its preset
+                fragments.append(dataclasses.replace(cost, name=label))
+            else:
+                costs.append(cost)
+                row = two_phase_row(name, costs[-1], codec_arguments, network.world_size)
+                if row is not None:
+                    costs.append(row)
             progress.advance(timing)
     predictions = predict(workload, network, costs)
+    outer_predictions = [predict_outer(f, row.schedule, workload, network) for f, row in zip(fragments, outer)]
     print(
         f"p={network.world_size}, B={network.bandwidth * BITS_PER_BYTE / 1e9:g} Gbit/s, "
         f"a={network.latency * 1e6:g} us, "
@@ -297,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"C={workload.compute_s * 1e3:g} ms, f={workload.overlap:g}, rounds={workload.rounds}"
         + (f", delay={workload.delay}" if workload.delay else "")
     )
-    timed = [name for name in names if name not in measured]
+    timed = [label for label, *_ in todo if label not in measured]
     if timed:
         scale = "" if timed_numel == numel else f", scaled to {numel:,}"
         print(f"encode/decode timed on {args.device} on {timed_numel:,} elements{scale}: {', '.join(timed)}")
@@ -309,8 +340,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if measured:
         print(f"encode/decode given with --cost: {', '.join(sorted(measured))}")
     print(format_table(predictions))
+    if outer_predictions:
+        print(
+            "outer loop, per inner step (it changes the optimisation: sync_every local steps, then an outer step "
+            "on the averaged compressed pseudo-gradient; not synchronous SGD):"
+        )
+        print(format_outer_table(outer_predictions))
     choice = best(predictions)
-    if choice.name == DENSE:
+    outer_choice = recommendation(choice, outer_predictions)
+    if outer_choice is not None:
+        print(outer_choice)
+    elif choice.name == DENSE:
         print("use: dense all-reduce (no compressor is predicted faster)")
     else:
         print(f"use: {choice.name} (expected speedup {choice.speedup:.2f}x over dense all-reduce)")
