@@ -30,6 +30,7 @@ __all__ = [
     "DGCCompressor",
     "DGCStrategy",
     "FabricCompressionStrategy",
+    "FabricOuterLoopStrategy",
     "GradientCompressionStrategy",
     "OuterLoopStrategy",
     "outer_loop",
@@ -47,6 +48,7 @@ _SOURCES = {
     "DGCCompressor": "lightning_gc.compressors",
     "DGCStrategy": "lightning_gc.integrations.dgc",
     "FabricCompressionStrategy": "lightning_gc.integrations.fabric",
+    "FabricOuterLoopStrategy": "lightning_gc.integrations.outer_fabric",
     "GradientCompressionStrategy": "lightning_gc.integrations.strategy",
     "OuterLoopStrategy": "lightning_gc.integrations.outer",
     "outer_loop": "lightning_gc.integrations.outer_attach",
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
     from lightning_gc.integrations.callbacks import PAPER_WARMUP_DENSITIES, SparsityWarmup
     from lightning_gc.integrations.dgc import DGCStrategy
     from lightning_gc.integrations.fabric import FabricCompressionStrategy
+    from lightning_gc.integrations.outer_fabric import FabricOuterLoopStrategy
     from lightning_gc.integrations.ft import fault_tolerant
     from lightning_gc.integrations.outer import OuterLoopStrategy
     from lightning_gc.integrations.outer_attach import outer_loop

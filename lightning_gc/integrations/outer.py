@@ -28,15 +28,12 @@ DDP's per-forward buffer sync is off by default here: buffers (BatchNorm statist
 between syncs and are averaged at each sync, rather than rank 0's sent at every forward.
 """
 
-# No ``from __future__ import annotations``: DDP checks the comm hook's annotations at runtime.
-import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
@@ -47,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_gc.common.validation import check_timeout
 from lightning_gc.compressors.base import AdjustableRatio, Compressor
 from lightning_gc.integrations.ddp_arguments import OWNED_DDP_ARGUMENTS, ddp_argument_names
+from lightning_gc.integrations.local_ddp import LOCAL_BUFFERS, keep_local_gradients
 from lightning_gc.integrations.outer_attach import (
     OUTER_CHECKPOINT_KEY,
     OUTER_PRESETS,
@@ -61,24 +59,6 @@ from lightning_gc.runtime.outer import OuterLoop
 from lightning_gc.runtime.teardown import shut_down_process_group_at_exit
 
 __all__ = ["OUTER_PRESETS", "OuterLoopStrategy", "outer_loop", "register_outer_strategies"]
-
-
-def keep_local_gradients(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook that sends nothing: the bucket's own gradients, as a completed future."""
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    future.set_result(bucket.buffer())
-    return future
-
-
-_LOCAL_BUFFERS = (
-    "forward_sync_buffers"
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-    else "broadcast_buffers"
-)
-"""DDP's switch for syncing buffers at every forward: torch >= 2.10 names it ``forward_sync_buffers``
-and deprecates ``broadcast_buffers`` (which older versions only have). Off here: the outer loop
-averages buffers at each sync; the sync at construction (new name only) is harmless, every rank
-starts alike."""
 
 
 class _OuterFirst(Callback):
@@ -156,7 +136,7 @@ class OuterLoopStrategy(DDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         # DDPStrategy's, with buffers kept local between syncs unless asked otherwise (module docstring)
         device_ids = self.determine_ddp_device_ids()
-        ddp_kwargs = {_LOCAL_BUFFERS: False, **self._ddp_kwargs}
+        ddp_kwargs = {LOCAL_BUFFERS: False, **self._ddp_kwargs}
         with torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext():
             return DistributedDataParallel(module=model, device_ids=device_ids, **ddp_kwargs)
 

@@ -64,7 +64,7 @@ _lightning_loaded = False  # lightning/__init__.py has finished executing (set b
 def register_strategies() -> None:
     """Register ``"dgc_ddp"``, ``"dgc_ddp_spawn"``, ``"<compressor>_ddp"`` and the outer-loop presets
     (``"diloco"``, ``"diloco_int8"``, ``"sparseloco"``) with the Trainer's registry, and the
-    ``"<compressor>_ddp"`` presets with Fabric's. Imports Lightning. Idempotent: Lightning's popen
+    ``"<compressor>_ddp"`` and outer-loop presets with Fabric's. Imports Lightning. Idempotent: Lightning's popen
     launcher re-imports the user's script."""
     global _registered
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
@@ -73,12 +73,14 @@ def register_strategies() -> None:
     from lightning_gc.integrations.dgc import DGCStrategy
     from lightning_gc.integrations.fabric import register_fabric_strategies
     from lightning_gc.integrations.outer import register_outer_strategies
+    from lightning_gc.integrations.outer_fabric import register_outer_fabric_strategies
     from lightning_gc.integrations.strategy import GradientCompressionStrategy
 
     GradientCompressionStrategy.register_strategies(StrategyRegistry)
     DGCStrategy.register_strategies(StrategyRegistry)
     register_outer_strategies(StrategyRegistry)
     register_fabric_strategies(FABRIC_STRATEGY_REGISTRY)
+    register_outer_fabric_strategies(FABRIC_STRATEGY_REGISTRY)
     with _lock:
         _registered = True
     _remove_finder()
