@@ -200,3 +200,12 @@ def test_unreachable_lighthouse_is_named() -> None:
         with pytest.raises(ConnectionError, match=re.escape(f"cannot reach the torchft lighthouse at {address}")):
             fault_tolerant(model, torch.optim.SGD(model.parameters(), lr=0.1), lighthouse=address, replica_id="0",
                            timeout=1.0)  # fmt: skip
+
+
+def test_point_to_point_exchange_is_refused_before_any_step() -> None:
+    from lightning_gc.integrations.ft import FaultTolerantCompression
+
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="exchange='global_topk' needs point-to-point rounds"):
+        FaultTolerantCompression(model, optimizer, None, None, "topk", exchange="global_topk", compress_ratio=0.1)

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from lightning_gc.common.validation import check_int, check_range
+from lightning_gc.compressors.registry import create
 from lightning_gc.exchanges.averager import CompressedAverager
 from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.ft_transport import ManagerTransport
@@ -73,7 +74,8 @@ class FaultTolerantCompression:
         manager: the replica's ``torchft.Manager``.
         group: the torchft process group given to ``manager``.
         compressor: a registered compressor name (arguments in ``compressor_arguments``), e.g.
-            ``"dgc"``, ``"topk"``, ``"powersgd"``; not ``global_topk`` (no point-to-point rounds).
+            ``"dgc"``, ``"topk"``, ``"powersgd"``; not with ``exchange="global_topk"`` (no
+            point-to-point rounds over torchft's quorum).
         error_feedback, error_decay: as for :class:`~lightning_gc.exchanges.averager.CompressedAverager`.
 
     Attributes:
@@ -98,13 +100,18 @@ class FaultTolerantCompression:
         self.parameters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not self.parameters:
             raise ValueError("the model has no trainable parameters to exchange")
+        codec = create(compressor, **compressor_arguments)
+        if codec.config().get("exchange") == "global_topk":  # before any step: it would fail every one
+            raise ValueError(
+                f"compressor {codec.name!r} with exchange='global_topk' needs point-to-point rounds, which torchft's "
+                "quorum does not run: use exchange='gather' (the default) or 'two_phase'"
+            )
         self.averager = CompressedAverager(
-            compressor,
+            codec,
             [(name, tuple(p.shape)) for name, p in self.parameters],
             error_feedback=error_feedback,
             error_decay=error_decay,
             via=FlatExchange(ManagerTransport(manager, group)),
-            **compressor_arguments,
         )
         memory = self.averager.memory.config()
         self.settings = {"compressor": self.averager.compressor.config(), "memory": memory}
