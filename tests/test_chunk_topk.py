@@ -157,3 +157,17 @@ def test_two_gloo_ranks_average_their_decodes(tmp_path):
     for single, rank in zip(singles, ranks):
         assert torch.equal(single.residual(), rank["chunk_topk"]["residual"])  # each rank's own memory
     assert mine["bytes_sent"] == 2 * singles[0].compressor.wire_bytes(singles[0].layout, 4)
+
+
+def test_a_float16_chunk_near_the_top_of_its_range_stays_finite():
+    """Half of a 64x64 chunk of float16 values up to 65,000: the levels are computed in float32
+    (their sum is far past float16's 65,504) and decode finite; the residual is still exact."""
+    averager = CompressedAverager(
+        "chunk_topk", [("w", (64, 64))], via=FlatExchange(LocalTransport(1)), compress_ratio=0.5
+    )
+    x = ((torch.rand(4096, generator=torch.Generator().manual_seed(2)) * 2 - 1) * 65000).half()
+    y = averager.average(x.clone()).wait()
+    assert y.dtype == torch.float16 and bool(torch.isfinite(y).all()) and torch.count_nonzero(y) == 2048
+    sent = y[y != 0].abs()
+    assert len(sent.unique()) == 2 and sent.max() <= x.abs().max()  # two means of sent magnitudes, not a clamp
+    assert torch.equal(averager.residual(), x - y)

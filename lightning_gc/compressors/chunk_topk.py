@@ -123,7 +123,7 @@ class _ChunkPlan:
     top: int  # max_b k_b: torch.topk's k for every chunk
     kept: torch.Tensor  # [B, top] bool: slot j of chunk b's ranking is sent (j < k_b)
     kept_flat: torch.Tensor  # int64 positions of the kept entries in the flattened [B, top], chunk order
-    counts: torch.Tensor  # [B] k_b, in the bucket's dtype
+    counts: torch.Tensor  # [B] k_b, float32
     chunk_of_pair: torch.Tensor  # [K] int64: the chunk of each sent pair
     extended: torch.Tensor  # numel + 1 values: the velocity and a 0 at the pad position
     dense: DensePart | None
@@ -208,7 +208,7 @@ class ChunkTopKCompressor(AdjustableRatio, PlannedCompressor[_ChunkPlan]):
             top=top,
             kept=kept,
             kept_flat=torch.nonzero(kept.reshape(-1)).reshape(-1),
-            counts=k.to(like.dtype),
+            counts=k.to(torch.float32),
             chunk_of_pair=torch.repeat_interleave(torch.arange(len(ks), device=device), k),
             extended=like.new_zeros(numel + 1),
             dense=DensePart.of(dense, like),
@@ -250,9 +250,10 @@ class ChunkTopKCompressor(AdjustableRatio, PlannedCompressor[_ChunkPlan]):
     @staticmethod
     def _levels(magnitudes: torch.Tensor, plan: _ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Each chunk's (low, high) levels ``[B, 2]`` in :data:`LEVEL_DTYPE` and each ranked slot's
-        level ``[B, top]`` (0 low, 1 high; only kept slots count): the split at the chunk's mean."""
+        level ``[B, top]`` (0 low, 1 high; only kept slots count): the split at the chunk's mean, in
+        float32 whatever the bucket's dtype (a float16 chunk's sum of 4,096 magnitudes would overflow)."""
         kept = plan.kept
-        magnitudes = magnitudes.masked_fill(~kept, 0.0)
+        magnitudes = magnitudes.float().masked_fill_(~kept, 0.0)
         mean = magnitudes.sum(1, keepdim=True) / plan.counts.unsqueeze(1)
         high = (magnitudes >= mean) & kept
         low = kept & ~high
