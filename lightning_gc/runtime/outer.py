@@ -41,7 +41,7 @@ every fragment's latest) is what users evaluate and keep; a front end evaluates 
 
 Memory per rank on top of training: ``theta_g``, the outer momentum and the residual ``e_r``
 (about 3x the trainable parameters; no residual for unbiased codecs such as ``"none"``), plus one
-flat pseudo-gradient at each sync.
+flat pseudo-gradient per exchange in flight (a fragment's, kept ``sync_delay`` steps).
 
 A checkpoint (:meth:`OuterLoop.state_dict`, per rank: residuals differ) holds ``theta_g`` by
 parameter name, and per fragment the outer optimizer's state, the averager's state (residuals, codec

@@ -14,8 +14,12 @@ Streaming (Streaming DiLoCo, arXiv:2501.18512), with ``P = fragments``, ``tau = 
 
 so with ``alpha = 0`` the ``tau`` local steps a fragment took while its exchange was in flight are
 dropped at landing (the rank restarts the fragment from ``theta_g``), with ``alpha > 0`` part of
-them is kept. Since ``tau < H / P`` a fragment lands before its next launch. ``P = 1, tau = 0,
-alpha = 0`` is the plain DiLoCo sync.
+them is kept. ``P = 1, tau = 0, alpha = 0`` is the plain DiLoCo sync. At one step, launches (in
+fragment order) come before landings (in launch order): the same collectives in the same order on
+every rank.
+
+Since ``tau < H / P``, a fragment lands at the latest at the step the next fragment launches (the
+offsets are ``floor`` or ``ceil`` of ``H / P`` apart), long before its own next launch.
 """
 
 from __future__ import annotations
