@@ -3,6 +3,7 @@
     python -m benchmarks.accuracy cifar10                 # run what is missing, then the table and curves
     python -m benchmarks.accuracy cifar10 --report-only   # table and curves of the runs finished so far
     python -m benchmarks.accuracy ptb_adamw --steps 600 --freeze 120
+    python -m benchmarks.accuracy gpt2_ptb_adamw --steps 600   # pip install transformers
 
 Each run is ``python train.py +recipe=<recipe> ...`` on 2 CPU processes with its own output
 directory ``<out>/<task>/<label>``; the runs of a task share the seed-dependent data order, the
@@ -20,6 +21,11 @@ Tasks:
   ``--steps``, inside the 15-25 % that 1-bit Adam uses, as ``adam_warmup_steps="auto"``), DGC
   with and without the density floor after the freeze (``adam_min_sends``); curves by step;
   ``--lr-decay`` for a step decay at 60 % and 85 % of the steps.
+* ``gpt2_ptb_adamw``: the same data, optimizer and schedule on a model the recipes were not tuned
+  on, Hugging Face's GPT-2 (2 layers, d = 128) built from a config (``pip install transformers``;
+  recipes gpt2_ptb_dense and gpt2_ptb_dgc): dense AdamW, DGC 0.1 % with plain error feedback, DGC
+  0.1 % and onebit with the frozen-variance hand-over, all at the library's defaults (the freeze
+  at ``adam_warmup_steps="auto"`` unless ``--freeze``); ``--steps``, ``--lr-decay`` as ptb_adamw's.
 * ``compressors``: the shorter task, every registered compressor at its recommended settings
   on the quickstart (scikit-learn's digits), and onebit and qsgd through the two-phase exchange
   (onebit also without its server error feedback); needs no shared data.
@@ -246,7 +252,9 @@ def ptb_steps_per_epoch(data: Path) -> int:
     return -(-windows // PTB_ADAMW_PROCESSES) // PTB_ADAMW_BATCH
 
 
-def ptb_adamw_task(data: Path, steps: int, freeze: int, lr_decay: bool = False) -> Task:
+def ptb_adamw_overrides(data: Path, steps: int, lr_decay: bool) -> tuple[tuple[str, ...], str]:
+    """What every run of a PTB AdamW task shares (the data, 2 CPU processes x 16 x 64 tokens,
+    ``steps`` optimizer steps, ten validations), and the description's words for ``--lr-decay``."""
     epoch_steps = ptb_steps_per_epoch(data)
     shared = (
         f"data.root={data / 'ptb'}",
@@ -266,63 +274,111 @@ def ptb_adamw_task(data: Path, steps: int, freeze: int, lr_decay: bool = False) 
         epochs = [round(at * steps / epoch_steps, 4) for at in LR_DECAY_AT]
         shared += (f"model.lr_milestones=[{','.join(map(str, epochs))}]",)
         decay = ", lr x0.1 at " + " and ".join(f"{at:.0%}" for at in LR_DECAY_AT) + " of the steps"
-    frozen = (f"strategy.adam_warmup_steps={freeze}",)
+    return shared, decay
+
+
+def adamw_comparison(recipes: str, frozen: tuple[str, ...]) -> tuple[Run, Run, Run, Run]:
+    """The four runs every PTB AdamW task compares, from the recipes ``<recipes>_dense`` and
+    ``<recipes>_dgc``: dense AdamW, DGC 0.1 % with plain error feedback under AdamW's own state,
+    DGC 0.1 % and onebit with the frozen-variance hand-over (``frozen``: the overrides that set
+    the freeze; none: the strategy's ``adam_warmup_steps``)."""
+    dense, dgc = f"{recipes}_dense", f"{recipes}_dgc"
+    return (
+        Run("dense AdamW", dense),
+        Run("DGC 0.1 %, plain error feedback", dgc, ("strategy.momentum_correction=false",)),
+        Run("DGC 0.1 %, frozen variance", dgc, frozen),
+        Run(
+            "onebit, frozen variance",
+            dense,  # the DGC recipe's compress_ratio is not onebit's
+            ("strategy=onebit", "strategy.momentum_correction=true", *frozen),
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class PTBAdamW:
+    """A PTB AdamW task's own part: its name, the model's words in the description, the freeze's."""
+
+    name: str
+    model: str
+    freeze: str
+
+
+def ptb_adamw(task: PTBAdamW, runs: tuple[Run, ...], data: Path, steps: int, lr_decay: bool) -> Task:
+    """``runs`` of a PTB AdamW task with the overrides they share (:func:`ptb_adamw_overrides`)."""
+    shared, decay = ptb_adamw_overrides(data, steps, lr_decay)
     return Task(
-        name="ptb_adamw",
+        name=task.name,
         description=(
-            f"2-layer causal transformer (d = 128), PTB, AdamW lr 1e-3 wd 0.01{decay}, {steps} steps, "
-            f"{PTB_ADAMW_PROCESSES} CPU processes x {PTB_ADAMW_BATCH} x {PTB_ADAMW_BPTT} tokens; "
-            f"variance frozen after {freeze} steps"
+            f"{task.model}, PTB, AdamW lr 1e-3 wd 0.01{decay}, {steps} steps, "
+            f"{PTB_ADAMW_PROCESSES} CPU processes x {PTB_ADAMW_BATCH} x {PTB_ADAMW_BPTT} tokens; {task.freeze}"
         ),
-        runs=(
-            Run("dense AdamW", "transformer_ptb_dense"),
-            Run("DGC 0.1 %, plain error feedback", "transformer_ptb_dgc", ("strategy.momentum_correction=false",)),
-            Run("DGC 0.1 %, frozen variance", "transformer_ptb_dgc", frozen),
-            # the density floor off (adam_min_sends=0): 0.1 % from the freeze on, as every run before the floor
-            Run("DGC 0.1 %, frozen variance, no floor", "transformer_ptb_dgc", (*frozen, "strategy.adam_min_sends=0")),
-            Run(  # the paper's exponential sparsity warm-up, one stage per `freeze` steps after the freeze
-                "DGC 0.1 %, frozen variance, sparsity warm-up",
-                "transformer_ptb_dgc",
-                (
-                    *frozen,
-                    "warmup={_target_:lightning_gc.SparsityWarmup,densities:[1.0,0.0625,0.015625,0.00390625],"
-                    f"interval:step,steps_per_stage:{freeze}}}",
-                ),
-            ),
-            Run(
-                "onebit, frozen variance",
-                "transformer_ptb_dense",  # the DGC recipe's compress_ratio is not onebit's
-                ("strategy=onebit", "strategy.momentum_correction=true", *frozen),
-            ),
-            # ten times the density: each element leaves about every 100 steps instead of 1,000,
-            # at 0.64 bits per element and step, onebit's 1 bit in the same range
-            Run("DGC 1 %, frozen variance", "transformer_ptb_dgc", (*frozen, "strategy.compress_ratio=0.01")),
-            # momentum factor masking zeroes u where v was sent: an element sent every step then moves
-            # by (1 - b1) g / d, a tenth of Adam's m / d
-            Run(
-                "DGC 0.1 %, frozen variance, no masking",
-                "transformer_ptb_dgc",
-                (*frozen, "strategy.momentum_masking=false"),
-            ),
-            Run(
-                "DGC 1 %, frozen variance, no masking",
-                "transformer_ptb_dgc",
-                (*frozen, "strategy.compress_ratio=0.01", "strategy.momentum_masking=false"),
-            ),
-            # the recipe ranks top-k by each element's loss decrease (adam_weighting=decrease); this is
-            # the ranking by pending Adam step alone, the library's default (and onebit's better choice)
-            Run(
-                "DGC 0.1 %, frozen variance, step weighting",
-                "transformer_ptb_dgc",
-                (*frozen, "strategy.adam_weighting=step"),
-            ),
-        ),
+        runs=runs,
         overrides=shared,
         metric="perplexity",
         percent=False,
         higher_is_better=False,
         by_step=True,
     )
+
+
+def ptb_adamw_task(data: Path, steps: int, freeze: int, lr_decay: bool = False) -> Task:
+    frozen = (f"strategy.adam_warmup_steps={freeze}",)
+    dense, plain, frozen_dgc, onebit = adamw_comparison("transformer_ptb", frozen)
+    runs = (
+        dense,
+        plain,
+        frozen_dgc,
+        # the density floor off (adam_min_sends=0): 0.1 % from the freeze on, as every run before the floor
+        Run("DGC 0.1 %, frozen variance, no floor", "transformer_ptb_dgc", (*frozen, "strategy.adam_min_sends=0")),
+        Run(  # the paper's exponential sparsity warm-up, one stage per `freeze` steps after the freeze
+            "DGC 0.1 %, frozen variance, sparsity warm-up",
+            "transformer_ptb_dgc",
+            (
+                *frozen,
+                "warmup={_target_:lightning_gc.SparsityWarmup,densities:[1.0,0.0625,0.015625,0.00390625],"
+                f"interval:step,steps_per_stage:{freeze}}}",
+            ),
+        ),
+        onebit,
+        # ten times the density: each element leaves about every 100 steps instead of 1,000,
+        # at 0.64 bits per element and step, onebit's 1 bit in the same range
+        Run("DGC 1 %, frozen variance", "transformer_ptb_dgc", (*frozen, "strategy.compress_ratio=0.01")),
+        # momentum factor masking zeroes u where v was sent: an element sent every step then moves
+        # by (1 - b1) g / d, a tenth of Adam's m / d
+        Run(
+            "DGC 0.1 %, frozen variance, no masking",
+            "transformer_ptb_dgc",
+            (*frozen, "strategy.momentum_masking=false"),
+        ),
+        Run(
+            "DGC 1 %, frozen variance, no masking",
+            "transformer_ptb_dgc",
+            (*frozen, "strategy.compress_ratio=0.01", "strategy.momentum_masking=false"),
+        ),
+        # the recipe ranks top-k by each element's loss decrease (adam_weighting=decrease); this is
+        # the ranking by pending Adam step alone, the library's default (and onebit's better choice)
+        Run(
+            "DGC 0.1 %, frozen variance, step weighting",
+            "transformer_ptb_dgc",
+            (*frozen, "strategy.adam_weighting=step"),
+        ),
+    )
+    task = PTBAdamW("ptb_adamw", "2-layer causal transformer (d = 128)", f"variance frozen after {freeze} steps")
+    return ptb_adamw(task, runs, data, steps, lr_decay)
+
+
+def gpt2_ptb_adamw_task(data: Path, steps: int, freeze: int | None = None, lr_decay: bool = False) -> Task:
+    """The same comparison on a model the recipes were not tuned on: Hugging Face's GPT-2 built
+    from a config (recipes gpt2_ptb_dense and gpt2_ptb_dgc, ``pip install transformers``), the
+    strategies at the library's defaults; ``freeze`` None leaves the freeze to
+    ``adam_warmup_steps="auto"`` (20 % of the steps)."""
+    frozen = () if freeze is None else (f"strategy.adam_warmup_steps={freeze}",)
+    when = "after 20 % of the steps (adam_warmup_steps=auto)" if freeze is None else f"after {freeze} steps"
+    task = PTBAdamW(
+        "gpt2_ptb_adamw", "Hugging Face GPT-2 (2 layers, d = 128, from a config)", f"variance frozen {when}"
+    )
+    return ptb_adamw(task, adamw_comparison("gpt2_ptb", frozen), data, steps, lr_decay)
 
 
 def lstm_ptb_task(data: Path, epochs: int) -> Task:
@@ -532,19 +588,28 @@ def plot(task: Task, results: dict[str, dict[str, Any]], out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("task", choices=["cifar10", "cifar10_4_ranks", "lstm_ptb", "ptb_adamw", "compressors", "yesno"])
+    parser.add_argument(
+        "task",
+        choices=["cifar10", "cifar10_4_ranks", "lstm_ptb", "ptb_adamw", "gpt2_ptb_adamw", "compressors", "yesno"],
+    )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the shared data folder")
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "accuracy")
     parser.add_argument(
         "--epochs", type=int, default=None, help="cifar10: 20, lstm_ptb: 8, compressors: 12 (the quickstart's)"
     )
     parser.add_argument("--train-size", type=int, default=20_000, help="cifar10: training images")
-    parser.add_argument("--steps", type=int, default=600, help="ptb_adamw: optimizer steps")
+    parser.add_argument("--steps", type=int, default=600, help="ptb_adamw, gpt2_ptb_adamw: optimizer steps")
     parser.add_argument(
-        "--freeze", type=int, default=None, help="ptb_adamw: steps before Adam's variance freezes (20 %% of --steps)"
+        "--freeze",
+        type=int,
+        default=None,
+        help="ptb_adamw, gpt2_ptb_adamw: steps before Adam's variance freezes (ptb_adamw: 20 %% of --steps; "
+        "gpt2_ptb_adamw: the strategy's adam_warmup_steps=auto, also 20 %%)",
     )
     parser.add_argument(
-        "--lr-decay", action="store_true", help="ptb_adamw: lr x0.1 at 60 %% and 85 %% of the steps (default: constant)"
+        "--lr-decay",
+        action="store_true",
+        help="ptb_adamw, gpt2_ptb_adamw: lr x0.1 at 60 %% and 85 %% of the steps (default: constant)",
     )
     parser.add_argument("--report-only", action="store_true", help="only tabulate the runs already finished")
     parser.add_argument(
@@ -564,6 +629,8 @@ def main(argv: list[str] | None = None) -> None:
         task = lstm_ptb_task(data, args.epochs or 8)
     elif args.task == "yesno":
         task = yesno_task(data)
+    elif args.task == "gpt2_ptb_adamw":
+        task = gpt2_ptb_adamw_task(data, args.steps, args.freeze, args.lr_decay)
     else:
         freeze = args.steps // 5 if args.freeze is None else args.freeze
         task = ptb_adamw_task(data, args.steps, freeze, args.lr_decay)
