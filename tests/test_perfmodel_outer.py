@@ -114,12 +114,12 @@ def test_recommendation_names_an_outer_scheme_only_when_faster_and_says_it_chang
 
 def test_the_presets_table_is_the_front_ends_table():
     """The model reads the presets from lightning_gc.common (it sits below the front ends); the
-    front ends must hold the very same presets."""
+    front ends use that very table, not a copy."""
     from lightning_gc.integrations import outer_attach
 
-    assert outer_attach.OUTER_PRESETS == OUTER_PRESETS
-    assert outer_attach.OUTER_ARGUMENTS == OUTER_ARGUMENTS
-    assert outer_attach.STREAMING_DEFAULTS == STREAMING_DEFAULTS
+    assert outer_attach.OUTER_PRESETS is OUTER_PRESETS
+    assert outer_attach.OUTER_ARGUMENTS is OUTER_ARGUMENTS
+    assert outer_attach.STREAMING_DEFAULTS is STREAMING_DEFAULTS
 
 
 CLI = ["--params", "1e6", "--compute-ms", "100", "--world-size", "2", "--bandwidth", "100mbit", "--no-cache",

@@ -4,9 +4,7 @@ The front ends (:mod:`lightning_gc.integrations.outer_attach`, the Trainer strat
 an :class:`~lightning_gc.runtime.outer.OuterLoop` from these settings; the performance model
 (:mod:`lightning_gc.perfmodel.outer`, the ``--outer`` rows of ``python -m lightning_gc.perfmodel``)
 predicts their step time. The model sits below the runtime and the front ends, so the table sits
-here, in the layer every other imports, and holds only names and numbers (no torch). Until
-:mod:`~lightning_gc.integrations.outer_attach` imports it from here, that module holds an equal
-copy; ``tests/test_perfmodel_outer.py`` fails when the two differ.
+here, in the layer every other imports, and holds only names and numbers (no torch).
 
 Each entry's keys are outer-loop arguments (:data:`OUTER_ARGUMENTS`) or arguments of the entry's
 compressor (``levels``, ``compress_ratio``); the user's arguments win over the preset's, and

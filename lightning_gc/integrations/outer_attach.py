@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.common.errors import IncompatibleCheckpoint
+from lightning_gc.common.outer_presets import OUTER_ARGUMENTS, OUTER_PRESETS, STREAMING_DEFAULTS
 from lightning_gc.common.validation import check_int, check_range
 from lightning_gc.compressors import available, create
 from lightning_gc.compressors.base import Compressor
@@ -43,53 +44,6 @@ from lightning_gc.compressors.registry import argument_names, compressor_class
 from lightning_gc.exchanges.comm import ProcessGroup
 from lightning_gc.runtime.build import SETTING_NAMES
 from lightning_gc.runtime.outer import OuterLoop, OuterSGD, Streaming
-
-OUTER_PRESETS: dict[str, dict[str, Any]] = {
-    "diloco": {  # DiLoCo (arXiv:2311.08105): exact average, outer Nesterov SGD; the paper syncs every 500 steps
-        "sync_every": 500,
-        "compressor": "none",
-        "error_decay": 1.0,
-        "outer_lr": 0.7,
-        "outer_momentum": 0.9,
-        "outer_nesterov": True,
-    },
-    "diloco_int8": {  # DiLoCo with 8-bit codes: QSGD, 127 levels (unbiased: no error feedback needed)
-        "sync_every": 500,
-        "compressor": "qsgd",
-        "levels": 127,
-        "error_decay": 1.0,
-        "outer_lr": 0.7,
-        "outer_momentum": 0.9,
-        "outer_nesterov": True,
-    },
-    # SparseLoCo (arXiv:2508.15706): top-k of every 64x64 chunk, 2-bit values, 12-bit in-chunk indices
-    # (lightning_gc.compressors.chunk_topk). Bytes per rank per sync, B chunks holding K = sum_b ceil(0.02 n_b)
-    # sent values, D elements of 1-D/small tensors (float32, exact): aligned(4B) + aligned(ceil(K/4))
-    # + aligned(ceil(12K/8)) + 4D, aligned(x) = x rounded up to 4; ~147.5 bytes per full chunk of
-    # 4,096 values (16 KiB in float32): ~110x fewer bytes than diloco's 4 per value (tests/test_outer_bytes.py).
-    "sparseloco": {
-        "sync_every": 15,
-        "compressor": "chunk_topk",
-        "compress_ratio": 0.02,
-        "error_decay": 0.95,
-        "outer_lr": 1.0,
-        "outer_momentum": 0.0,
-        "outer_nesterov": False,
-    },
-}
-"""The outer-loop presets by name: every entry is an argument of :func:`outer_arguments`, and the
-user's arguments win. The compressor's own arguments (``levels``, ``compress_ratio``) apply only
-while the preset's compressor is kept; another ``compressor`` brings its own defaults."""
-
-STREAMING_DEFAULTS: dict[str, Any] = {"fragments": 1, "sync_delay": 0, "mix": 0.0}
-"""Every preset's streaming settings unless given (:class:`~lightning_gc.runtime.outer.Streaming`):
-one fragment, no delay, no mix: the plain DiLoCo sync."""
-
-OUTER_ARGUMENTS = (
-    "sync_every", "compressor", "error_decay", "outer_lr", "outer_momentum", "outer_nesterov",
-    "fragments", "sync_delay", "mix",
-)  # fmt: skip
-"""The outer loop's own arguments, the same in every front end and Hydra config."""
 
 OUTER_CHECKPOINT_KEY = "lightning_gc_outer"
 """Where the Trainer strategy keeps :func:`gather_outer_entry`'s entry in a checkpoint."""
