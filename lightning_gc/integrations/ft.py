@@ -136,9 +136,11 @@ class FaultTolerantCompression:
 
     def step(self) -> bool:
         """After ``backward()``: exchange the flat gradient over the quorum, then step the optimizer
-        with the average if every replica group agrees to commit (``manager.should_commit()``);
-        otherwise restore the residuals and codec state to before the step and skip the optimizer.
-        Returns whether the step was committed."""
+        with the average if the manager commits the step (``manager.should_commit()``: no error in
+        this replica group, enough replicas); otherwise restore the residuals and codec state to
+        before the step and skip the optimizer. A replica that committed while another did not is
+        a step ahead; torchft heals the one behind at the next quorum. Returns whether the step was
+        committed."""
         flat = torch.cat([_grad(p).reshape(-1) for _, p in self.parameters])
         before = self._snapshot()
         average = None
