@@ -55,6 +55,7 @@ from lightning_gc.core.momentum import MomentumSpec
 from lightning_gc.exchanges.pipeline import BucketJob, run_bucket
 from lightning_gc.exchanges.timeline import Timeline
 from lightning_gc.exchanges.transport import LocalTransport
+from lightning_gc.exchanges.two_phase import TwoPhaseExchange
 from lightning_gc.kernels import selection
 from lightning_gc.perfmodel.calibration import layout_of_shapes
 
@@ -88,6 +89,14 @@ def _search_by_mask(
     return torch.nonzero(torch.ge(magnitude, threshold, out=mask))
 
 
+def two_phase_rounds(compressor: Compressor, world_size: int) -> TwoPhaseExchange | None:
+    """The two-phase exchange that runs ``compressor``'s rounds where its ``exchange`` asks for the
+    two-phase form at ``world_size`` (its plans and server errors kept across steps), else ``None``."""
+    if compressor.exchange_form(world_size) != "two_phase":
+        return None
+    return TwoPhaseExchange(LocalTransport(world_size), compressor)
+
+
 def bucket_steps(
     layout: BucketLayout,
     gradients: list[torch.Tensor],
@@ -96,12 +105,14 @@ def bucket_steps(
     repeats: int,
     world_size: int,
     guard: StepGuard | None = None,
+    rounds: TwoPhaseExchange | None = None,
 ) -> Iterator[tuple[torch.Tensor, Timeline, float, BucketMemory]]:
     """``repeats`` + 2 steps of the whole gradient as one bucket on ``world_size`` ranks that send
     alike (:class:`LocalTransport`), the gradients used in turn; for each step after the first two
     (they fill buffers and plans): its gradient, its phases, its seconds in all, the bucket's memory."""
     grad = torch.empty(layout.numel)
     bucket = memory.bucket(layout, grad)
+    rounds = rounds or two_phase_rounds(compressor, world_size)
     for step in range(repeats + 2):
         gradient = gradients[step % len(gradients)]
         grad.copy_(gradient)
@@ -111,6 +122,7 @@ def bucket_steps(
             BucketJob(compressor, memory, grad, layout, step, guard=guard, timeline=timeline),
             bucket,
             LocalTransport(world_size),
+            rounds,
         ).averaged.wait()
         seconds = time.perf_counter() - started
         if step >= 2:

@@ -1,19 +1,20 @@
 """Memory a codec holds per rank between steps: the memory's residuals and momenta, and the
-compressor's plans and state (payload buffers, decoded values, sums, server errors).
+compressor's plans and state (payload buffers, decoded values, sums), with the two-phase exchange's
+where it runs one (its plans and server errors).
 
 On a GPU all of it is device memory beside the model, its gradients and the optimizer's state, so
 it decides how large a model fits. Counted here on the CPU: after two steps of a model's whole
 gradient as one bucket (:func:`benchmarks.hook_phases.bucket_steps`: ``N`` ranks that send alike
 through :class:`~lightning_gc.exchanges.transport.LocalTransport`), the bytes of every distinct tensor storage
-reachable from the compressor and from the memory through ``lightning_gc`` objects, dicts and
-sequences. A count, not a timing: it is exact and the same on every machine. DDP's buckets split
-the same buffers into pieces, so a multi-bucket run holds about the same (plus a few payload
-paddings).
+reachable from the compressor (and its two-phase exchange) and from the memory through
+``lightning_gc`` objects, dicts and sequences. A count, not a timing: it is exact and the same on
+every machine. DDP's buckets split the same buffers into pieces, so a multi-bucket run holds about
+the same (plus a few payload paddings).
 
     python -m benchmarks.state_memory --models resnet18 --world-sizes 2 8 32 \
         --codec onebit --codec "onebit exchange=two_phase" --codec "fft exchange=two_phase"
 
-Each cell is the compressor's MB at that world size, then (after "+") the memory's, and the sum as
+Each cell is the compressor's (with its exchange's) MB at that world size, then (after "+") the memory's, and the sum as
 a multiple of the gradient's float32 bytes.
 """
 
@@ -25,7 +26,7 @@ from collections.abc import Iterable
 import torch
 
 from benchmarks.compressors import parse_row
-from benchmarks.hook_phases import bucket_steps
+from benchmarks.hook_phases import bucket_steps, two_phase_rounds
 from benchmarks.netbench.models import gradient_shapes
 from lightning_gc.compressors import create
 from lightning_gc.core.memory import CompensationMemory
@@ -67,9 +68,10 @@ def measure(
     compressor = create(codec[0], **codec[1])
     memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
     gradients = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))]
-    for _ in bucket_steps(layout, gradients, compressor, memory, 0, world_size):
+    rounds = two_phase_rounds(compressor, world_size)  # the exchange's plans and server errors count with the codec
+    for _ in bucket_steps(layout, gradients, compressor, memory, 0, world_size, rounds=rounds):
         pass  # the two warm-up steps build every plan and buffer
-    return held_bytes([compressor]), held_bytes([memory]), 4 * layout.numel
+    return held_bytes([compressor, rounds]), held_bytes([memory]), 4 * layout.numel
 
 
 def markdown(model: str, world_sizes: list[int], rows: dict[str, list[tuple[int, int, int]]]) -> str:

@@ -17,6 +17,7 @@ from lightning_gc.core.momentum import MomentumSpec
 from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, RoundQueue, run_bucket
 from lightning_gc.exchanges.timeline import EXCHANGE, Timeline
 from lightning_gc.exchanges.transport import LocalTransport, Transport
+from lightning_gc.exchanges.two_phase import TwoPhaseExchange
 from lightning_gc.perfmodel.calibration import layout_of_shapes
 
 SHAPES = [(64, 50), (50,), (30, 40)]
@@ -192,11 +193,12 @@ def _deferred_two_phase_runs(
     flight (``defer_rounds``) and queued in ``queue``."""
     layout, runs = layout_of_shapes(SHAPES), []
     for index in range(count):
-        memory, grad = _memory(), _gradient(index)
+        memory, grad, codec = _memory(), _gradient(index), create("onebit", exchange="two_phase")
         sent = run_bucket(
-            BucketJob(create("onebit", exchange="two_phase"), memory, grad, layout, 0, defer_rounds=True),
+            BucketJob(codec, memory, grad, layout, 0, defer_rounds=True),
             memory.bucket(layout, grad),
             exchange,
+            TwoPhaseExchange(exchange, codec),  # the two-phase exchange's rounds
         )
         queue.add(sent, launched)
         runs.append(sent)
@@ -224,10 +226,9 @@ def test_a_deferred_run_ends_as_the_run_that_waits_at_once() -> None:
     results = []
     for defer in (False, True):
         memory, grad, queue, counted = _memory(), _gradient(3), RoundQueue(), []
-        sent = run_bucket(
-            BucketJob(create("onebit", exchange="two_phase"), memory, grad, layout, 0, defer_rounds=defer),
-            memory.bucket(layout, grad),
-            LocalTransport(2),
+        codec = create("onebit", exchange="two_phase")
+        sent = TwoPhaseExchange(LocalTransport(2), codec).run(
+            BucketJob(codec, memory, grad, layout, 0, defer_rounds=defer)
         )
         queue.add(sent, counted.append)
         assert counted == ([] if defer else [sent])

@@ -17,6 +17,8 @@ from test_two_phase import simulate
 
 from lightning_gc.common.layout import piece_bounds
 from lightning_gc.compressors import registry
+from lightning_gc.exchanges.transport import LocalTransport
+from lightning_gc.exchanges.two_phase import TwoPhaseExchange
 from lightning_gc.runtime.checkpoint import CHECKPOINT_FORMAT, IncompatibleCheckpoint, rank_state
 from lightning_gc.runtime.reshard import reshard
 
@@ -165,10 +167,11 @@ def test_random_values_keep_the_mean_to_one_rounding_and_a_round_trip_keeps_the_
 ALL_2D = {"min_compress_numel": 1}
 
 
-def two_phase_entry(exchange: str, world_size: int) -> dict[str, Any]:
-    """A checkpoint of ``world_size`` signsgd ranks with server errors (and whole residuals)."""
+def two_phase_entry(exchange: str, world_size: int, legacy: bool = False) -> dict[str, Any]:
+    """A checkpoint of ``world_size`` signsgd ranks with server errors (and whole residuals); with
+    ``legacy``, written as before the errors moved from the compressor's state to the exchange's."""
     config = {"name": "signsgd", "exchange": exchange, "server_feedback": True, **ALL_2D}
-    compressors = [registry.create(**config) for _ in range(world_size)]
+    compressors = [ranked(config, world_size, r) for r in range(world_size)]
     simulate(compressors, [torch.randn(layout_of(SHAPES).numel) for _ in range(world_size)], layout_of(SHAPES), step=0)
     generator = torch.Generator().manual_seed(3)
     memory = {
@@ -178,11 +181,21 @@ def two_phase_entry(exchange: str, world_size: int) -> dict[str, Any]:
         {
             "step": 1,
             "memory": {k: {"velocity": v["velocity"] * (r + 1)} for k, v in memory.items()},
-            "compressor": c.state_dict(),
+            **({"compressor": c.state_dict()} if legacy else {"compressor": {}, "exchange": c.state_dict()}),
         }
         for r, c in enumerate(compressors)
     ]
     return entry_of(ranks, config)
+
+
+def ranked(config: dict[str, Any], world_size: int, rank: int) -> TwoPhaseExchange:
+    """Rank ``rank``'s two-phase exchange of the compressor ``config`` (rounds run by hand)."""
+    return TwoPhaseExchange(LocalTransport(world_size, rank), registry.create(**config))
+
+
+def server_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A rank's server error state: the exchange's, or the compressor's in the form before it moved."""
+    return state["exchange"] if "exchange" in state else state.get("compressor", {})
 
 
 def whole_server_errors(entry: dict[str, Any], numels: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
@@ -193,7 +206,7 @@ def whole_server_errors(entry: dict[str, Any], numels: dict[str, int] | None = N
     for name, numel in numels.items():
         parts = []
         for rank, state in enumerate(entry["ranks"]):
-            piece = state["compressor"].get("server", {}).get(name)
+            piece = server_state(state).get("server", {}).get(name)
             low, high = piece_bounds(numel, rank, size)
             assert (piece is None) == (low == high)
             parts.append(torch.zeros(0) if piece is None else piece["server"])
@@ -201,8 +214,9 @@ def whole_server_errors(entry: dict[str, Any], numels: dict[str, int] | None = N
     return wholes
 
 
-def test_two_phase_server_errors_are_cut_again_for_the_new_chunks_bit_for_bit() -> None:
-    saved = two_phase_entry("two_phase", 2)
+@pytest.mark.parametrize("legacy", [False, True])
+def test_two_phase_server_errors_are_cut_again_for_the_new_chunks_bit_for_bit(legacy: bool) -> None:
+    saved = two_phase_entry("two_phase", 2, legacy)
     errors = whole_server_errors(saved)
     assert any(e.abs().sum() > 0 for e in errors.values())
     entry = saved
@@ -211,10 +225,10 @@ def test_two_phase_server_errors_are_cut_again_for_the_new_chunks_bit_for_bit() 
             entry = reshard(entry, size)
         wholes = whole_server_errors(entry)
         assert all(torch.equal(wholes[name], errors[name]) for name in errors)
-        resumed = [registry.create(**saved["compressor"]) for _ in range(size)]
+        resumed = [ranked(saved["compressor"], size, r) for r in range(size)]
         for compressor, state in zip(resumed, entry["ranks"]):
-            assert state["compressor"]["world_size"] == size
-            compressor.load_state_dict(state["compressor"])  # the pieces fit this world's chunks: it runs
+            assert state["exchange"]["world_size"] == size and state["compressor"] == {}  # converted, if legacy
+            compressor.load_state_dict(state["exchange"])  # the pieces fit this world's chunks: it runs
         simulate(resumed, [torch.randn(layout_of(SHAPES).numel) for _ in range(size)], layout_of(SHAPES), step=1)
 
 
@@ -230,7 +244,7 @@ def test_server_errors_join_every_residual_where_the_new_world_runs_no_two_phase
     for name, error in errors.items():
         owed = torch.stack([s["memory"][name]["velocity"].double() for s in saved["ranks"]]).mean(0) + error.double()
         for state in resumed["ranks"]:
-            assert state["compressor"] == {}
+            assert state["compressor"] == {} and "exchange" not in state
             assert torch.equal(state["memory"][name]["velocity"], owed.float())
             torch.testing.assert_close(state["memory"][name]["velocity"].double(), owed, rtol=1e-6, atol=1e-7)
     registry.create(**saved["compressor"]).load_state_dict(resumed["ranks"][0]["compressor"])
@@ -332,8 +346,8 @@ def test_plain_ddp_trains_on_2_then_3_then_2_ranks_keeping_the_mean_residual(tmp
                         mean = torch.stack([s["delayed"][tensor][kind].double() for s in saved["ranks"]]).mean(0)
                         assert all(torch.equal(s["delayed"][tensor][kind], mean.float()) for s in loaded)
             if name == "onebit":
-                assert any(state["compressor"]["server"] for state in saved["ranks"])
-                as_loaded = entry_of([{"compressor": s["compressor"]} for s in loaded])
+                assert any(state["exchange"]["server"] for state in saved["ranks"])
+                as_loaded = entry_of([{"exchange": s["exchange"]} for s in loaded])
                 numels = {k: v["velocity"].numel() for k, v in saved["ranks"][0]["memory"].items()}
                 wholes = whole_server_errors(saved, numels)
                 assert any(error.abs().sum() > 0 for error in wholes.values())

@@ -18,6 +18,7 @@ from lightning_gc.compressors.base import EncodeContext, compressible
 from lightning_gc.compressors.encoded import Encoded, Payload
 from lightning_gc.compressors.two_phase import EXCHANGES, two_phase_compressors
 from lightning_gc.exchanges.transport import LocalTransport, traffic_bytes
+from lightning_gc.exchanges.two_phase import TwoPhaseExchange
 from lightning_gc.perfmodel.calibration import time_codec
 from lightning_gc.runtime.checkpoint import IncompatibleCheckpoint
 
@@ -30,11 +31,23 @@ def make_layout(shapes: list[tuple[int, ...]] = SHAPES) -> BucketLayout:
     return layout_of(shapes)
 
 
+def two_phase(*arguments, **settings) -> TwoPhaseExchange:
+    """A rank's two-phase exchange of the compressor ``registry.create(*arguments, **settings)``
+    (its rounds are run by hand here: the transport is not used)."""
+    return TwoPhaseExchange(LocalTransport(2), registry.create(*arguments, **settings))
+
+
 def simulate(compressors: list, velocities: list[torch.Tensor], layout: BucketLayout, step: int) -> tuple:
     """One two-phase exchange among ``len(compressors)`` ranks in this process: each rank's
     encode, the all-to-all and all-gather done by hand, each rank's decode. Returns every rank's
-    decoded average and what each rank's memory is told it sent."""
+    decoded average and what each rank's memory is told it sent. ``compressors``: each rank's
+    :class:`TwoPhaseExchange` (its server errors kept from call to call), or codecs, each run by a
+    new one."""
     n = len(compressors)
+    compressors = [
+        c if isinstance(c, TwoPhaseExchange) else TwoPhaseExchange(LocalTransport(n, r), c)
+        for r, c in enumerate(compressors)
+    ]
     first = [
         c.encode(v, torch.empty_like(v), EncodeContext(layout, step, n, r))
         for r, (c, v) in enumerate(zip(compressors, velocities))
@@ -106,7 +119,7 @@ def test_onebit_two_phase_follows_the_rule_with_worker_and_server_error_feedback
     assert [s.shape for s in quantised] == [(30, 20), (16, 16)]
     all_pieces = sorted(p for j in range(world_size) for p in pieces_of(layout, j, world_size, quantised))
     compressors = [
-        registry.create("onebit", exchange="two_phase", server_feedback=server_feedback, min_compress_numel=64)
+        two_phase("onebit", exchange="two_phase", server_feedback=server_feedback, min_compress_numel=64)
         for _ in range(world_size)
     ]
     residual = [torch.zeros(numel) for _ in range(world_size)]  # the memory's part, kept by the test
@@ -316,7 +329,7 @@ def test_exchange_is_refused_for_compressors_that_cannot_and_bad_values_are_name
 def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
     layout, world_size = make_layout(), 2
     compressors = [
-        registry.create("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D) for _ in range(world_size)
+        two_phase("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D) for _ in range(world_size)
     ]
     velocities = [torch.randn(layout.numel) for _ in range(world_size)]
     simulate(compressors, [v.clone() for v in velocities], layout, step=0)
@@ -328,10 +341,8 @@ def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
     for state in saved:
         for dropping in ({"exchange": "two_phase"}, {"exchange": "auto", "server_feedback": True}):
             with pytest.raises(IncompatibleCheckpoint, match=r"'signsgd'.*exchange='two_phase', server_feedback=True"):
-                registry.create("signsgd", **dropping).load_state_dict(state)
-    resumed = [
-        registry.create("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D) for _ in range(world_size)
-    ]
+                two_phase("signsgd", **dropping).load_state_dict(state)
+    resumed = [two_phase("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D) for _ in range(world_size)]
     for compressor, state in zip(resumed, saved):
         compressor.load_state_dict(state)
     rebuilt = make_layout()  # DDP's rebuild: a new layout object, the same names
@@ -342,7 +353,7 @@ def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
         resumed[0].load_state_dict({"residual": {}})
     # a rank keeps only its piece of each tensor: the form before (whole tensors, no form named) is
     # refused at load, on every rank, not misread; a piece of the wrong size is refused by name
-    stale = registry.create("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D)
+    stale = two_phase("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D)
     with pytest.raises(IncompatibleCheckpoint, match="as whole tensors"):
         stale.load_state_dict({"exchange": "two_phase", "server": {"p0": {"server": torch.zeros(600)}}})
     stale.load_state_dict(
@@ -354,11 +365,11 @@ def test_server_error_survives_a_state_round_trip_and_a_new_plan() -> None:
     # takes them as nothing; what it saves then (and its step guard's snapshot) loads back
     zeros = {"server": {"p0": {"server": torch.zeros(600)}}}
     for feedback in (False, True):
-        kept = registry.create("signsgd", exchange="two_phase", server_feedback=feedback, **ALL_2D)
+        kept = two_phase("signsgd", exchange="two_phase", server_feedback=feedback, **ALL_2D)
         kept.load_state_dict(zeros)
         kept.encode(velocities[0], torch.empty_like(velocities[0]), EncodeContext(layout, 2, world_size, 0))
         assert (kept.state_dict() == {}) is (not feedback)
-        registry.create("signsgd", exchange="two_phase", server_feedback=feedback, **ALL_2D).load_state_dict(
+        two_phase("signsgd", exchange="two_phase", server_feedback=feedback, **ALL_2D).load_state_dict(
             kept.state_dict()
         )
         kept.load_state_dict(kept.state_dict())
@@ -371,9 +382,7 @@ def test_two_phase_and_auto_resume_each_other_where_both_run_the_two_phase_form(
     layout = make_layout()
 
     def trained(exchange: str, world_size: int) -> list[dict]:
-        ranks = [
-            registry.create("signsgd", exchange=exchange, server_feedback=True, **ALL_2D) for _ in range(world_size)
-        ]
+        ranks = [two_phase("signsgd", exchange=exchange, server_feedback=True, **ALL_2D) for _ in range(world_size)]
         simulate(ranks, [torch.randn(layout.numel) for _ in range(world_size)], layout, step=0)
         return [rank.state_dict() for rank in ranks]
 
@@ -381,17 +390,17 @@ def test_two_phase_and_auto_resume_each_other_where_both_run_the_two_phase_form(
         saved = trained(saved_by, 3)
         assert all(state["world_size"] == 3 for state in saved)
         for state in saved:
-            resumed = registry.create("signsgd", exchange=resumed_by, server_feedback=True, **ALL_2D)
+            resumed = two_phase("signsgd", exchange=resumed_by, server_feedback=True, **ALL_2D)
             resumed.load_state_dict(state)
             assert resumed.state_dict()["server"].keys() == state["server"].keys()
             for name, entry in state["server"].items():
                 assert torch.equal(resumed.state_dict()["server"][name]["server"], entry["server"])
     for state in trained("two_phase", 2):
         with pytest.raises(IncompatibleCheckpoint, match=r"exchange='two_phase'.*this run has exchange='auto'"):
-            registry.create("signsgd", exchange="auto", server_feedback=True).load_state_dict(state)
+            two_phase("signsgd", exchange="auto", server_feedback=True).load_state_dict(state)
     unsized = {key: value for key, value in trained("two_phase", 3)[0].items() if key != "world_size"}
     with pytest.raises(IncompatibleCheckpoint, match=r"exchange='two_phase'.*this run has exchange='auto'"):
-        registry.create("signsgd", exchange="auto", server_feedback=True).load_state_dict(unsized)
+        two_phase("signsgd", exchange="auto", server_feedback=True).load_state_dict(unsized)
 
 
 def test_a_snapshot_rolls_the_server_error_back_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -399,15 +408,13 @@ def test_a_snapshot_rolls_the_server_error_back_in_place(monkeypatch: pytest.Mon
     copies go to the host) and a roll-back writes it back into the runs the plans hold: the step
     retried decodes what it decoded the first time, bit for bit."""
     layout, world_size = make_layout(), 3
-    ranks = [
-        registry.create("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D) for _ in range(world_size)
-    ]
+    ranks = [two_phase("signsgd", exchange="two_phase", server_feedback=True, **ALL_2D) for _ in range(world_size)]
     velocities = [torch.randn(layout.numel) for _ in range(world_size)]
     simulate(ranks, [v.clone() for v in velocities], layout, step=0)
     for rank in ranks:
         monkeypatch.setattr(rank, "state_dict", lambda: pytest.fail("a snapshot must not copy to the host"))
     snapshots = [rank.snapshot() for rank in ranks]
-    servers = [next(iter(rank._two_phase_plans._plans.values()))[1].server for rank in ranks]
+    servers = [next(iter(rank._plans._plans.values()))[1].server for rank in ranks]
     held = [server.clone() for server in servers]
     first, _, _, _ = simulate(ranks, [v.clone() for v in velocities], layout, step=1)
     assert not all(torch.equal(server, kept) for server, kept in zip(servers, held))
@@ -453,7 +460,7 @@ def test_a_rank_whose_chunk_holds_no_piece_still_takes_part(name: str) -> None:
     layout, world_size = make_layout([(3,), (2,)]), 4
     assert [len(pieces_of(layout, j, world_size)) for j in range(world_size)] == [2, 2, 1, 0]
     feedback = {"server_feedback": True} if name not in ("fp16", "bf16", "none") else {}
-    compressors = [registry.create(name, exchange="two_phase", **feedback) for _ in range(world_size)]
+    compressors = [two_phase(name, exchange="two_phase", **feedback) for _ in range(world_size)]
     velocities = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
     outs, _, _, _ = simulate(compressors, [v.clone() for v in velocities], layout, step=0)
     tolerance = {"fp16": 1e-3, "bf16": 1e-2}.get(name, 1e-6)  # the others send 1-D tensors exactly
@@ -462,9 +469,7 @@ def test_a_rank_whose_chunk_holds_no_piece_still_takes_part(name: str) -> None:
     if feedback:  # every rank, the one that owns nothing too, refuses a resume that drops the errors
         for compressor in compressors:
             with pytest.raises(IncompatibleCheckpoint, match="server_feedback=True"):
-                registry.create(name, exchange="two_phase", server_feedback=False).load_state_dict(
-                    compressor.state_dict()
-                )
+                two_phase(name, exchange="two_phase", server_feedback=False).load_state_dict(compressor.state_dict())
 
 
 def test_two_phase_bytes_sent_count_what_leaves_in_both_phases() -> None:
@@ -596,9 +601,7 @@ def test_the_server_error_of_a_parameter_no_rank_used_is_kept() -> None:
     """DDP drops what is decoded for a parameter without a gradient anywhere; its server error
     must then neither be sent nor forgotten."""
     layout, world_size = make_layout(), 2
-    compressors = [
-        registry.create("onebit", exchange="two_phase", server_feedback=True, **ALL_2D) for _ in range(world_size)
-    ]
+    compressors = [two_phase("onebit", exchange="two_phase", server_feedback=True, **ALL_2D) for _ in range(world_size)]
     simulate(compressors, [torch.randn(layout.numel) for _ in range(world_size)], layout, step=0)
     before = [c.state_dict()["server"]["p2"]["server"].clone() for c in compressors]
     assert any(b.abs().sum() > 0 for b in before)
@@ -661,6 +664,7 @@ def test_fft_two_phase_transforms_each_piece_and_is_near_exact_when_it_keeps_eve
 def local_round_trip(compressor, velocity: torch.Tensor, layout: BucketLayout, world_size: int, rank: int):
     """One bucket through :class:`LocalTransport` (no collectives: every rank holds ``velocity``)."""
     exchange, out = LocalTransport(world_size, rank), torch.empty_like(velocity)
+    compressor = TwoPhaseExchange(exchange, compressor)  # its rounds, over the stand-in by hand
     encoded = compressor.encode(velocity, out, EncodeContext(layout, 0, world_size, rank))
     while encoded.next_round is not None:
         exchange.launch(encoded.payload).wait()
@@ -690,3 +694,36 @@ def test_the_local_stand_in_sends_what_ranks_holding_this_velocity_would(world_s
         assert (out - velocity).norm() / velocity.norm() < 1e-3
     cost = time_codec(registry.create("fft", exchange="two_phase", compress_ratio=0.5), shapes, world_size=world_size)
     assert cost.two_phase_bytes > 0 and cost.decode_s > 0
+
+
+def test_a_state_written_before_the_server_errors_moved_to_the_exchange_loads_and_continues_exactly() -> None:
+    """Server errors used to be the compressor's state; now they are the two-phase exchange's. An
+    averager's state in the old form (errors inside ``compressor_state``) loads, converted, and the
+    run continues bit for bit as the one that saved it; the codec itself keeps no state."""
+    from lightning_gc.exchanges.averager import CompressedAverager
+    from lightning_gc.exchanges.base import FlatExchange
+
+    shapes, arguments = [("w", (40, 30)), ("b", (30,))], {"exchange": "two_phase", "server_feedback": True}
+
+    def averager() -> CompressedAverager:
+        return CompressedAverager(
+            "onebit", shapes, via=FlatExchange(LocalTransport(3)), min_compress_numel=1, **arguments
+        )
+
+    generator = torch.Generator().manual_seed(7)
+    inputs = [torch.randn(1230, generator=generator) for _ in range(4)]
+    first = averager()
+    assert isinstance(first.exchange, TwoPhaseExchange) and first.compressor.state_dict() == {}
+    for x in inputs[:2]:
+        first.average(x.clone()).wait()
+    state = first.state_dict()
+    assert state["exchange_state"]["server"] and state["compressor_state"] == {}
+    legacy = {k: v for k, v in state.items() if k != "exchange_state"}
+    legacy["compressor_state"] = dict(state["exchange_state"])  # the form before the move
+    resumed = averager()
+    resumed.load_state_dict(legacy)
+    for x in inputs[2:]:
+        assert torch.equal(first.average(x.clone()).wait(), resumed.average(x.clone()).wait())
+    gathered = CompressedAverager("onebit", shapes, via=FlatExchange(LocalTransport(3)), min_compress_numel=1)
+    with pytest.raises(IncompatibleCheckpoint, match=r"exchange='two_phase', server_feedback=True.*'gather'"):
+        gathered.load_state_dict({**legacy, "compressor": gathered.compressor.config()})

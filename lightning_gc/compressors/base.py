@@ -136,6 +136,14 @@ class Compressor(ABC):
         for each of :attr:`arguments`; ``create(**config)`` builds an equal compressor."""
         return {"name": self.name, **{argument: getattr(self, argument) for argument in self.arguments}}
 
+    def exchange_form(self, world_size: int) -> str:
+        """The exchange the user's arguments ask to run this codec at ``world_size`` ranks:
+        ``"gather"`` (the default) is the codec's own rounds over one transport (all-gather or
+        all-reduce, PowerSGD's two); ``"two_phase"`` or ``"global_topk"`` name an exchange of
+        :mod:`lightning_gc.exchanges` that runs the codec through a capability it asks of it
+        (:func:`lightning_gc.exchanges.select.exchange_for` picks it)."""
+        return "gather"
+
     def inert_settings(self, world_size: int) -> list[str]:
         """Settings asked for that do nothing at ``world_size`` ranks, each as a sentence for a
         warning (none by default)."""

@@ -15,7 +15,7 @@ ResNet-18's gradient), but quantised one by one they took half of the codec's op
 every rank's values and divides by the world size.
 
 The payload is all-gathered (``exchange="gather"``) or exchanged in two phases
-(:mod:`lightning_gc.compressors.two_phase`), where each rank's chunk of the bucket is a payload of
+(:mod:`lightning_gc.exchanges.two_phase`), where each rank's chunk of the bucket is a payload of
 this layout of its own.
 """
 
@@ -30,11 +30,10 @@ import torch
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_int
 from lightning_gc.compressors.base import EncodeContext, PlannedCompressor, split_segments
-from lightning_gc.compressors.chunks import ChunkFormat, encode_seed
+from lightning_gc.compressors.chunks import ChunkFormat, ExchangeChoice, encode_seed
 from lightning_gc.compressors.dense import DenseBlock
 from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.numerics import aligned, mean_into, summing_dtype
-from lightning_gc.compressors.two_phase import TwoPhaseExchange
 from lightning_gc.kernels.packing import packed_bytes
 
 DEFAULT_MIN_COMPRESS_NUMEL = 1024
@@ -64,13 +63,13 @@ class _QuantPlan:
     rank: int = -1  # the rank that encoded into this plan last (its row of gathered decodes to ``decoded``)
 
 
-class BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
+class BlockQuantizer(ExchangeChoice, PlannedCompressor[_QuantPlan]):
     """Shared payload layout, encode and decode; subclasses define scales and codes.
 
     A quantised tensor's scales are ``scales_per_block`` float32 numbers for each block: the whole
     tensor, or each run of ``chunk_size`` elements when ``chunk_size`` is set. 1-D tensors and
     those under ``min_compress_numel`` elements travel as float32 values. The payload is all-gathered
-    (``exchange="gather"``) or exchanged in two phases (:mod:`lightning_gc.compressors.two_phase`),
+    (``exchange="gather"``) or exchanged in two phases (:mod:`lightning_gc.exchanges.two_phase`),
     where a tensor split between two ranks' chunks has scales for each piece.
 
     Args (every quantiser's; each names its default ``chunk_size``):
@@ -78,15 +77,15 @@ class BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
         exchange: ``"gather"`` (the payload all-gathered), ``"two_phase"`` (a compressed
             all-reduce, flat in the world size) or ``"auto"`` (two-phase from three ranks on).
         server_feedback: whether a two-phase chunk owner keeps what re-encoding the mean dropped
-            (``None``: the codec's default, see :class:`~lightning_gc.compressors.two_phase.TwoPhaseExchange`).
+            (``None``: the codec's default, see :class:`~lightning_gc.compressors.chunks.ExchangeChoice`).
         min_compress_numel: tensors with fewer elements, and every 1-D tensor (biases, norms), are
             sent dense as float32 (>= 1; default 1024, as in DGC).
     """
 
-    arguments = ("chunk_size", "min_compress_numel", *TwoPhaseExchange.exchange_arguments)
+    arguments = ("chunk_size", "min_compress_numel", *ExchangeChoice.exchange_arguments)
     code_bits: int
     scales_per_block: int = 1
-    decodes_own_row = False  # decode_one_phase adds a float32 bucket's own row from ``decoded``
+    decodes_own_row = False  # decode adds a float32 bucket's own row from ``decoded``
 
     def __init__(
         self,
@@ -179,14 +178,14 @@ class BlockQuantizer(TwoPhaseExchange, PlannedCompressor[_QuantPlan]):
             total=None if summing == like.dtype else like.new_empty(layout.numel, dtype=summing),
         )
 
-    def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         plan = self.plan(context, velocity)
         self.encode_chunk(velocity, plan.fmt, plan.payload, plan.decoded, encode_seed(context.step, context.rank))
         plan.rank = context.rank
         payload = Payload.all_gather(plan.payload, plan.gathered, elements_sent=velocity.numel())
         return Encoded(payload, Sent.whole(plan.decoded), context=plan)
 
-    def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         plan: _QuantPlan = encoded.context
         total = out if plan.total is None else plan.total  # float32 and float64 buckets sum in out
         total.zero_()

@@ -18,7 +18,7 @@ Payload per rank and bucket (all-gathered, the same size on every rank)::
 
     [ (emax, E) int32 pair per tensor ][ k indices per tensor, int32 ][ 2k codes per tensor, 4-byte aligned ]
 
-With ``exchange="two_phase"`` (:mod:`lightning_gc.compressors.two_phase`) each rank owns the
+With ``exchange="two_phase"`` (:mod:`lightning_gc.exchanges.two_phase`) each rank owns the
 ``r``-th piece of every tensor: a compressed tensor's piece is transformed and sparsified on its
 own (the same rule on a contiguous run of the flattened tensor, ``k`` from the piece's size), and
 the pieces of dense tensors travel as float32 values in the same payload, after the codes. The
@@ -37,12 +37,11 @@ from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.common.validation import check_choice, check_int
 from lightning_gc.compressors import rangefloat
 from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, PlannedCompressor, split_segments
-from lightning_gc.compressors.chunks import ChunkFormat
+from lightning_gc.compressors.chunks import ChunkFormat, ExchangeChoice
 from lightning_gc.compressors.dense import DenseBlock, DensePart, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.numerics import aligned
 from lightning_gc.compressors.registry import register
-from lightning_gc.compressors.two_phase import TwoPhaseExchange
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ class _FFTPlan:
 
 
 @register
-class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPlan]):
+class FFTCompressor(AdjustableRatio, ExchangeChoice, PlannedCompressor[_FFTPlan]):
     """Top frequency components of each large tensor, sent as range-based few-bit floats.
 
     Args:
@@ -93,12 +92,12 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
             mantissa; see :mod:`lightning_gc.compressors.rangefloat`).
         min_compress_numel: tensors with fewer elements (and 1-D tensors) are sent dense.
         exchange, server_feedback: ``"gather"`` (default), ``"two_phase"`` or ``"auto"``, and the
-            owner's error feedback, on unless ``False`` (see :mod:`lightning_gc.compressors.two_phase`).
+            owner's error feedback, on unless ``False`` (see :mod:`lightning_gc.exchanges.two_phase`).
     """
 
     name = "fft"
     server_feedback_default = True  # re-encoding the mean keeps a few of its bins: feed the rest back
-    arguments = ("compress_ratio", "bits", "min_compress_numel", *TwoPhaseExchange.exchange_arguments)
+    arguments = ("compress_ratio", "bits", "min_compress_numel", *ExchangeChoice.exchange_arguments)
 
     def __init__(
         self,
@@ -196,7 +195,7 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
             local=like.new_empty(layout.numel),
         )
 
-    def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         plan = self.plan(context, velocity)
         if not plan.layout.spectra:
             return encode_whole_bucket(velocity, out)
@@ -208,7 +207,7 @@ class FFTCompressor(AdjustableRatio, TwoPhaseExchange, PlannedCompressor[_FFTPla
         payload = Payload.all_gather(plan.payload, plan.gathered, elements_sent=2 * plan.layout.total_k, summed=summed)
         return Encoded(payload, Sent.whole(plan.local), context=plan)
 
-    def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         """Every rank's coefficients added into one spectrum per tensor, one ``irfft`` (the
         transform is linear), divided by ``N``; the dense tensors' all-reduced mean."""
         if decode_whole_bucket(encoded, out, world_size):

@@ -17,12 +17,12 @@ makes of a run of values:
   that minimises the squared error for a given sign pattern); error feedback.
 
 Rounding randomness is a pure function of (step, rank, tensor)
-(:func:`~lightning_gc.compressors.two_phase.encode_seed`), so runs are reproducible and ranks draw
+(:func:`~lightning_gc.compressors.chunks.encode_seed`), so runs are reproducible and ranks draw
 independently.
 
 Every quantiser takes ``exchange``: ``"gather"`` (default, the payload all-gathered),
 ``"two_phase"`` (a compressed all-reduce whose traffic per rank is flat in the world size, with
-server-side error feedback, :mod:`lightning_gc.compressors.two_phase`) or ``"auto"``.
+server-side error feedback, :mod:`lightning_gc.exchanges.two_phase`) or ``"auto"``.
 """
 
 from __future__ import annotations

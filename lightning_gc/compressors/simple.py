@@ -7,23 +7,22 @@ from collections.abc import Sequence
 import torch
 
 from lightning_gc.common.layout import BucketLayout, Segment
-from lightning_gc.compressors.base import EncodeContext, PlannedCompressor
-from lightning_gc.compressors.chunks import ChunkFormat
+from lightning_gc.compressors.base import Compressor, EncodeContext, PlannedCompressor
+from lightning_gc.compressors.chunks import ChunkFormat, ExchangeChoice
 from lightning_gc.compressors.dense import DenseBlock, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.numerics import aligned, mean_into, saturating_copy_, widened_for_commit
 from lightning_gc.compressors.registry import register
 from lightning_gc.compressors.sparse import SparseCompressor
-from lightning_gc.compressors.two_phase import TwoPhaseExchange
 from lightning_gc.kernels import topk_indices
 
 
-class _DenseChunks(TwoPhaseExchange):
+class _DenseChunks(ExchangeChoice, Compressor):
     """Every value on the wire, in :meth:`chunk_wire_dtype` (a chunk is its values back to back):
-    the :class:`~lightning_gc.compressors.two_phase.ChunkCodec` of the exact and cast compressors.
+    the :class:`~lightning_gc.compressors.chunks.ChunkCodec` of the exact and cast compressors.
     Their two-phase form is a reduce-scatter + all-gather whose sums run in float32 on the owner."""
 
-    arguments = TwoPhaseExchange.exchange_arguments
+    arguments = ExchangeChoice.exchange_arguments
 
     def __init__(self, exchange: str = "gather", server_feedback: bool | None = None) -> None:
         super().__init__()
@@ -59,10 +58,10 @@ class NoCompressor(_DenseChunks):
     name = "none"
     biased = False
 
-    def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         return encode_whole_bucket(velocity, out)
 
-    def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         decode_whole_bucket(encoded, out, world_size)
 
     def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
@@ -86,13 +85,13 @@ class _CastCompressor(_DenseChunks, PlannedCompressor[torch.Tensor]):
         """The plan is the bucket's send buffer in ``wire_dtype``."""
         return torch.empty(layout.numel, dtype=self.wire_dtype, device=like.device)
 
-    def encode_one_phase(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
         wire = self.plan(context, velocity)
         saturating_copy_(wire, velocity, context.world_size)  # the sum over ranks stays finite
         # memory subtracts what receivers decode: v keeps the rounding
         return Encoded(Payload.all_reduce(wire), Sent.whole(widened_for_commit(wire, velocity, out)))
 
-    def decode_one_phase(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         summed = encoded.payload.summed
         assert summed is not None
         mean_into(out, summed, world_size)

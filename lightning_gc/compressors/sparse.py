@@ -116,7 +116,7 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
         self.index_encoding = check_choice("index_encoding", index_encoding, INDEX_ENCODINGS)
         self.dense_dtype = dtype_name("dense_dtype", dense_dtype, optional=True)
         if exchange in ("two_phase", "auto"):
-            from lightning_gc.compressors.two_phase import two_phase_compressors  # registered after this module
+            from lightning_gc.compressors.chunks import two_phase_compressors
 
             raise ValueError(
                 f"`exchange={exchange!r}` is not for sparse compressors: the two-phase exchange re-encodes averaged "

@@ -35,7 +35,9 @@ from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.exchanges.base import Exchange, FlatExchange
 from lightning_gc.exchanges.comm import ProcessGroup
 from lightning_gc.exchanges.pipeline import BucketJob
+from lightning_gc.exchanges.select import exchange_over
 from lightning_gc.exchanges.transport import GroupTransport
+from lightning_gc.exchanges.two_phase import split_server_state
 
 STATE_FORMAT = 1
 
@@ -67,9 +69,11 @@ class CompressedAverager:
         error_feedback: keep what was not sent; ``None`` (default): on for biased codecs.
         error_decay: ``beta`` in ``e <- beta e + x``, in (0, 1].
         via: the :class:`~lightning_gc.exchanges.base.Exchange` the rounds go through; default
-            every round over ``group`` (``FlatExchange(GroupTransport(group))``); e.g.
-            ``FlatExchange(LocalTransport(4))`` to time or test without peers. (Not ``exchange``:
-            that is the codec's own argument, e.g. ``exchange="global_topk"``.)
+            the one the codec's ``exchange`` argument chooses over ``group``; a plain
+            ``FlatExchange(transport)`` names only a transport (e.g. ``FlatExchange(LocalTransport(4))``
+            to time or test without peers), over which the codec's argument chooses
+            (:func:`~lightning_gc.exchanges.select.exchange_over`). (Not ``exchange``: that is the
+            codec's own argument, e.g. ``exchange="two_phase"``.)
         **compressor_arguments: the named compressor's arguments (e.g. ``compress_ratio``).
 
     Raises:
@@ -106,7 +110,7 @@ class CompressedAverager:
         self.group = group
         if via is not None and group is not None:
             raise ValueError("give `group` or `via` (an exchange, which knows its ranks), not both")
-        self.exchange = via if via is not None else FlatExchange(GroupTransport(group))
+        self.exchange = exchange_over(compressor, via if via is not None else FlatExchange(GroupTransport(group)))
         self.calls = 0
         self.bytes_sent = 0
         """Payload bytes this rank handed to the transport over all calls (indices included)."""
@@ -148,6 +152,7 @@ class CompressedAverager:
             "bytes_sent": self.bytes_sent,
             "compressor": self.compressor.config(),
             "compressor_state": self.compressor.state_dict(),
+            "exchange_state": self.exchange.state_dict(),
             "memory": self.memory.state_dict(),
         }
 
@@ -162,5 +167,9 @@ class CompressedAverager:
             )
         self.calls = int(state["calls"])
         self.bytes_sent = int(state["bytes_sent"])
-        self.compressor.load_state_dict(state["compressor_state"])
+        codec, exchange = state["compressor_state"], state.get("exchange_state")
+        if exchange is None:  # written before the server errors moved from the codec to the exchange
+            codec, exchange = split_server_state(codec)
+        self.compressor.load_state_dict(codec)
+        self.exchange.load_state_dict(exchange)
         self.memory.load_state_dict(state["memory"])

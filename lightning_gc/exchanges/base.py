@@ -7,8 +7,14 @@ An :class:`Exchange` decides *where* a job's rounds go; the codec decides *what*
 
 * :class:`FlatExchange`: every round over one transport among all ranks. The codec's own round
   protocol picks the collectives: all-reduce of summable payloads (fp16, random-k, PowerSGD's P
-  and Q), all-gather of the rest (top-k/DGC pairs, quantised codes), the two-phase form
-  (all-to-all, then all-gather) and global top-k's pairwise merges.
+  and Q), all-gather of the rest (top-k/DGC pairs, quantised codes) and global top-k's pairwise
+  merges.
+* :class:`~lightning_gc.exchanges.two_phase.TwoPhaseExchange` (``exchange="two_phase"``/``"auto"``):
+  a compressed all-reduce over one transport (all-to-all of chunks, the owners' averages
+  re-encoded, all-gather) that asks the codec for its chunk capability and keeps the server errors.
+
+:func:`lightning_gc.exchanges.select.exchange_for` picks the one a codec's ``exchange`` argument
+names.
 * :class:`~lightning_gc.exchanges.hierarchy.NodeHierarchy` (``hierarchy="node"``): a dense sum
   within each node, the job's shard compressed across nodes, a dense all-gather within the node.
 * :class:`~lightning_gc.exchanges.hierarchy_sparse.SparseNodeHierarchy` (``"node_sparse"``):
@@ -26,9 +32,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from lightning_gc.common.errors import IncompatibleCheckpoint
 from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, run_bucket
 from lightning_gc.exchanges.transport import Transport
 
@@ -56,6 +64,31 @@ class Exchange(ABC):
         """What of a whole parameter's flattened momentum this rank's memory holds when one is
         handed over (Adam's first moment); ``None``: all of it."""
         return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state of the exchange itself (the two-phase server errors), checkpointed per
+        rank beside the memory's; empty by default (and then left out of checkpoints)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; an exchange without state refuses state, which a run
+        of another exchange owed (it would be dropped)."""
+        if state:
+            saved = state.get("exchange")
+            raise IncompatibleCheckpoint(
+                f"the checkpoint holds exchange state {sorted(state)} of a run with exchange={saved!r} (the "
+                f"two-phase server error feedback) and this run's exchange ({type(self).__name__}) keeps none, "
+                f"which would drop it; resume with exchange={saved!r}"
+            )
+
+    def snapshot(self, previous: Any = None) -> Any:
+        """What :meth:`restore` rolls back to when a step is skipped (see
+        :meth:`~lightning_gc.compressors.base.Compressor.snapshot`); ``None`` without state."""
+        return None
+
+    def restore(self, snapshot: Any) -> None:
+        """Return to :meth:`snapshot`'s state, in place."""
+        del snapshot  # nothing kept
 
 
 class FlatExchange(Exchange):

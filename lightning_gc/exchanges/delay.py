@@ -43,6 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.futures import Future
@@ -267,6 +268,18 @@ class DelayedExchange(Exchange):
     @property
     def seed_view(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         return self.inner.seed_view
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()  # the averages in flight are the line's, checkpointed by its owner
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def snapshot(self, previous: Any = None) -> Any:
+        return self.inner.snapshot(previous)
+
+    def restore(self, snapshot: Any) -> None:
+        self.inner.restore(snapshot)
 
     def run(self, job: BucketJob) -> BucketStep:
         line, layout, step = self.line, job.layout, job.step

@@ -46,6 +46,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,10 +55,12 @@ from torch.futures import Future
 from lightning_gc.common.layout import BucketLayout, Shard, piece_bounds
 from lightning_gc.common.log import warn_on_rank_zero
 from lightning_gc.common.validation import check_choice
+from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.simple import NoCompressor
 from lightning_gc.exchanges import comm
-from lightning_gc.exchanges.base import Exchange
-from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, reported, run_bucket, wait
+from lightning_gc.exchanges.base import Exchange, FlatExchange
+from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, reported, wait
+from lightning_gc.exchanges.select import exchange_for
 from lightning_gc.exchanges.transport import GroupTransport
 
 HIERARCHIES = ("flat", "node", "node_sparse", "auto")
@@ -177,7 +180,7 @@ class NodeHierarchy(Exchange):
 
     knows_own_contribution = False  # a rank's part is a piece of its node's sum
 
-    def __init__(self, topology: NodeTopology) -> None:
+    def __init__(self, topology: NodeTopology, codec: Compressor | None = None) -> None:
         if dist.get_world_size() != topology.world_size:
             raise ValueError(
                 f"the topology {topology.nodes} nodes x {topology.per_node} devices does not match the "
@@ -189,6 +192,8 @@ class NodeHierarchy(Exchange):
         cross_groups = [dist.new_group([node * per_node + j for node in range(nodes)]) for j in range(per_node)]
         self.node_group = node_groups[topology.node]
         self.cross_transport = GroupTransport(cross_groups[topology.local])
+        # across nodes, the exchange the codec's arguments choose (e.g. two-phase among the nodes)
+        self.cross = FlatExchange(self.cross_transport) if codec is None else exchange_for(codec, self.cross_transport)
         self._plans: dict[int, tuple[BucketLayout, _ShardPlan]] = {}
         # one node: nothing crosses a slower link, so each shard's node sum goes exact (as warned)
         self._exact = NoCompressor() if nodes == 1 else None
@@ -203,6 +208,19 @@ class NodeHierarchy(Exchange):
     def seed_view(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """How the memory seeds a momentum handed over (Adam's first moment): :meth:`node_sum_piece`."""
         return self.node_sum_piece
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cross-node exchange's state (two-phase server errors among the nodes)."""
+        return self.cross.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cross.load_state_dict(state)
+
+    def snapshot(self, previous: Any = None) -> Any:
+        return self.cross.snapshot(previous)
+
+    def restore(self, snapshot: Any) -> None:
+        self.cross.restore(snapshot)
 
     def node_sum_piece(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a whole parameter's flattened per-rank quantity, in node-sum units
@@ -248,7 +266,6 @@ class NodeHierarchy(Exchange):
             comm.reduce_scatter_sum(plan.rows.view(-1), plan.row, self.node_group)
         shard = plan.mine
         local = plan.row[: shard.numel]  # this node's sum on shard l
-        bucket_memory = memory.bucket(shard.layout, local)
         bytes_sent = elements_sent = 0
         averaged = local if out is None else plan.averaged[: shard.numel]
         in_flight: Future[torch.Tensor] | None = None
@@ -266,11 +283,13 @@ class NodeHierarchy(Exchange):
                 own=None,
                 defer_rounds=False,
             )
-            sent = run_bucket(shard_job, bucket_memory, self.cross_transport)
+            sent = self.cross.run(shard_job)
             in_flight = sent.averaged
             bytes_sent, elements_sent = sent.bytes_sent, sent.elements_sent
         elif guard is not None:  # still take part in the step's settling, as every rank must
-            guard.screen(local, shard.layout, bucket_memory, step=step, loss_scaled=loss_scale is not None)
+            guard.screen(
+                local, shard.layout, memory.bucket(shard.layout, local), step=step, loss_scaled=loss_scale is not None
+            )
         if out is not None:
             done: Future[torch.Tensor] = Future()
             finish = delayed_finisher(in_flight, lambda: self._gather(plan, averaged, out, failure), out, done, failure)

@@ -87,11 +87,11 @@ from lightning_gc.exchanges.transport import GroupTransport
 _ALIGN = 4  # slots per slice rounded up to this: the values (2, 4 or 8 bytes) then the int32 positions stay aligned
 
 
-def two_level_exchange(hierarchy: str, topology: NodeTopology) -> NodeHierarchy:
+def two_level_exchange(hierarchy: str, topology: NodeTopology, codec: Compressor | None = None) -> NodeHierarchy:
     """The two-level exchange ``hierarchy`` names (``"node_sparse"``: this module's; ``"node"``
-    and ``"auto"``: the dense sum within the node) on ``topology``; builds process groups, so every
-    rank calls it in the same order."""
-    return SparseNodeHierarchy(topology) if hierarchy == "node_sparse" else NodeHierarchy(topology)
+    and ``"auto"``: the dense sum within the node, ``codec``'s chosen exchange across nodes) on
+    ``topology``; builds process groups, so every rank calls it in the same order."""
+    return SparseNodeHierarchy(topology) if hierarchy == "node_sparse" else NodeHierarchy(topology, codec)
 
 
 def check_sparse_hierarchy(compressor: Compressor) -> None:

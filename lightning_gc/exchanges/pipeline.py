@@ -15,7 +15,8 @@ Each reader gets its part of the :class:`~lightning_gc.compressors.encoded.Encod
 ``sent``, the transport its ``payload``; the round control (``next_round``, ``commit_after_decode``)
 is read here, and ``context`` by the codec's decode alone.
 
-Multi-round compressors (PowerSGD, the two-phase exchange, global top-k's merges) return their
+Multi-round compressors (PowerSGD, global top-k's merges) and exchanges that build rounds from a
+codec's capability (the two-phase exchange: ``rounds``) return their
 first round with ``next_round`` set: an earlier round's exchange must complete before the next is
 encoded. By default that happens here, before :func:`run_bucket` returns. With ``defer_rounds`` the
 bucket's run stops after launching an earlier round that leaves collectives in flight and is
@@ -39,14 +40,14 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.futures import Future
 
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors.base import Compressor, EncodeContext
-from lightning_gc.compressors.encoded import Payload
+from lightning_gc.compressors.encoded import Encoded, Payload
 from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import BucketMemory, CompensationMemory
 from lightning_gc.exchanges.timeline import COMMIT_AFTER_DECODE, EXCHANGE, Timeline
@@ -130,11 +131,35 @@ class BucketJob:
         return replace(self, **changes)
 
 
-def run_bucket(job: BucketJob, bucket: BucketMemory, transport: Transport) -> BucketStep:
+class Rounds(Protocol):
+    """What runs a job's rounds: the codec itself (its own round protocol), or an exchange that
+    builds rounds from a capability of the codec (the two-phase exchange's chunks)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded: ...
+
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None: ...
+
+
+def run_bucket(job: BucketJob, bucket: BucketMemory, transport: Transport, rounds: Rounds | None = None) -> BucketStep:
     """Run the pipeline (module docstring) on ``job`` with its memory's ``bucket`` state, among the
     ranks of ``transport``; the returned step's future resolves to the average (in ``job.out``,
-    default ``job.grad``)."""
-    compressor, memory, grad, layout, step = job.compressor, job.memory, job.grad, job.layout, job.step
+    default ``job.grad``). ``rounds``: what encodes and decodes the rounds (default the job's
+    codec, which must then ask for its own rounds: :meth:`~lightning_gc.compressors.base.Compressor.exchange_form`
+    ``"gather"``; a codec whose arguments name another exchange runs through that exchange,
+    :func:`lightning_gc.exchanges.select.exchange_for`, never silently gathered)."""
+    if rounds is None:
+        form = job.compressor.exchange_form(transport.world_size)
+        if form != "gather":
+            raise ValueError(
+                f"compressor {job.compressor.name!r} asks for exchange={form!r} at {transport.world_size} ranks, "
+                "which the flat pipeline does not run; build the exchange with "
+                "lightning_gc.exchanges.select.exchange_for(compressor, transport)"
+            )
+        rounds = job.compressor
+    compressor, memory, grad, layout, step = rounds, job.memory, job.grad, job.layout, job.step
     out, own, loss_scale, guard, failure = job.out, job.own, job.loss_scale, job.guard, job.failure
     world_size, rank = transport.world_size, transport.rank
     absent, timeline, on_decoded = list(job.absent), job.timeline, job.on_decoded

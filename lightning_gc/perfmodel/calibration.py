@@ -49,13 +49,13 @@ import torch
 from lightning_gc.common.layout import BucketLayout, Segment
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import argument_names, available, create
-from lightning_gc.compressors.two_phase import TwoPhaseExchange
 from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.core.momentum import MomentumSpec
 from lightning_gc.exchanges.pipeline import BucketJob, run_bucket
 from lightning_gc.exchanges.timeline import DECODE_SIDE, ENCODE_SIDE, Timeline
 from lightning_gc.exchanges.transport import LocalTransport
+from lightning_gc.exchanges.two_phase import TwoPhaseExchange
 from lightning_gc.perfmodel import CodecCost
 
 COLUMNS = 1024
@@ -152,7 +152,7 @@ def time_codec(
     gradient). Real gradients matter for data-dependent compressors: how DGC's candidates spread
     over the tensor, and whether the sampled threshold needs a retry, depend on the data.
     """
-    two_phase = isinstance(compressor, TwoPhaseExchange) and compressor.two_phase_at(world_size)
+    two_phase = compressor.exchange_form(world_size) == "two_phase"
     timed_ranks = world_size if two_phase else min(world_size, TIMED_RANKS)
     cost = _time_at(compressor, shapes, timed_ranks, device, repeats, momentum, gradients)
     if timed_ranks == world_size:
@@ -196,16 +196,18 @@ def _time_at(
     guard = StepGuard("raise", memory, compressor)  # the hook's default screen, host sync included
     encode_times, decode_times = [], []
     moved = _OptimizerMomentum(grad, momentum) if momentum > 0 else None
+    two_phase = compressor.exchange_form(world_size) == "two_phase"
+    # the two-phase exchange's rounds (its plans kept across steps), over a fresh counting transport each step
+    rounds = TwoPhaseExchange(LocalTransport(world_size), compressor) if two_phase else None
     for step in range(repeats + 1):  # step 0 warms up buffers and plans
         grad.copy_(gradients[step % len(gradients)].reshape(-1))
         timeline, exchange = Timeline(sync=lambda: _sync(device)), LocalTransport(world_size)
         job = BucketJob(compressor, memory, grad, layout, STEADY_STEP + step, guard=guard, timeline=timeline)
-        run_bucket(job, bucket, exchange).averaged.wait()
+        run_bucket(job, bucket, exchange, rounds).averaged.wait()
         moved_s = 0.0 if moved is None else moved.time(device)
         if step:
             encode_times.append(max(0.0, timeline.seconds(*ENCODE_SIDE) - moved_s))
             decode_times.append(timeline.seconds(*DECODE_SIDE))
-    two_phase = isinstance(compressor, TwoPhaseExchange) and compressor.two_phase_at(world_size)
     return CodecCost(  # a two-phase payload is the all-to-all's; its all-gather is the second phase
         name=compressor.name,
         summed_bytes=exchange.summed_bytes,

@@ -16,8 +16,8 @@ from difflib import get_close_matches
 from typing import Any
 
 from lightning_gc.compressors.base import Compressor
+from lightning_gc.compressors.chunks import two_phase_compressors
 from lightning_gc.compressors.registry import argument_names, available, compressor_class, create
-from lightning_gc.compressors.two_phase import two_phase_compressors
 from lightning_gc.runtime.session import CompressionSession
 from lightning_gc.runtime.settings import CompressionSettings
 

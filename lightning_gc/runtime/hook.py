@@ -30,8 +30,10 @@ from lightning_gc.exchanges import comm
 from lightning_gc.exchanges.base import Exchange, FlatExchange
 from lightning_gc.exchanges.delay import DelayedExchange, DelayLine
 from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, RoundQueue
+from lightning_gc.exchanges.select import CodecAndExchange, exchange_over
 from lightning_gc.exchanges.timeline import EXCHANGE
 from lightning_gc.exchanges.transport import GroupTransport
+from lightning_gc.exchanges.two_phase import split_server_state
 from lightning_gc.runtime.hook_options import DEFAULT_OPTIONS, HookOptions
 from lightning_gc.runtime.stats import CompressionStats
 from lightning_gc.runtime.usage import GradientUsage
@@ -54,8 +56,10 @@ class CompressionHookState:
         names: ``id(param) -> (name, position in named_parameters())`` for the wrapped module.
         process_group: group to communicate over (``None``: the default group).
         exchange: how a bucket's rounds move among the ranks (:mod:`lightning_gc.exchanges.base`):
-            default one flat exchange over ``process_group``; a two-level one
-            (:mod:`lightning_gc.exchanges.hierarchy`) for ``hierarchy="node"``.
+            default the one the compressor's ``exchange`` argument chooses over ``process_group``
+            (:func:`~lightning_gc.exchanges.select.exchange_for`; a plain ``FlatExchange`` given
+            names only its transport); a two-level one (:mod:`lightning_gc.exchanges.hierarchy`)
+            for ``hierarchy="node"``.
         options: the per-run choices (:class:`~lightning_gc.runtime.hook_options.HookOptions`).
         usage: which parameters got a gradient in each step (needed with
             ``options.find_unused_parameters``; ``None``: read ``param.grad``).
@@ -95,7 +99,10 @@ class CompressionHookState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.exchange = exchange if exchange is not None else FlatExchange(GroupTransport(process_group))
+        # the codec's `exchange` argument chooses the exchange over a plain flat one (exchange_over)
+        self.exchange = exchange_over(
+            compressor, exchange if exchange is not None else FlatExchange(GroupTransport(process_group))
+        )
         self.delay_line = (
             DelayLine(options.delay, options.local_update, carry_unused=options.find_unused_parameters)
             if options.delay
@@ -106,7 +113,7 @@ class CompressionHookState:
         self.guard = StepGuard(
             options.nonfinite,
             memory,
-            compressor,
+            CodecAndExchange(compressor, self.exchange),  # what a skipped step rolls back besides memory
             rank=self.rank,
             any_rank=partial(comm.any_rank, group=process_group),
             drain=None if self.delay_line is None else self.delay_line.drain,
@@ -214,12 +221,15 @@ class CompressionHookState:
         return max(self.sync_warmup_steps, self._resumed_step)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's resumable state: step counter, memory, the compressor's own state and, with a
-        delay, the averages not yet handed over. Exchanges in flight are drained first: their
-        decodes still write memory and compressor state (PowerSGD's residual and Q)."""
+        """This rank's resumable state: step counter, memory, the compressor's own state, the
+        exchange's (two-phase server errors) and, with a delay, the averages not yet handed over.
+        Exchanges in flight are drained first: their decodes still write memory and state."""
         if self.delay_line is not None:
             self.delay_line.drain()
         state = {"step": self.step, "memory": self.memory.state_dict(), "compressor": self.compressor.state_dict()}
+        exchange = self.exchange.state_dict()  # the two-phase server errors: this rank's chunks
+        if exchange:
+            state["exchange"] = exchange
         if self.exchange.state_shape:
             state["hierarchy"] = self.exchange.state_shape
         if self.delay_line is not None:
@@ -251,7 +261,11 @@ class CompressionHookState:
         self._resumed_delayed_since = since if since is not None and self.step > since else None
         self.sync_warmup_steps = self.sync_warmup_steps  # checked against the resumed history
         self.memory.load_state_dict(state["memory"])
-        self.compressor.load_state_dict(state.get("compressor", {}))
+        codec, exchange = state.get("compressor", {}), state.get("exchange")
+        if exchange is None:  # written before the server errors moved from the codec to the exchange
+            codec, exchange = split_server_state(codec)
+        self.compressor.load_state_dict(codec)
+        self.exchange.load_state_dict(exchange)
         if self.delay_line is not None:
             self.delay_line.load_state_dict(state.get("delayed", {}))
 

@@ -24,7 +24,9 @@ values at the same positions (decoded as their mean, exactly what is owed), so t
 positions is smaller than it will be once fresh gradients differ.
 
 Whole-tensor state that is cut into per-rank pieces is re-cut instead: the two-phase server errors
-(:mod:`lightning_gc.compressors.two_phase`; rank ``j`` owns piece ``j`` of ``N`` of every tensor,
+(the exchange's state, :mod:`lightning_gc.exchanges.two_phase`, under ``"exchange"``; in the
+compressor's state in checkpoints written before it moved, converted here; rank ``j`` owns piece
+``j`` of ``N`` of every tensor,
 :func:`~lightning_gc.common.layout.piece_bounds`) are reassembled from the ``N`` owners' pieces and
 cut into ``M`` pieces, bit for bit. Where the saved ``exchange`` runs no two-phase form on ``M``
 ranks (``"auto"`` below three), the whole error ``e`` is added to every rank's velocity instead
@@ -39,7 +41,6 @@ compressor's own state that differs across ranks and that this module does not k
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -47,7 +48,8 @@ import torch
 from lightning_gc.common.errors import IncompatibleCheckpoint
 from lightning_gc.common.layout import piece_bounds
 from lightning_gc.common.log import warn_on_rank_zero
-from lightning_gc.compressors.two_phase import EXCHANGE, PIECES, SERVER, SERVER_FORM, WORLD_SIZE, TwoPhaseExchange
+from lightning_gc.compressors.chunks import runs_two_phase
+from lightning_gc.exchanges.two_phase import EXCHANGE, PIECES, SERVER, SERVER_FORM, WORLD_SIZE, split_server_state
 
 _MISSING = object()
 """A rank without the entry (a tensor it never bound): it counts as zeros in a mean."""
@@ -81,14 +83,15 @@ def reshard(entry: dict[str, Any], world_size: int, *, source: Any = "(in memory
         for name, tensors in state.get("memory", {}).items()
         if "velocity" in tensors
     }
-    compressors, folded = _compressor_states(
-        [state.get("compressor", {}) for state in ranks], config, saved, world_size, numels, source
-    )
+    split = [_split(state) for state in ranks]
+    compressors = _compressor_states([codec for codec, _ in split], config, saved, world_size, source)
+    exchanges, folded = _server_errors([exchange for _, exchange in split], config, saved, world_size, numels, source)
     memory = _mean_tree([state.get("memory", {}) for state in ranks], saved, "memory")
     for name, error in folded.items():  # owed to the mean: every rank's velocity takes it whole
         tensors = [state.get("memory", {}).get(name, {}).get("velocity", _MISSING) for state in ranks]
         memory.setdefault(name, {})["velocity"] = _mean(tensors, saved, f"memory.{name}.velocity", plus=error)
-    rest = _mean_tree([{k: v for k, v in s.items() if k not in ("memory", "compressor")} for s in ranks], saved, "")
+    own = ("memory", "compressor", "exchange")
+    rest = _mean_tree([{k: v for k, v in s.items() if k not in own} for s in ranks], saved, "")
     warn_on_rank_zero(
         f"lightning_gc: checkpoint {source} holds the compression state of {saved} ranks and this run has "
         f"{world_size}: every rank resumes with the saved ranks' mean residuals, momenta and delayed "
@@ -97,8 +100,24 @@ def reshard(entry: dict[str, Any], world_size: int, *, source: Any = "(in memory
     return {
         **entry,
         "world_size": world_size,
-        "ranks": [{**rest, "memory": dict(memory), "compressor": compressors[r]} for r in range(world_size)],
+        "ranks": [
+            {
+                **rest,
+                "memory": dict(memory),
+                "compressor": compressors[r],
+                **({"exchange": exchanges[r]} if exchanges[r] else {}),
+            }
+            for r in range(world_size)
+        ],
     }
+
+
+def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A saved rank's codec state and exchange state (server errors); a checkpoint written before
+    they moved to the exchange holds them in the codec's (converted here)."""
+    if "exchange" in state:
+        return state.get("compressor", {}), state["exchange"]
+    return split_server_state(state.get("compressor", {}))
 
 
 # ---------------------------------------------------------------------- means
@@ -167,24 +186,17 @@ def _names(names: Sequence[str]) -> str:
 
 # ---------------------------------------------------------------------- compressor state
 def _compressor_states(
-    states: list[dict[str, Any]],
-    config: dict[str, Any],
-    saved: int,
-    world_size: int,
-    numels: dict[str, int],
-    source: Any,
-) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
-    """Each new rank's compressor state, and the server errors to fold into every velocity."""
+    states: list[dict[str, Any]], config: dict[str, Any], saved: int, world_size: int, source: Any
+) -> list[dict[str, Any]]:
+    """Each new rank's compressor state."""
     name = config.get("name", "?")
     if not any(states):
-        return [{} for _ in range(world_size)], {}
-    if any(key in state for state in states for key in (SERVER, EXCHANGE, SERVER_FORM)):
-        return _server_errors(states, config, saved, world_size, numels, source)
+        return [{} for _ in range(world_size)]
     if all(set(state) <= {"q"} for state in states):  # PowerSGD's warm-start factors
         factors = _warm_starts(states, name, saved, world_size)
-        return [{"q": factors} for _ in range(world_size)], {}
+        return [{"q": factors} for _ in range(world_size)]
     if all(_same(states[0], state) for state in states[1:]):
-        return [states[0] for _ in range(world_size)], {}
+        return [states[0] for _ in range(world_size)]
     raise IncompatibleCheckpoint(
         f"checkpoint {source}: compressor {name!r} keeps state {sorted(states[0])} that differs across the {saved} "
         f"saved ranks and is not re-sharded; resume with {saved} processes"
@@ -217,9 +229,12 @@ def _server_errors(
     numels: dict[str, int],
     source: Any,
 ) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
-    """The two-phase server errors reassembled from the owners' pieces and cut for ``world_size``
-    ranks, or (no two-phase form there) folded into every velocity (module docstring)."""
+    """Each new rank's exchange state: the two-phase server errors reassembled from the owners'
+    pieces and cut for ``world_size`` ranks, or (no two-phase form there) folded into every
+    velocity (module docstring)."""
     name = config.get("name", "?")
+    if not any(states):
+        return [{} for _ in range(world_size)], {}
     exchange = next((s[EXCHANGE] for s in states if s.get(EXCHANGE)), config.get("exchange"))
     pieces = [state.get(SERVER, {}) for state in states]
     nonzero = any(t.any() for server in pieces for entry in server.values() for t in entry.values())
@@ -253,7 +268,7 @@ def _server_errors(
                 )
             whole[low:high] = piece.detach().cpu().reshape(-1)
         wholes[tensor] = whole
-    if TwoPhaseExchange.two_phase_at(SimpleNamespace(exchange=exchange), world_size):  # type: ignore[arg-type]
+    if runs_two_phase(exchange, world_size):
         cut = []
         for rank in range(world_size):
             server = {}

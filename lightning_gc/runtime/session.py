@@ -117,7 +117,7 @@ class CompressionSession:
             names,
             ddp.process_group,
             options,
-            exchange=None if topology is None else two_level_exchange(settings.hierarchy, topology),
+            exchange=None if topology is None else two_level_exchange(settings.hierarchy, topology, self.compressor),
             # else DDP refuses unused parameters: no hook per backward
             usage=GradientUsage(ddp.module.parameters()) if find_unused else None,
         )

@@ -42,6 +42,7 @@ def run(spec: dict, plan: dict, rank: int) -> dict:
             "step": hook.step,
             "memory": hook.memory.state_dict(),
             "compressor": hook.compressor.state_dict(),
+            "exchange": hook.exchange.state_dict(),
             "delayed": None if hook.delay_line is None else hook.delay_line.state_dict(),
         }
     with torch.no_grad():

@@ -107,7 +107,7 @@ def train(run: dict[str, Any], plan: dict[str, Any], rank: int) -> dict[str, Any
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    server = state.compressor.state_dict() if state is not None else {}
+    server = state.exchange.state_dict() if state is not None else {}  # the two-phase server errors
     return {
         "losses": losses,
         "params": [p.detach().clone() for p in model.parameters()],

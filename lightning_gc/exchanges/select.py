@@ -1,0 +1,66 @@
+"""Which exchange runs a codec: the user's ``exchange`` argument (a codec's, as the front ends take
+it) chooses among the implementations of :class:`~lightning_gc.exchanges.base.Exchange`.
+
+==================  ================================================================  ==============
+``exchange``         implementation over one transport                                 asks the codec
+==================  ================================================================  ==============
+``"gather"``         :class:`~lightning_gc.exchanges.base.FlatExchange`: the codec's    nothing
+                     own rounds (all-gather, all-reduce, PowerSGD's two, global
+                     top-k's merges)
+``"two_phase"``      :class:`~lightning_gc.exchanges.two_phase.TwoPhaseExchange`        its chunks
+``"auto"``           the two-phase exchange, which runs the codec's own rounds below    its chunks
+                     three ranks
+==================  ================================================================  ==============
+
+A codec that cannot run the exchange asked for is refused when it is built (its ``exchange``
+argument lists only the exchanges whose capability it has), in one line naming the value and the
+choices. ``hierarchy=`` and ``delay=`` compose on top: a node hierarchy runs the chosen exchange
+across nodes, :class:`~lightning_gc.exchanges.delay.DelayedExchange` wraps any of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_gc.compressors.base import Compressor
+from lightning_gc.compressors.chunks import ExchangeChoice
+from lightning_gc.exchanges.base import Exchange, FlatExchange
+from lightning_gc.exchanges.transport import Transport
+from lightning_gc.exchanges.two_phase import TwoPhaseExchange
+
+
+def exchange_for(codec: Compressor, transport: Transport) -> Exchange:
+    """The exchange ``codec``'s arguments choose, over ``transport`` (module docstring). A codec
+    that takes ``exchange="two_phase"`` gets the two-phase exchange whatever it asked, which runs
+    its own rounds where the two-phase form is not asked for: a checkpoint's server errors are then
+    checked against the codec's arguments in one place."""
+    if isinstance(codec, ExchangeChoice):
+        return TwoPhaseExchange(transport, codec)
+    return FlatExchange(transport)
+
+
+def exchange_over(codec: Compressor, given: Exchange) -> Exchange:
+    """The exchange to run ``codec`` with when a caller hands one over: a plain
+    :class:`~lightning_gc.exchanges.base.FlatExchange` names only a transport (``via=FlatExchange(
+    LocalTransport(4))``, a benchmark's counting transport), over which the codec's arguments choose
+    (:func:`exchange_for`); any other exchange (a node hierarchy, one of the user's) is kept."""
+    if type(given) is FlatExchange:
+        return exchange_for(codec, given.transport)
+    return given
+
+
+class CodecAndExchange:
+    """A codec's state and its exchange's as one, for the step guard's snapshot and rollback of a
+    skipped step (:class:`~lightning_gc.core.guard.StepGuard` takes any object with ``snapshot`` and
+    ``restore``): the codec's (PowerSGD's Q) and the exchange's (two-phase server errors)."""
+
+    def __init__(self, codec: Compressor, exchange: Exchange) -> None:
+        self.codec, self.exchange = codec, exchange
+
+    def snapshot(self, previous: Any = None) -> Any:
+        kept = previous if isinstance(previous, tuple) else (None, None)
+        return self.codec.snapshot(kept[0]), self.exchange.snapshot(kept[1])
+
+    def restore(self, snapshot: Any) -> None:
+        self.codec.restore(snapshot[0])
+        self.exchange.restore(snapshot[1])
