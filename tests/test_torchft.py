@@ -90,7 +90,16 @@ def _wait_for(
         time.sleep(0.05)
 
 
-def test_killed_replica_survivors_step_restarted_one_heals(tmp_path: Path, lighthouse: str) -> None:
+MODES = {
+    "per_step": [],  # DGC 5 %, error feedback, the gradient exchanged every step
+    "outer_loop": ["--outer", "3", "--compressor", "topk", "--compress-ratio", "0.1"],  # one sync per 3 inner steps
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_killed_replica_survivors_step_restarted_one_heals(tmp_path: Path, lighthouse: str, mode: str) -> None:
+    """Per step, or per sync of the outer loop (where "steps" count syncs, and the parameters
+    compared include theta_g)."""
     until = time.monotonic() + DEADLINE
     go = tmp_path / "go"
     processes = [
@@ -104,6 +113,7 @@ def test_killed_replica_survivors_step_restarted_one_heals(tmp_path: Path, light
             "--hold",
             f"0:{go}",
             *(["--hold", f"{HOLD}:{tmp_path / 'ready-restarted'}"] if r < 2 else ["--stall-at", str(STALL)]),
+            *MODES[mode],
         )
         for r in range(3)
     ]
@@ -135,7 +145,8 @@ def test_killed_replica_survivors_step_restarted_one_heals(tmp_path: Path, light
             )
 
         _wait_for("the survivors to step without replica 2", survivors_stepped_alone, processes[:2], tmp_path, until)
-        processes[2] = _replica(tmp_path, lighthouse, 2, "r2b", "--ready", str(tmp_path / "ready-restarted"))
+        restarted = ["--ready", str(tmp_path / "ready-restarted"), *MODES[mode]]
+        processes[2] = _replica(tmp_path, lighthouse, 2, "r2b", *restarted)
         _wait_for(
             "every replica to finish", lambda: all(p.poll() is not None for p in processes), processes, tmp_path, until
         )

@@ -115,7 +115,6 @@ class FaultTolerantCompression:
         )
         memory = self.averager.memory.config()
         self.settings = {"compressor": self.averager.compressor.config(), "memory": memory}
-        self.fingerprint = _fingerprint(self.settings)
         self.steps = 0
         self.rolled_back = 0
         self.healed = 0
@@ -176,7 +175,6 @@ class FaultTolerantCompression:
         averager = self.averager.state_dict()
         return {
             "settings": self.settings,
-            "fingerprint": self.fingerprint,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "steps": self.steps,
@@ -185,11 +183,7 @@ class FaultTolerantCompression:
         }
 
     def _heal(self, state: dict[str, Any]) -> None:
-        if state["fingerprint"] != self.fingerprint:
-            raise ValueError(
-                f"this replica's compression settings {_describe(self.settings)} differ from the quorum's "
-                f"{_describe(state['settings'])}: start it with the same compressor arguments"
-            )
+        check_settings(self.settings, state["settings"])
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
@@ -233,6 +227,16 @@ def fault_tolerant(
         ConnectionError: the lighthouse cannot be reached (one line naming its address).
         ValueError: a bad argument, or a replica group of several processes.
     """
+    manager, group, store = join(lighthouse, replica_id, min_replicas, timeout)
+    handle = FaultTolerantCompression(model, optimizer, manager, group, compressor, **kwargs)
+    handle._store = store  # the replica group's store lives as long as the handle
+    return handle
+
+
+def join(lighthouse: str, replica_id: str, min_replicas: int, timeout: float) -> tuple[Any, Any, Any]:
+    """A ``torchft.Manager`` with a synchronous quorum for this one-process replica group, its
+    gloo process group and the group's TCP store when this process hosts it (else ``None``);
+    the arguments as for :func:`fault_tolerant`."""
     from torch.distributed import TCPStore
     from torchft import Manager
     from torchft.process_group import ProcessGroupGloo
@@ -276,17 +280,24 @@ def fault_tolerant(
             f"cannot reach the torchft lighthouse at {lighthouse} within {seconds:g} s: start it "
             f"(torchft_lighthouse --min_replicas {min_replicas} --bind [::]:PORT) or fix `lighthouse`"
         ) from None
-    handle = FaultTolerantCompression(model, optimizer, manager, group, compressor, **kwargs)
-    handle._store = store  # the replica group's store lives as long as the handle
-    return handle
+    return manager, group, store
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
-def _fingerprint(settings: dict[str, Any]) -> str:
+def fingerprint(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_settings(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Refuse, in one line naming both, compression settings other than the peer's."""
+    if fingerprint(mine) != fingerprint(theirs):
+        raise ValueError(
+            f"this replica's compression settings {_describe(mine)} differ from the quorum's "
+            f"{_describe(theirs)}: start it with the same compressor arguments"
+        )
 
 
 def _describe(settings: dict[str, Any]) -> str:
