@@ -35,6 +35,7 @@ __all__ = [
     "OuterLoopStrategy",
     "outer_loop",
     "fault_tolerant",
+    "fault_tolerant_outer",
     "SparsityWarmup",
 ]
 
@@ -53,6 +54,7 @@ _SOURCES = {
     "OuterLoopStrategy": "lightning_gc.integrations.outer",
     "outer_loop": "lightning_gc.integrations.outer_attach",
     "fault_tolerant": "lightning_gc.integrations.ft",  # imports torchft (the [ft] extra) on first use
+    "fault_tolerant_outer": "lightning_gc.integrations.ft_outer",
 }
 """Where each public name is defined."""
 _SUBPACKAGES = ("common", "kernels", "compressors", "core", "exchanges", "perfmodel", "runtime", "integrations")
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     from lightning_gc.integrations.fabric import FabricCompressionStrategy
     from lightning_gc.integrations.outer_fabric import FabricOuterLoopStrategy
     from lightning_gc.integrations.ft import fault_tolerant
+    from lightning_gc.integrations.ft_outer import fault_tolerant_outer
     from lightning_gc.integrations.outer import OuterLoopStrategy
     from lightning_gc.integrations.outer_attach import outer_loop
     from lightning_gc.integrations.strategy import GradientCompressionStrategy
