@@ -238,25 +238,13 @@ class Outer(Mode):
     def payload_bytes(self) -> int | None:
         return int(self.outer.bytes_sent)
 
-    @contextlib.contextmanager
-    def evaluated(self, model: nn.Module) -> Iterator[None]:
+    def evaluated(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Evaluate theta_g, the synchronised parameters (between syncs the model holds this rank's)."""
-        named = dict(model.named_parameters())
-        own = {name: named[name].detach().clone() for name in self.outer.global_parameters}
-        with torch.no_grad():
-            for name, value in self.outer.global_parameters.items():
-                named[name].copy_(value)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, value in own.items():
-                    named[name].copy_(value)
+        return self.outer.global_weights()
 
     def finish(self) -> None:
-        if self.synced and not self.synced[max(self.synced)]:
-            self.outer.sync()  # the steps since the last sync
-            self.synced[max(self.synced)] = True
+        if self.outer.sync():  # exchanges in flight and the steps since each fragment's last sync
+            self.synced[max(self.synced, default=0)] = True
 
 
 def make(name: str, plan: Plan, cfg: Any) -> Mode:

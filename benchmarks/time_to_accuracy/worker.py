@@ -20,6 +20,7 @@ wall-clock so far, evaluations excluded), and ``end`` (``kinds`` run-length enco
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -151,6 +152,11 @@ def main() -> None:
             partial = args.out.with_suffix(".partial")
             partial.write_text("".join(json.dumps(r) + "\n" for r in records))
             partial.replace(args.out)  # a trajectory file exists only when complete
+        # every rank past its last collective before any tears down: a peer that leaves while
+        # gloo's threads still serve this rank aborts it ("terminate called without an active
+        # exception"); the collected DDP reducer lets go of the group first
+        gc.collect()
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
