@@ -52,10 +52,10 @@ from lightning_gc.compressors import Compressor, DGCCompressor, create
 from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import BucketMemory, CompensationMemory
 from lightning_gc.core.momentum import MomentumSpec
-from lightning_gc.exchanges.pipeline import BucketJob, run_bucket
+from lightning_gc.exchanges.pipeline import BucketJob, Rounds, run_bucket
+from lightning_gc.exchanges.select import rounds_for
 from lightning_gc.exchanges.timeline import Timeline
 from lightning_gc.exchanges.transport import LocalTransport
-from lightning_gc.exchanges.two_phase import TwoPhaseExchange
 from lightning_gc.kernels import selection
 from lightning_gc.perfmodel.calibration import layout_of_shapes
 
@@ -89,12 +89,10 @@ def _search_by_mask(
     return torch.nonzero(torch.ge(magnitude, threshold, out=mask))
 
 
-def two_phase_rounds(compressor: Compressor, world_size: int) -> TwoPhaseExchange | None:
-    """The two-phase exchange that runs ``compressor``'s rounds where its ``exchange`` asks for the
-    two-phase form at ``world_size`` (its plans and server errors kept across steps), else ``None``."""
-    if compressor.exchange_form(world_size) != "two_phase":
-        return None
-    return TwoPhaseExchange(LocalTransport(world_size), compressor)
+def exchange_rounds(compressor: Compressor, world_size: int) -> Rounds | None:
+    """What runs ``compressor``'s rounds where its ``exchange`` names an exchange that builds them
+    (two-phase, global top-k: its plans and server errors kept across steps), else ``None``."""
+    return rounds_for(compressor, LocalTransport(world_size))
 
 
 def bucket_steps(
@@ -105,14 +103,14 @@ def bucket_steps(
     repeats: int,
     world_size: int,
     guard: StepGuard | None = None,
-    rounds: TwoPhaseExchange | None = None,
+    rounds: Rounds | None = None,
 ) -> Iterator[tuple[torch.Tensor, Timeline, float, BucketMemory]]:
     """``repeats`` + 2 steps of the whole gradient as one bucket on ``world_size`` ranks that send
     alike (:class:`LocalTransport`), the gradients used in turn; for each step after the first two
     (they fill buffers and plans): its gradient, its phases, its seconds in all, the bucket's memory."""
     grad = torch.empty(layout.numel)
     bucket = memory.bucket(layout, grad)
-    rounds = rounds or two_phase_rounds(compressor, world_size)
+    rounds = rounds or exchange_rounds(compressor, world_size)
     for step in range(repeats + 2):
         gradient = gradients[step % len(gradients)]
         grad.copy_(gradient)

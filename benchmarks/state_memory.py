@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import torch
 
 from benchmarks.compressors import parse_row
-from benchmarks.hook_phases import bucket_steps, two_phase_rounds
+from benchmarks.hook_phases import bucket_steps, exchange_rounds
 from benchmarks.netbench.models import gradient_shapes
 from lightning_gc.compressors import create
 from lightning_gc.core.memory import CompensationMemory
@@ -68,7 +68,7 @@ def measure(
     compressor = create(codec[0], **codec[1])
     memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
     gradients = [torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))]
-    rounds = two_phase_rounds(compressor, world_size)  # the exchange's plans and server errors count with the codec
+    rounds = exchange_rounds(compressor, world_size)  # the exchange's plans and server errors count with the codec
     for _ in bucket_steps(layout, gradients, compressor, memory, 0, world_size, rounds=rounds):
         pass  # the two warm-up steps build every plan and buffer
     return held_bytes([compressor, rounds]), held_bytes([memory]), 4 * layout.numel

@@ -1,4 +1,4 @@
-"""The global top-k exchange (lightning_gc.compressors.global_topk): its schedule, its merge, the
+"""The global top-k exchange (lightning_gc.exchanges.global_topk): its schedule, its merge, the
 agreed positions and their exact average, its traffic, and training on real gloo process groups
 (tests/workers/attach_worker.py)."""
 
@@ -17,14 +17,15 @@ from lightning_gc.common.layout import BucketLayout
 from lightning_gc.compressors import registry
 from lightning_gc.compressors.base import EncodeContext
 from lightning_gc.compressors.encoded import Encoded
-from lightning_gc.compressors.global_topk import (
-    EXCHANGES,
+from lightning_gc.compressors.sparse import EXCHANGES
+from lightning_gc.exchanges.global_topk import (
     CandidateSlots,
+    GlobalTopKExchange,
     agreed_positions,
     merge_candidates,
     selection_rounds,
 )
-from lightning_gc.exchanges.transport import traffic_bytes
+from lightning_gc.exchanges.transport import LocalTransport, traffic_bytes
 
 SHAPES = [(30, 20), (50,), (7, 9), (100,), (16, 16)]
 
@@ -75,9 +76,10 @@ def simulate(compressors: list, velocities: list[torch.Tensor], layout: BucketLa
     return outs, current, traffic, sent
 
 
-def global_topk(n: int, name: str = "topk", **arguments) -> list:
+def global_topk(n: int, name: str = "topk", **arguments) -> list[GlobalTopKExchange]:
+    """Each of ``n`` ranks' global top-k exchange of the compressor ``name`` (rounds run by hand)."""
     settings = {"compress_ratio": 0.05, "min_compress_numel": 10, "exchange": "global_topk", **arguments}
-    return [registry.create(name, **settings) for _ in range(n)]
+    return [GlobalTopKExchange(LocalTransport(n, r), registry.create(name, **settings)) for r in range(n)]
 
 
 # ------------------------------------------------------------------------------------- the schedule
@@ -284,3 +286,30 @@ def test_global_topk_trains_like_ddp_where_it_must_and_keeps_ranks_identical(tmp
     for other in ranks[1:]:
         for ours, theirs in zip(ranks[0], other):
             assert torch.equal(ours["params"], theirs["params"])
+
+
+def test_the_codecs_exchange_argument_chooses_the_exchange_and_each_checks_its_capability() -> None:
+    """``exchange=`` chooses the implementation (:func:`exchange_for`); an exchange refuses a codec
+    without the capability it asks for, naming it and those that have it; the flat pipeline refuses
+    a codec whose argument names another exchange rather than gathering it."""
+    from lightning_gc.core.memory import CompensationMemory
+    from lightning_gc.exchanges.base import FlatExchange
+    from lightning_gc.exchanges.pipeline import BucketJob
+    from lightning_gc.exchanges.select import exchange_for
+    from lightning_gc.exchanges.two_phase import TwoPhaseExchange
+
+    transport = LocalTransport(4)
+    assert type(exchange_for(registry.create("dgc", exchange="global_topk"), transport)) is GlobalTopKExchange
+    assert type(exchange_for(registry.create("dgc"), transport)) is FlatExchange
+    assert type(exchange_for(registry.create("qsgd", exchange="auto"), transport)) is TwoPhaseExchange
+    assert type(exchange_for(registry.create("powersgd"), transport)) is FlatExchange
+    with pytest.raises(ValueError, match=r"exchange='global_topk'.*'onebit'.*\['dgc', .*'topk'\]"):
+        GlobalTopKExchange(transport, registry.create("onebit"))
+    with pytest.raises(ValueError, match=r"exchange='two_phase'.*'dgc'.*\['bf16', 'fft'"):
+        TwoPhaseExchange(transport, registry.create("dgc"))
+    layout = make_layout()
+    grad = torch.randn(layout.numel)
+    memory = CompensationMemory(momentum_correction=False, momentum_masking=False, clip_norm=None)
+    job = BucketJob(registry.create("dgc", exchange="global_topk"), memory, grad, layout, 0)
+    with pytest.raises(ValueError, match=r"'dgc' asks for exchange='global_topk' at 4 ranks.*exchange_for"):
+        FlatExchange(transport).run(job)

@@ -18,10 +18,10 @@ A payload comes in four kinds, and one round may use several:
   all-gathered into ``gathered_out`` without a size exchange;
 * ``scattered`` -- ``world_size`` equal rows, row ``j`` for rank ``j``: exchanged all-to-all into
   ``scattered_out``, whose row ``i`` is what rank ``i`` sent to this rank (the first phase of the
-  two-phase exchange, :mod:`lightning_gc.compressors.two_phase`);
+  two-phase exchange, :mod:`lightning_gc.exchanges.two_phase`);
 * ``peer`` -- a :class:`PeerTransfer`: a payload sent to one rank and/or one received from one
   rank, point to point (the rounds of the global top-k selection,
-  :mod:`lightning_gc.compressors.global_topk`).
+  :mod:`lightning_gc.exchanges.global_topk`).
 
 A compressor may need several rounds of communication per bucket (PowerSGD all-reduces P, then
 Q computed from the reduced P). Its encode then returns the first round with ``next_round`` set;

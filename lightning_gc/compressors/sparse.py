@@ -12,7 +12,8 @@ an Elias--Fano code of the sorted indices (``index_encoding="elias_fano"``, ~12 
 
 With ``exchange="global_topk"`` the ranks first agree on ``k`` positions per tensor through
 pairwise merges of their selections and then all-reduce their values there, so traffic per rank
-grows as ``log N`` instead of ``N`` (:mod:`lightning_gc.compressors.global_topk`).
+grows as ``log N`` instead of ``N``: the global top-k exchange
+(:mod:`lightning_gc.exchanges.global_topk`) runs the rounds, asking the codec for its selection.
 
 Decompression of the gathered pairs::
 
@@ -37,11 +38,14 @@ from lightning_gc.common.validation import check_choice, check_int
 from lightning_gc.compressors.base import AdjustableRatio, EncodeContext, PlannedCompressor, split_segments
 from lightning_gc.compressors.dense import DensePart, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.encoded import Encoded, Payload, Sent
-from lightning_gc.compressors.global_topk import EXCHANGES, GlobalTopKPlan
 from lightning_gc.compressors.wire import INDEX_ENCODINGS, VALUE_DTYPES
 from lightning_gc.kernels.selection import SegmentedTopK, for_each_segment
 
 _SALT_STEP = 1_000_003  # distinct steps must map far apart before the per-parameter offset is added
+EXCHANGES = ("gather", "global_topk")
+"""``exchange`` choices of the sparse compressors: every rank's pairs all-gathered, or the
+positions agreed by the global top-k merges and the values all-reduced
+(:class:`lightning_gc.exchanges.global_topk.GlobalTopKExchange`)."""
 
 
 def dtype_name(argument: str, value: str | torch.dtype | None, *, optional: bool = False) -> str | None:
@@ -63,9 +67,8 @@ class SparsePlan:
     dense: DensePart | None  # the dense tensors of a partly compressed bucket
     sent_indices: torch.Tensor
     sent_values: torch.Tensor
-    payload: torch.Tensor
+    payload: torch.Tensor  # empty in a plan without pair buffers (plan_with(gathered=False))
     gathered: torch.Tensor
-    global_topk: GlobalTopKPlan | None  # with exchange="global_topk" on a compressed bucket
 
 
 class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
@@ -94,7 +97,7 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
             by merging their selections pairwise in ``log2 N`` rounds (gTop-k, Shi et al. 2019)
             and all-reduce their values there (in ``dense_dtype``; ``value_dtype`` and
             ``index_encoding`` then shape the merge rounds' messages). Fewer bytes from 4 ranks
-            on; see :mod:`lightning_gc.compressors.global_topk`.
+            on; see :mod:`lightning_gc.exchanges.global_topk`.
     """
 
     arguments = ("compress_ratio", "min_compress_numel", "value_dtype", "index_encoding", "dense_dtype", "exchange")
@@ -154,7 +157,16 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
         for_each_segment(self.select, velocity, plan.selection, step_salt, plan.sent_indices, plan.sent_values)
 
     # ------------------------------------------------------------------ planning
-    def _split(self, layout: BucketLayout) -> tuple[list[tuple[Segment, int, int]], list[Segment], int]:
+    def exchange_form(self, world_size: int) -> str:
+        return self.exchange
+
+    def select_into(self, velocity: torch.Tensor, plan: SparsePlan, step: int) -> None:
+        """This step's selection of ``velocity`` into ``plan.sent_indices`` and ``plan.sent_values``
+        (salted by ``step`` and each tensor's order): what the gathered form sends, and what the
+        global top-k exchange merges."""
+        self.select_segments(velocity, plan, step * _SALT_STEP)
+
+    def split_layout(self, layout: BucketLayout) -> tuple[list[tuple[Segment, int, int]], list[Segment], int]:
         """(compressed segments with k and first payload slot, dense segments, total k); at
         ratio 1 every segment is dense."""
         if self._compress_ratio >= 1.0:
@@ -171,7 +183,7 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
         """The pairs' payload and the dense values; with ``exchange="global_topk"`` one merge
         round's message and the all-reduced agreed and dense values (what two ranks send: each
         doubling of the world size adds one message). ``exchange``: default this compressor's."""
-        compressed, dense, total_k = self._split(layout)
+        compressed, dense, total_k = self.split_layout(layout)
         if not compressed:
             return layout.numel * element_size
         dense_wire_dtype = self.dense_wire_dtype
@@ -179,23 +191,23 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
         summed = sum(s.numel for s in dense) + (total_k if (exchange or self.exchange) == "global_topk" else 0)
         return self.wire.payload_bytes(total_k, layout.numel) + summed * dense_size
 
-    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> SparsePlan:
-        return self.plan_with(layout, like, world_size, exchange=self.exchange)
+    _split = split_layout  # the name before it was public
 
-    def plan_with(self, layout: BucketLayout, like: torch.Tensor, world_size: int, *, exchange: str) -> SparsePlan:
-        """A fresh plan of ``layout`` for ``exchange`` (one of :data:`EXCHANGES`), whatever this
-        compressor's own: a two-level exchange agrees positions within a node by global top-k
-        while the compressor gathers across nodes (:mod:`lightning_gc.exchanges.hierarchy_sparse`)."""
-        compressed, dense, total_k = self._split(layout)
+    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> SparsePlan:
+        return self.plan_with(layout, like, world_size)
+
+    def plan_with(
+        self, layout: BucketLayout, like: torch.Tensor, world_size: int, *, gathered: bool = True
+    ) -> SparsePlan:
+        """A fresh plan of ``layout``: the selection's buffers and, ``gathered``, the pairs' payload
+        and the dense tensors' part (the gathered form); without, the selection alone, which an
+        exchange with buffers of its own asks for (:mod:`lightning_gc.exchanges.global_topk`, whose
+        all-reduce carries the dense tensors with the agreed values)."""
+        compressed, dense, total_k = self.split_layout(layout)
         device = like.device
         dense_all = not compressed
-        payload_bytes = self.wire.payload_bytes(total_k, layout.numel) if compressed else 0
-        global_topk = None
-        if check_choice("exchange", exchange, EXCHANGES) == "global_topk" and compressed:
-            global_topk = GlobalTopKPlan.build(compressed, dense, layout.numel, self.wire, like, self.dense_wire_dtype)
-            payload_bytes = 0  # the rounds have buffers of their own
-        # the global top-k's all-reduce carries the dense tensors with the agreed values
-        separate = not dense_all and global_topk is None
+        payload_bytes = self.wire.payload_bytes(total_k, layout.numel) if compressed and gathered else 0
+        separate = not dense_all and gathered
         dense_part = DensePart.of(dense, like, dtype=self.dense_wire_dtype) if separate else None
         return SparsePlan(
             layout=layout,
@@ -213,22 +225,14 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
             sent_values=like.new_empty(total_k),
             payload=torch.empty(payload_bytes, dtype=torch.uint8, device=device),
             gathered=torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=device),
-            global_topk=global_topk,
         )
 
     # ------------------------------------------------------------------ encode / decode
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
-        return self.encode_planned(self.plan(context, velocity), velocity, out, context)
-
-    def encode_planned(
-        self, plan: SparsePlan, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext
-    ) -> Encoded:
-        """:meth:`encode` with ``plan`` (from :meth:`plan_with`), not necessarily this compressor's cached one."""
+        plan = self.plan(context, velocity)
         if plan.dense_all:
             return encode_whole_bucket(velocity, out)
-        self.select_segments(velocity, plan, context.step * _SALT_STEP)
-        if plan.global_topk is not None:
-            return plan.global_topk.first_round(velocity, plan.sent_indices, plan.sent_values, context)
+        self.select_into(velocity, plan, context.step)
         decoded = self.wire.pack(plan.payload, plan.sent_indices, plan.sent_values, context.layout.numel)
         dense = plan.dense
         summed = None if dense is None else dense.gather(velocity, context.world_size)
@@ -245,9 +249,6 @@ class SparseCompressor(AdjustableRatio, PlannedCompressor[SparsePlan]):
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         if decode_whole_bucket(encoded, out, world_size):
-            return
-        if isinstance(encoded.context, GlobalTopKPlan):
-            encoded.context.decode(out, world_size)
             return
         plan: SparsePlan = encoded.context
         out.zero_()

@@ -7,18 +7,21 @@ An :class:`Exchange` decides *where* a job's rounds go; the codec decides *what*
 
 * :class:`FlatExchange`: every round over one transport among all ranks. The codec's own round
   protocol picks the collectives: all-reduce of summable payloads (fp16, random-k, PowerSGD's P
-  and Q), all-gather of the rest (top-k/DGC pairs, quantised codes) and global top-k's pairwise
-  merges.
+  and Q), all-gather of the rest (top-k/DGC pairs, quantised codes).
 * :class:`~lightning_gc.exchanges.two_phase.TwoPhaseExchange` (``exchange="two_phase"``/``"auto"``):
   a compressed all-reduce over one transport (all-to-all of chunks, the owners' averages
   re-encoded, all-gather) that asks the codec for its chunk capability and keeps the server errors.
-
-:func:`lightning_gc.exchanges.select.exchange_for` picks the one a codec's ``exchange`` argument
-names.
+* :class:`~lightning_gc.exchanges.global_topk.GlobalTopKExchange` (``exchange="global_topk"``):
+  the ranks' sparse selections merged pairwise into agreed positions, then their values
+  all-reduced; asks the sparse codec for its selection.
 * :class:`~lightning_gc.exchanges.hierarchy.NodeHierarchy` (``hierarchy="node"``): a dense sum
-  within each node, the job's shard compressed across nodes, a dense all-gather within the node.
+  within each node, the job's shard compressed across nodes by the exchange the codec chooses,
+  a dense all-gather within the node.
 * :class:`~lightning_gc.exchanges.hierarchy_sparse.SparseNodeHierarchy` (``"node_sparse"``):
   global top-k within the node, the node's pairs gathered across nodes.
+
+:func:`lightning_gc.exchanges.select.exchange_for` picks the one a codec's ``exchange`` argument
+names over one transport.
 
 Delay (:mod:`lightning_gc.exchanges.delay`) hands a job a slot (``out``, ``own``) and takes the
 result a step later; it works with every exchange.

@@ -8,7 +8,7 @@ exchange it saves. Here no message carries the dense bucket. For a sparse compre
 ``dgc``) over ``N = K`` nodes x ``L`` devices, rank ``r = k L + l`` (node ``k``, local rank ``l``),
 one bucket with velocity ``v_r`` goes::
 
-    1. within node k (fast link): global top-k among its L ranks (lightning_gc.compressors.global_topk):
+    1. within node k (fast link): global top-k among its L ranks (lightning_gc.exchanges.global_topk):
        each rank's own selection of v_r, merged pairwise in log2 L rounds, agrees on the positions
        G_k (k per compressed tensor); then one all-reduce of the velocities there and of the dense
        tensors' values (positions D):
@@ -55,21 +55,20 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 from torch.futures import Future
 
 from lightning_gc import kernels
 from lightning_gc.common.layout import BucketLayout, piece_bounds
-from lightning_gc.compressors.base import Compressor, EncodeContext, PlannedCompressor
+from lightning_gc.compressors.base import Compressor, EncodeContext
 from lightning_gc.compressors.encoded import Encoded
-from lightning_gc.compressors.global_topk import GlobalTopKPlan
 from lightning_gc.compressors.numerics import mean_into
-from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan
+from lightning_gc.compressors.sparse import SparseCompressor
 from lightning_gc.compressors.wire import check_int32_positions
 from lightning_gc.exchanges import comm
 from lightning_gc.exchanges.base import FlatExchange
+from lightning_gc.exchanges.global_topk import GlobalTopKExchange, GlobalTopKPlan
 from lightning_gc.exchanges.hierarchy import NodeHierarchy, NodeTopology, delayed_finisher
 from lightning_gc.exchanges.pipeline import (
     EXCHANGE,
@@ -113,53 +112,43 @@ def check_sparse_hierarchy(compressor: Compressor) -> None:
         )
 
 
-class AgreedWithinNode(PlannedCompressor[SparsePlan]):
-    """A sparse compressor's selection with its positions agreed by global top-k, whatever its own
-    ``exchange`` (which says how nodes exchange). Its settings are read live from ``sparse``
-    (a ratio set by :class:`~lightning_gc.SparsityWarmup` counts); it records the plan each
-    bucket last encoded with, for the agreed positions."""
+class AgreedWithinNode:
+    """Global top-k within the node: the rounds of a :class:`~lightning_gc.exchanges.global_topk.GlobalTopKExchange`
+    over the node's ranks for a sparse compressor, whatever its own ``exchange`` (which says how
+    nodes exchange). Decode leaves the agreed positions' sums where they are (:meth:`node_mean`
+    reads them) instead of zeroing the bucket and writing them; it records the plan each bucket
+    last encoded with, for the agreed positions."""
 
     name = "global top-k within the node"
 
-    def __init__(self, sparse: SparseCompressor) -> None:
-        super().__init__()
-        self.sparse = sparse
-        self.used: dict[int, SparsePlan] = {}
+    def __init__(self, agreement: GlobalTopKExchange) -> None:
+        self.agreement = agreement
+        self.sparse = agreement.sparse
+        self.used: dict[int, GlobalTopKPlan | None] = {}
         self._every: dict[int, torch.Tensor] = {}
 
-    def config(self) -> dict[str, Any]:
-        return {**self.sparse.config(), "exchange": "global_topk"}
-
-    def wire_bytes(self, layout: BucketLayout, element_size: int) -> int:
-        return self.sparse.wire_bytes(layout, element_size, exchange="global_topk")
-
-    def build_plan(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> SparsePlan:
-        return self.sparse.plan_with(layout, like, world_size, exchange="global_topk")
-
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
-        plan = self.plan(context, velocity)
-        self.used[context.layout.index] = plan
-        return self.sparse.encode_planned(plan, velocity, out, context)
+        self.used[context.layout.index] = self.agreement.plan(context, velocity).rounds
+        return self.agreement.encode(velocity, out, context)
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
-        """Nothing for agreed positions (:meth:`node_mean` reads the summed values where they
-        are, instead of the bucket being zeroed and written); a wholly dense bucket's mean."""
+        """Nothing for agreed positions; a wholly dense bucket's mean."""
         if not isinstance(encoded.context, GlobalTopKPlan):
-            self.sparse.decode(encoded, out, world_size=world_size)
+            self.agreement.decode(encoded, out, world_size=world_size)
 
     def node_mean(self, layout: BucketLayout, decoded: torch.Tensor, per_node: int) -> NodeMean:
         """The node's pairs after the last exchange of ``layout`` within the node: the agreed
         positions with the node mean there, then the dense tensors' positions and means; for a
         bucket sent wholly dense (decoded into ``decoded``), every position."""
-        plan = self.used[layout.index]
-        if plan.global_topk is None:
+        rounds = self.used[layout.index]
+        if rounds is None:
             every = self._every.get(layout.index)
             if every is None or every.numel() != layout.numel or every.device != decoded.device:
                 every = self._every[layout.index] = torch.arange(layout.numel, device=decoded.device)
             return NodeMean(every, decoded, agreed=0, scaled=True)
-        agreed = plan.global_topk.agreed
+        agreed = rounds.agreed
         mean = mean_into(agreed.values if agreed.staging is None else agreed.staging, agreed.values, per_node)
-        return NodeMean(agreed.positions, mean, agreed=plan.global_topk.slots.total, scaled=False)
+        return NodeMean(agreed.positions, mean, agreed=rounds.slots.total, scaled=False)
 
 
 @dataclass(frozen=True)
@@ -278,7 +267,7 @@ class SparseNodeHierarchy(NodeHierarchy):
 
     def _agreement_of(self, compressor: SparseCompressor) -> AgreedWithinNode:
         if self._agreement is None or self._agreement.sparse is not compressor:
-            self._agreement = AgreedWithinNode(compressor)
+            self._agreement = AgreedWithinNode(GlobalTopKExchange(self.node_transport, compressor))
         return self._agreement
 
     def _node_pairs(self, layout: BucketLayout, node: NodeMean, like: torch.Tensor) -> _NodePairs:
@@ -305,8 +294,8 @@ class SparseNodeHierarchy(NodeHierarchy):
         bucket_memory = memory.bucket(layout, grad)
         agreement = self._agreement_of(compressor)
         memory.clip_local_(grad, layout, topology.world_size, loss_scale)
-        node_job = job.but(compressor=agreement, clip=False, own=None, on_decoded=None, defer_rounds=False)
-        node = run_bucket(node_job, bucket_memory, self.node_transport)
+        node_job = job.but(clip=False, own=None, on_decoded=None, defer_rounds=False)
+        node = run_bucket(node_job, bucket_memory, self.node_transport, rounds=agreement)
         with timeline.waiting():
             wait(node.averaged, failure)
         target = grad if out is None else out

@@ -5,11 +5,11 @@ it) chooses among the implementations of :class:`~lightning_gc.exchanges.base.Ex
 ``exchange``         implementation over one transport                                 asks the codec
 ==================  ================================================================  ==============
 ``"gather"``         :class:`~lightning_gc.exchanges.base.FlatExchange`: the codec's    nothing
-                     own rounds (all-gather, all-reduce, PowerSGD's two, global
-                     top-k's merges)
+                     own rounds (all-gather, all-reduce, PowerSGD's two)
 ``"two_phase"``      :class:`~lightning_gc.exchanges.two_phase.TwoPhaseExchange`        its chunks
 ``"auto"``           the two-phase exchange, which runs the codec's own rounds below    its chunks
                      three ranks
+``"global_topk"``    :class:`~lightning_gc.exchanges.global_topk.GlobalTopKExchange`    its selection
 ==================  ================================================================  ==============
 
 A codec that cannot run the exchange asked for is refused when it is built (its ``exchange``
@@ -25,6 +25,7 @@ from typing import Any
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.chunks import ExchangeChoice
 from lightning_gc.exchanges.base import Exchange, FlatExchange
+from lightning_gc.exchanges.global_topk import GlobalTopKExchange
 from lightning_gc.exchanges.transport import Transport
 from lightning_gc.exchanges.two_phase import TwoPhaseExchange
 
@@ -36,7 +37,21 @@ def exchange_for(codec: Compressor, transport: Transport) -> Exchange:
     checked against the codec's arguments in one place."""
     if isinstance(codec, ExchangeChoice):
         return TwoPhaseExchange(transport, codec)
+    if codec.exchange_form(transport.world_size) == "global_topk":
+        return GlobalTopKExchange(transport, codec)
     return FlatExchange(transport)
+
+
+def rounds_for(codec: Compressor, transport: Transport) -> TwoPhaseExchange | GlobalTopKExchange | None:
+    """What runs ``codec``'s rounds in its place over ``transport`` (the pipeline's ``rounds``) where
+    its arguments ask for an exchange that builds them (two-phase, global top-k); ``None`` where the
+    codec runs its own. For callers that drive :func:`~lightning_gc.exchanges.pipeline.run_bucket`
+    themselves (calibration, benchmarks): keep it across steps, it holds the plans (and server errors)."""
+    if codec.exchange_form(transport.world_size) == "gather":
+        return None
+    chosen = exchange_for(codec, transport)
+    assert isinstance(chosen, (TwoPhaseExchange, GlobalTopKExchange))
+    return chosen
 
 
 def exchange_over(codec: Compressor, given: Exchange) -> Exchange:

@@ -53,9 +53,9 @@ from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.core.momentum import MomentumSpec
 from lightning_gc.exchanges.pipeline import BucketJob, run_bucket
+from lightning_gc.exchanges.select import rounds_for
 from lightning_gc.exchanges.timeline import DECODE_SIDE, ENCODE_SIDE, Timeline
 from lightning_gc.exchanges.transport import LocalTransport
-from lightning_gc.exchanges.two_phase import TwoPhaseExchange
 from lightning_gc.perfmodel import CodecCost
 
 COLUMNS = 1024
@@ -197,8 +197,8 @@ def _time_at(
     encode_times, decode_times = [], []
     moved = _OptimizerMomentum(grad, momentum) if momentum > 0 else None
     two_phase = compressor.exchange_form(world_size) == "two_phase"
-    # the two-phase exchange's rounds (its plans kept across steps), over a fresh counting transport each step
-    rounds = TwoPhaseExchange(LocalTransport(world_size), compressor) if two_phase else None
+    # the chosen exchange's rounds (its plans kept across steps), over a fresh counting transport each step
+    rounds = rounds_for(compressor, LocalTransport(world_size))
     for step in range(repeats + 1):  # step 0 warms up buffers and plans
         grad.copy_(gradients[step % len(gradients)].reshape(-1))
         timeline, exchange = Timeline(sync=lambda: _sync(device)), LocalTransport(world_size)

@@ -4,8 +4,9 @@ Gathering sparse pairs hands every rank the other ``N-1`` ranks' ``k`` pairs eac
 bytes received grow with the world size (the all-gather is DGC's scaling limit). gTop-k (Shi, Wang,
 Chu and Li, "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification for Low
 Bandwidth Networks", ICDCS 2019) instead merges candidate sets pairwise in ``log2 N`` rounds and
-applies only the ``k`` largest entries of the *sum*. Here (``exchange="global_topk"`` on the
-sparse compressors) the merges choose the positions and one exact all-reduce moves the values::
+applies only the ``k`` largest entries of the *sum*. Here (:class:`GlobalTopKExchange`, chosen by
+``exchange="global_topk"`` on the sparse compressors) the merges choose the positions and one
+exact all-reduce moves the values::
 
     C  <- this rank's k pairs of each compressed tensor (the compressor's own selection of v)
     for j = 0 .. log2(P) - 1:        (recursive doubling among P = 2^floor(log2 N) ranks)
@@ -40,6 +41,13 @@ indices and fp32 values (``p = 2d``) the global form sends fewer bytes from ``N 
 payloads at ``N = 4``; 3.9 vs 7 at 8; 6 vs 31 at 32). The applied update has ``k`` positions per
 tensor, where the gathered one has up to ``N k``.
 
+What the exchange asks of the codec (a :class:`~lightning_gc.compressors.sparse.SparseCompressor`):
+its selection (:meth:`~lightning_gc.compressors.sparse.SparseCompressor.select_into` on a plan of
+:meth:`~lightning_gc.compressors.sparse.SparseCompressor.plan_with`, ``gathered=False``: no pair
+buffers), how a bucket splits into compressed tensors with their ``k`` and dense ones
+(:meth:`~lightning_gc.compressors.sparse.SparseCompressor.split_layout`), its wire format and the
+dtype of its all-reduced values. The rounds, the merges and the agreed all-reduce are this module's.
+
 The cost: the rounds complete inside the comm hook, one after the other (each a blocking
 point-to-point swap, so unlike PowerSGD's first round they are not left in flight to the next
 bucket's hook), and a merge uses ``torch.unique`` (a device-to-host sync on GPU).
@@ -52,15 +60,15 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_gc.common.layout import Segment, segment_positions
-from lightning_gc.compressors.base import EncodeContext
-from lightning_gc.compressors.dense import DensePart
+from lightning_gc.common.layout import BucketLayout, Segment, segment_positions
+from lightning_gc.compressors.base import Compressor, EncodeContext, PlanCache
+from lightning_gc.compressors.dense import DensePart, decode_whole_bucket, encode_whole_bucket
 from lightning_gc.compressors.encoded import Encoded, Payload, PeerTransfer, Sent
+from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan
 from lightning_gc.compressors.wire import SparseWireFormat
-
-EXCHANGES = ("gather", "global_topk")
-"""``exchange`` choices of the sparse compressors: every rank's pairs all-gathered, or the
-positions agreed by the global top-k merges and the values all-reduced."""
+from lightning_gc.exchanges.base import Exchange
+from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, run_bucket
+from lightning_gc.exchanges.transport import Transport
 
 
 @dataclass(frozen=True)
@@ -290,3 +298,75 @@ class GlobalTopKPlan:
         """``out <- 0`` but the agreed and dense positions, which get the mean over ranks."""
         out.zero_()
         self.agreed.write_mean(out, world_size)
+
+
+@dataclass
+class _Plan:
+    """One bucket's plan: the codec's selection (no pair buffers), and the rounds' buffers
+    (``None`` for a bucket sent wholly dense, ``compress_ratio == 1``)."""
+
+    selection: SparsePlan
+    rounds: GlobalTopKPlan | None
+
+
+class GlobalTopKExchange(Exchange):
+    """Global top-k over ``transport`` for a sparse codec (module docstring); the codec's own rounds
+    (its pairs gathered) for a job whose codec does not ask for it (the hook's exact fallback).
+
+    Raises:
+        ValueError: ``codec`` has no selection to merge (named, with the codecs that have one).
+    """
+
+    def __init__(self, transport: Transport, codec: Compressor) -> None:
+        if not isinstance(codec, SparseCompressor):
+            from lightning_gc.compressors.registry import available, compressor_class  # registered after
+
+            sparse = sorted(name for name in available() if issubclass(compressor_class(name), SparseCompressor))
+            raise ValueError(
+                f"exchange='global_topk' merges the ranks' sparse selections, which compressor {codec.name!r} "
+                f"does not make; use one of {sparse}"
+            )
+        self.transport, self.codec = transport, codec
+        self.sparse: SparseCompressor = codec
+        self._plans: PlanCache[_Plan] = PlanCache()
+
+    @property
+    def name(self) -> str:
+        """The codec's name (errors of the pipeline name what runs the rounds)."""
+        return self.codec.name
+
+    def run(self, job: BucketJob) -> BucketStep:
+        bucket = job.memory.bucket(job.layout, job.grad)
+        if job.compressor.exchange_form(self.transport.world_size) != "global_topk":
+            return run_bucket(job, bucket, self.transport)
+        if job.compressor is not self.codec:
+            raise ValueError(
+                f"this global top-k exchange runs compressor {self.codec.name!r}, got {job.compressor.name!r}"
+            )
+        return run_bucket(job, bucket, self.transport, rounds=self)
+
+    def plan(self, context: EncodeContext, like: torch.Tensor) -> _Plan:
+        """The plan of ``context``'s bucket (rebuilt whenever the codec's settings, the layout, the
+        world size, the device or dtype changed)."""
+        return self._plans.get(self.codec, context, like, self._build)
+
+    def _build(self, layout: BucketLayout, like: torch.Tensor, world_size: int) -> _Plan:
+        sparse = self.sparse
+        selection = sparse.plan_with(layout, like, world_size, gathered=False)
+        compressed, dense, _ = sparse.split_layout(layout)
+        if not compressed:
+            return _Plan(selection, None)
+        rounds = GlobalTopKPlan.build(compressed, dense, layout.numel, sparse.wire, like, sparse.dense_wire_dtype)
+        return _Plan(selection, rounds)
+
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        """The first round: this rank's selection, as the codec makes it, to merge."""
+        plan = self.plan(context, velocity)
+        if plan.rounds is None:
+            return encode_whole_bucket(velocity, out)
+        self.sparse.select_into(velocity, plan.selection, context.step)
+        return plan.rounds.first_round(velocity, plan.selection.sent_indices, plan.selection.sent_values, context)
+
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        if not decode_whole_bucket(encoded, out, world_size):
+            encoded.context.decode(out, world_size)
