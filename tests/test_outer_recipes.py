@@ -42,6 +42,7 @@ def test_outer_recipe_is_its_dense_twin_with_the_outer_loop(recipe: str) -> None
     assert (built.preset, built.sync_every) == (preset, sync_every)
     if density is not None:
         assert strategy.compressor.compress_ratio == density and built.error_decay == 0.95
+        assert strategy.compressor.name == "chunk_topk"  # SparseLoCo's codec, from configs/strategy/sparseloco.yaml
     else:
         assert strategy.compressor.name == "none" and (built.outer_lr, built.outer_nesterov) == (0.7, True)
     inner = outer.model.get("optimizer", "adamw")
