@@ -261,3 +261,20 @@ def test_a_state_with_other_fragments_is_refused(world_of_one):
     other = OuterLoop(small(), sync_every=2, streaming=Streaming(fragments=2))
     with pytest.raises(ValueError, match=r"the state holds 1 fragment\(s\), this outer loop has fragments=2"):
         other.load_state_dict(state)
+
+
+def test_a_final_sync_with_mix_lands_what_is_in_flight_once(world_of_one):
+    """mix > 0: the end of the run lands the exchange in flight with mix 0 (theta_r <- theta_g) and
+    does not send that fragment again: one outer step for it, not two at the same step."""
+    model = small()
+    outer = OuterLoop(model, sync_every=2, streaming=Streaming(sync_delay=1, mix=0.5))
+    for _ in range(2):  # launched at step 2, due to land at 3
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        outer.inner_step_done()
+    assert outer.in_flight == [0] and outer.syncs == 0
+    assert outer.sync()
+    assert outer.syncs == 1 and outer.fragments[0].averager.calls == 1
+    assert all(torch.equal(p, g) for p, g in zip(model.parameters(), outer.global_parameters.values()))
+    assert not outer.pending and not outer.sync()

@@ -135,8 +135,8 @@ def test_streamed_fit_resumes_with_an_exchange_in_flight_bit_for_bit(runs, tmp_p
         assert [f["in_flight"] is not None for f in fragments] == [True, False]  # fragment 0, launched at step 5
         assert fragments[0]["in_flight"]["launched_at"] == 5
         resumed, whole = rank["streamed_resumed"], rank["streamed"]
-        # landed at 3, 6, 8; the end lands fragment 0 (launched at 10), then sends both (mixed, so not theta_g)
-        assert whole["syncs"] == resumed["syncs"] == 6 and resumed["inner_steps"] == 10
+        # landed at 3, 6, 8; the end lands fragment 0 (launched at 10) without mix, then sends fragment 1 (mixed at 8)
+        assert whole["syncs"] == resumed["syncs"] == 5 and resumed["inner_steps"] == 10
         assert_equal(resumed["params"], whole["params"], "resumed vs uninterrupted")
         assert_equal(whole["params"], whole["global"], "module after fit vs theta_g")
         assert resumed["totals"] == whole["totals"]

@@ -208,13 +208,15 @@ class OuterLoop:
     # ------------------------------------------------------------------ the sync
     def sync(self) -> bool:
         """A full sync now, on every rank of the group, e.g. at the end of training: the exchanges
-        in flight land (mixed as scheduled), then every fragment whose ``theta_r`` may differ from
-        ``theta_g`` is exchanged and applied at once; the module then holds ``theta_g`` (whatever
-        ``mix``) and buffers are averaged. The schedule of :meth:`inner_step_done` does not move.
-        Whether anything was done (nothing when :attr:`pending` is false)."""
+        in flight land without mix (``theta_r <- theta_g``: the run ends on ``theta_g``, so such a
+        fragment is not sent again), then every fragment whose ``theta_r`` may differ from
+        ``theta_g`` is exchanged and applied at once; the module then holds ``theta_g`` and buffers
+        are averaged. Each fragment takes at most one outer step here. The schedule of
+        :meth:`inner_step_done` does not move. Whether anything was done (nothing when
+        :attr:`pending` is false)."""
         flying = self._flying()
         for fragment in flying:
-            fragment.land(self.streaming.mix)
+            fragment.land(0.0)
         todo = [f for f in self.fragments if f.dirty]
         for fragment in todo:
             fragment.launch(self._inner_steps)
