@@ -259,7 +259,7 @@ def test_a_final_sync_lands_what_is_in_flight_then_sends_the_rest(world_of_one):
 def test_a_state_with_other_fragments_is_refused(world_of_one):
     state = OuterLoop(small(), sync_every=2).state_dict()
     other = OuterLoop(small(), sync_every=2, streaming=Streaming(fragments=2))
-    with pytest.raises(ValueError, match=r"the state holds 1 fragment\(s\), this outer loop has fragments=2"):
+    with pytest.raises(ValueError, match=r"fragments=1 in the state, fragments=2 here"):
         other.load_state_dict(state)
 
 
@@ -278,3 +278,28 @@ def test_a_final_sync_with_mix_lands_what_is_in_flight_once(world_of_one):
     assert outer.syncs == 1 and outer.fragments[0].averager.calls == 1
     assert all(torch.equal(p, g) for p, g in zip(model.parameters(), outer.global_parameters.values()))
     assert not outer.pending and not outer.sync()
+
+
+def test_a_fragment_refuses_a_second_launch_while_one_is_in_flight(world_of_one):
+    outer = OuterLoop(small(), sync_every=2, streaming=Streaming(sync_delay=1))
+    outer.inner_step_done()
+    outer.inner_step_done()  # launched at step 2
+    with pytest.raises(RuntimeError, match=r"fragment 0 launched at step 2 is still in flight") as caught:
+        outer.fragments[0].launch(3)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded", "match"),
+    [
+        ({"sync_every": 2}, {"sync_every": 3}, r"sync_every=2 in the state, sync_every=3 here"),
+        ({"sync_every": 4, "sync_delay": 1}, {"sync_every": 4}, r"sync_delay=1 in the state, sync_delay=0 here"),
+        ({"mix": 0.5}, {"mix": 0.25}, r"mix=0.5 in the state, mix=0.25 here"),
+        ({"fragments": 2}, {}, r"fragments=2 in the state, fragments=1 here"),
+    ],
+)
+def test_a_state_with_other_outer_settings_is_refused_in_one_line(world_of_one, saved, loaded, match):
+    state = built(saved).state_dict()
+    with pytest.raises(ValueError, match=match) as caught:
+        built(loaded).load_state_dict(state)
+    assert "\n" not in str(caught.value)

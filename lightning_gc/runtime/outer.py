@@ -69,7 +69,7 @@ from lightning_gc.runtime.outer_fragments import Fragment, OuterSGD, Streaming, 
 
 __all__ = ["OuterLoop", "OuterSGD", "Streaming"]
 
-STATE_FORMAT = 2
+STATE_FORMAT = 3  # 3: the schedule's settings (sync_every, fragments, sync_delay, mix)
 
 
 class OuterLoop:
@@ -269,26 +269,38 @@ class OuterLoop:
         average of its exchange in flight (waited for here), and the inner step count."""
         return {
             "format": STATE_FORMAT,
+            "settings": self._settings(),
             "inner_steps": self._inner_steps,
             "syncs": self.syncs,
             "fragments": [f.state_dict() for f in self.fragments],
             "global": {name: theta_g.clone() for name, theta_g in self.global_parameters.items()},
         }
 
+    def _settings(self) -> dict[str, Any]:
+        """The settings a state only resumes under (the schedule and the fragments' cut)."""
+        streaming = self.streaming
+        return {
+            "sync_every": self.sync_every,
+            "fragments": streaming.fragments,
+            "sync_delay": streaming.sync_delay,
+            "mix": streaming.mix,
+        }
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s output (same parameters, same number of fragments,
-        same codec settings); the caller restores the module and the inner optimizer itself. An
+        """Continue from :meth:`state_dict`'s output (same parameters, same ``sync_every``,
+        ``fragments``, ``sync_delay`` and ``mix``, same codec settings); the caller restores the module and the inner optimizer itself. An
         exchange that was in flight lands ``sync_delay`` steps after its launch, as it would have."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"outer loop state format {state.get('format')!r} is not {STATE_FORMAT}")
+        for name, here in self._settings().items():
+            if state["settings"][name] != here:
+                raise ValueError(
+                    f"{name}={state['settings'][name]!r} in the state, {name}={here!r} here: the schedule, residuals "
+                    "and exchanges in flight only resume under the same sync_every, fragments, sync_delay and mix"
+                )
         saved = state["global"]
         if list(saved) != self._names:
             raise ValueError(f"the state holds parameters {list(saved)}, this module trains {self._names}")
-        if len(state["fragments"]) != len(self.fragments):
-            raise ValueError(
-                f"the state holds {len(state['fragments'])} fragment(s), this outer loop has "
-                f"fragments={len(self.fragments)}: residuals and outer momenta are kept per fragment"
-            )
         for name, theta_g in self.global_parameters.items():
             if saved[name].shape != theta_g.shape:
                 shapes = f"{tuple(saved[name].shape)} in the state, {tuple(theta_g.shape)} here"

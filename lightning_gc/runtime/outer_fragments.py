@@ -146,7 +146,17 @@ class Fragment:
         return (step - self.offset) % sync_every == 0
 
     def launch(self, step: int) -> None:
-        """Send ``theta_g - theta_r`` (compressed, error-fed) without waiting for the average."""
+        """Send ``theta_g - theta_r`` (compressed, error-fed) without waiting for the average.
+
+        Raises:
+            RuntimeError: an exchange of this fragment is still in flight (it must land first: one
+                average per fragment at a time, or the second would overwrite the first).
+        """
+        if self.in_flight is not None:
+            raise RuntimeError(
+                f"fragment {self.index} launched at step {self.in_flight.launched_at} is still in flight; "
+                f"land it before launching again (at step {step})"
+            )
         with torch.no_grad():
             delta = torch.empty(sum(self.numels), dtype=self.dtype, device=self.params[0].device)
             for piece, theta_g, theta_r in zip(delta.split(self.numels), self.globals, self.params):
