@@ -154,6 +154,11 @@ def built(arguments: dict[str, Any]) -> OuterLoop:
         ({"sync_every": 2, "sync_delay": 2}, r"`sync_delay=2` must be below sync_every / fragments = 2/1 = 2"),
         ({"mix": 1.0}, r"`mix` must be in \[0, 1\), got 1.0"),
         ({"mix": -0.1}, r"`mix` must be in \[0, 1\), got -0.1"),
+        (
+            {"compressor": "qsgd", "error_decay": 0.9},
+            r"`error_decay=0.9` needs error feedback, which compressor 'qsgd' \(unbiased\) does not keep",
+        ),
+        ({"error_decay": 0.5}, r"`error_decay=0.5` needs error feedback, which compressor 'none'"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(world_of_one, arguments, match):

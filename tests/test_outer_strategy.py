@@ -165,8 +165,11 @@ def test_presets_register_and_construct_with_their_documented_settings():
     assert built["sparseloco"].compressor.compress_ratio == 0.02
     overridden = OuterLoopStrategy("sparseloco", compress_ratio=0.1, sync_every=3, timeout=60)
     assert overridden.compressor.compress_ratio == 0.1 and overridden.outer_arguments.sync_every == 3
-    other_codec = OuterLoopStrategy("sparseloco", compressor="qsgd")  # top-k's ratio does not follow it
-    assert other_codec.compressor.name == "qsgd" and other_codec.outer_arguments.error_decay == 0.95
+    other_codec = OuterLoopStrategy("sparseloco", compressor="qsgd", error_decay=1.0)  # top-k's ratio does not follow
+    assert other_codec.compressor.name == "qsgd" and not hasattr(other_codec.compressor, "compress_ratio")
+    with pytest.raises(ValueError, match=r"`error_decay=0.95` needs error feedback.*'qsgd'") as caught:
+        OuterLoopStrategy("sparseloco", compressor="qsgd")  # the preset's decay would be ignored: refused
+    assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize(

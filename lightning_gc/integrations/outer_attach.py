@@ -37,13 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.common.errors import IncompatibleCheckpoint
 from lightning_gc.common.outer_presets import OUTER_ARGUMENTS, OUTER_PRESETS, STREAMING_DEFAULTS
-from lightning_gc.common.validation import check_int, check_range
+from lightning_gc.common.validation import check_int
 from lightning_gc.compressors import available, create
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
 from lightning_gc.exchanges.comm import ProcessGroup
 from lightning_gc.runtime.build import SETTING_NAMES
 from lightning_gc.runtime.outer import OuterLoop, OuterSGD, Streaming
+from lightning_gc.runtime.outer_fragments import check_error_decay
 
 OUTER_CHECKPOINT_KEY = "lightning_gc_outer"
 """Where the Trainer strategy keeps :func:`gather_outer_entry`'s entry in a checkpoint."""
@@ -167,7 +168,7 @@ def outer_arguments(
         preset=preset,
         sync_every=sync_every,
         compressor=built,
-        error_decay=check_range("error_decay", settings["error_decay"], 0.0, 1.0, low_inclusive=False),
+        error_decay=check_error_decay(settings["error_decay"], built),
         outer=OuterSGD(settings["outer_lr"], settings["outer_momentum"], settings["outer_nesterov"]),
         streaming=Streaming(settings["fragments"], settings["sync_delay"], settings["mix"]).check(sync_every),
         compressor_arguments=codec_arguments,

@@ -33,6 +33,7 @@ import torch
 from torch.futures import Future
 
 from lightning_gc.common.validation import check_bool, check_int, check_range
+from lightning_gc.compressors.base import Compressor
 from lightning_gc.exchanges.averager import CompressedAverager
 
 
@@ -86,6 +87,23 @@ class Streaming:
         return self
 
 
+def check_error_decay(error_decay: float, compressor: Compressor, error_feedback: bool | None = None) -> float:
+    """``error_decay`` if it has an effect: ``beta`` in (0, 1], and ``beta != 1`` only where error
+    feedback is kept (by default, for biased codecs); an unbiased codec keeps no residual to decay.
+
+    Raises:
+        ValueError: in one line, naming the value, the codec and the choices.
+    """
+    error_decay = check_range("error_decay", error_decay, 0.0, 1.0, low_inclusive=False)
+    kept = compressor.biased if error_feedback is None else error_feedback
+    if error_decay != 1.0 and not kept:
+        raise ValueError(
+            f"`error_decay={error_decay}` needs error feedback, which compressor {compressor.name!r} (unbiased) does "
+            "not keep: set error_decay=1.0, or choose a biased compressor (e.g. 'topk', 'chunk_topk', 'dgc')"
+        )
+    return error_decay
+
+
 def partition(numels: Sequence[int], parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous, non-empty ranges ``[start, stop)`` of tensors with these element counts,
     balanced by elements: cut ``k`` falls on the tensor boundary nearest to ``k / parts`` of all
@@ -134,6 +152,7 @@ class Fragment:
         for p in params[1:]:
             dtype = torch.promote_types(dtype, p.dtype)
         self.dtype = dtype
+        check_error_decay(averager.memory.error_decay, averager.compressor, averager.memory.error_feedback)
         self.averager = averager
         self.globals = [p.detach().clone() for p in params]
         self.outer_optimizer = outer.build(self.globals)
