@@ -308,3 +308,31 @@ def test_a_state_with_other_outer_settings_is_refused_in_one_line(world_of_one, 
     with pytest.raises(ValueError, match=match) as caught:
         built(loaded).load_state_dict(state)
     assert "\n" not in str(caught.value)
+
+
+def test_the_final_sync_applies_the_partial_delta_with_the_outer_lr_and_no_momentum(world_of_one):
+    """After a scheduled sync has filled the outer momentum: a final sync of a pseudo-gradient of 0
+    leaves theta_g (and the momentum) as they were; one of d moves theta_g by -lr d exactly."""
+    for move in (0.0, 0.05):
+        model = small()
+        outer = OuterLoop(model, sync_every=2, outer=OuterSGD(lr=0.7, momentum=0.9, nesterov=True))
+        for _ in range(2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.1)
+            outer.inner_step_done()
+        assert outer.syncs == 1
+        optimizer = outer.fragments[0].outer_optimizer
+        momenta = [optimizer.state[g]["momentum_buffer"].clone() for g in outer.fragments[0].globals]
+        before = {name: g.clone() for name, g in outer.global_parameters.items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(move)
+        outer.inner_step_done()  # one step of the next interval: a partial pseudo-gradient
+        assert outer.sync() and outer.syncs == 2
+        for name, g in outer.global_parameters.items():
+            delta = before[name] - (before[name] + move)
+            assert torch.equal(g, before[name].add(delta, alpha=-0.7)), name
+        for g, momentum in zip(outer.fragments[0].globals, momenta):
+            assert torch.equal(optimizer.state[g]["momentum_buffer"], momentum)
+        assert all(torch.equal(p, g) for p, g in zip(model.parameters(), outer.global_parameters.values()))

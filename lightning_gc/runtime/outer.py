@@ -12,9 +12,18 @@ The maths (``docs``: DESIGN.md section 9), per rank ``r`` over a process group o
     theta_g <- OuterSGD(theta_g, y)  SGD(lr=outer_lr, momentum=outer_momentum, nesterov=outer_nesterov)
     theta_r <- theta_g               every rank restarts from the same bits
 
-The last four lines are :class:`~lightning_gc.exchanges.averager.CompressedAverager`. DiLoCo
-(arXiv:2311.08105) uses no compression and Nesterov SGD with lr 0.7, momentum 0.9 (the defaults);
-SparseLoCo (arXiv:2508.15706) uses top-k with ``error_decay < 1`` and plain outer SGD with lr 1.
+The lines for ``e_r``, ``s_r`` and ``y`` are
+:class:`~lightning_gc.exchanges.averager.CompressedAverager`. DiLoCo (arXiv:2311.08105) uses no
+compression and Nesterov SGD with lr 0.7, momentum 0.9 (the defaults); SparseLoCo
+(arXiv:2508.15706) uses top-k with ``error_decay < 1`` and plain outer SGD with lr 1.
+
+The final sync (:meth:`OuterLoop.sync`, at the end of a run whose steps are not a multiple of
+``H``): the pseudo-gradient of the ``h < H`` steps since the last sync is averaged as above and
+applied as ``theta_g <- theta_g - outer_lr y``, with no momentum and the momentum buffer left as it
+was. A momentum step would add ``outer_momentum`` times the last full sync's velocity on top of a
+partial ``y`` (with ``y = 0``, ``theta_g`` would still move); the final rule keeps ``y = 0`` a
+no-op. Exchanges in flight (launched at a scheduled step, with a full pseudo-gradient) land first
+with the regular outer step.
 
 Invariant: with ``sync_every=1``, compressor ``"none"``, ``outer_lr=1``, ``outer_momentum=0``,
 ``outer_nesterov=False`` and plain SGD inner steps (lr ``lr``) this is synchronous DDP:
@@ -210,7 +219,8 @@ class OuterLoop:
         """A full sync now, on every rank of the group, e.g. at the end of training: the exchanges
         in flight land without mix (``theta_r <- theta_g``: the run ends on ``theta_g``, so such a
         fragment is not sent again), then every fragment whose ``theta_r`` may differ from
-        ``theta_g`` is exchanged and applied at once; the module then holds ``theta_g`` and buffers
+        ``theta_g`` is exchanged and applied at once by the final rule (module docstring:
+        ``theta_g <- theta_g - outer_lr y``, no momentum); the module then holds ``theta_g`` and buffers
         are averaged. Each fragment takes at most one outer step here. The schedule of
         :meth:`inner_step_done` does not move. Whether anything was done (nothing when
         :attr:`pending` is false)."""
@@ -221,7 +231,7 @@ class OuterLoop:
         for fragment in todo:
             fragment.launch(self._inner_steps)
         for fragment in todo:
-            fragment.land(0.0)
+            fragment.land(0.0, final=True)
         if flying or todo:
             self._average_buffers()
         return bool(flying or todo)

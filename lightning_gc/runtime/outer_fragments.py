@@ -182,16 +182,26 @@ class Fragment:
                 torch.sub(theta_g, theta_r, out=piece.view(theta_g.shape))
             self.in_flight = InFlight(step, self.averager.average(delta))
 
-    def land(self, mix: float) -> None:
-        """Wait for the exchange in flight, take the outer step, set ``theta_r`` to the mix."""
+    def land(self, mix: float, *, final: bool = False) -> None:
+        """Wait for the exchange in flight, take the outer step, set ``theta_r`` to the mix.
+
+        ``final``: the end-of-run sync of a partial pseudo-gradient (fewer than ``H`` inner steps):
+        ``theta_g <- theta_g - lr y`` with the outer lr and no momentum, the momentum buffer
+        untouched (a momentum step would replay the last full sync's velocity on top of it).
+        """
         assert self.in_flight is not None
         with torch.no_grad():
             average = self.in_flight.average.wait()
             self.in_flight = None
-            for piece, theta_g in zip(average.split(self.numels), self.globals):
-                theta_g.grad = piece.view(theta_g.shape).to(theta_g.dtype)
-            self.outer_optimizer.step()
-            self.outer_optimizer.zero_grad(set_to_none=True)
+            pieces = [piece.view(g.shape).to(g.dtype) for piece, g in zip(average.split(self.numels), self.globals)]
+            if final:
+                for theta_g, y in zip(self.globals, pieces):
+                    theta_g.add_(y, alpha=-self.outer_optimizer.param_groups[0]["lr"])
+            else:
+                for theta_g, y in zip(self.globals, pieces):
+                    theta_g.grad = y
+                self.outer_optimizer.step()
+                self.outer_optimizer.zero_grad(set_to_none=True)
             for theta_g, theta_r in zip(self.globals, self.params):
                 theta_r.copy_(theta_g if mix == 0 else torch.lerp(theta_g, theta_r, mix))
         self.syncs += 1
