@@ -62,7 +62,73 @@ STATE_KEY = "lightning_gc"
 """The key of this front end's state among the manager's registered state dicts."""
 
 
-class FaultTolerantCompression:
+class QuorumMember:
+    """What a front end over a torchft quorum shares: the manager, the counters of rolled-back
+    steps and heals, and the healing of the codec's shared state. A subclass sets ``settings``
+    (compared with the peer's on healing), calls :meth:`join_quorum` at the end of its constructor,
+    and implements ``_healing_state`` / ``_heal`` with :meth:`codec_healing_state` /
+    :meth:`adopt_codec_state`.
+
+    Attributes:
+        rolled_back: steps (syncs) whose exchange failed or was not committed; ``healed``: times
+        this replica healed from a peer; ``dropped_residual``: L1 norm of the residuals dropped on
+        healing (this replica's own, which the peer's state does not carry).
+    """
+
+    manager: Any
+    settings: dict[str, Any]
+
+    def join_quorum(self, manager: Any) -> None:
+        """Start counting and register this front end's healing state with ``manager``."""
+        self.manager = manager
+        self.rolled_back = 0
+        self.healed = 0
+        self.dropped_residual = 0.0
+        manager.register_state_dict_fn(STATE_KEY, self._heal, self._healing_state)
+
+    @property
+    def participants(self) -> int:
+        """Replica groups taking part in the current quorum."""
+        return int(self.manager.num_participants())
+
+    def close(self) -> None:
+        """Shut the manager down (its server and checkpoint transport)."""
+        self.manager.shutdown(wait=False)
+
+    @staticmethod
+    def codec_healing_state(averager_state: dict[str, Any]) -> dict[str, Any]:
+        """What a recovering replica takes of an averager's state: the codec's shared state and
+        its call count (the sampling salt), never the residuals (they are this replica's)."""
+        return {"calls": averager_state["calls"], "compressor_state": averager_state["compressor_state"]}
+
+    def adopt_codec_state(self, averager: CompressedAverager, state: dict[str, Any]) -> dict[str, Any]:
+        """``averager``'s state with the peer's shared codec state (``state``, from
+        :meth:`codec_healing_state`) and empty residuals; the residuals dropped are counted."""
+        check_settings(self.settings, state["settings"])
+        self.dropped_residual += float(averager.residual().abs().sum())
+        own = averager.state_dict()
+        own.update(calls=state["calls"], compressor_state=state["compressor_state"], memory={})
+        self.healed += 1
+        return own
+
+    def _healing_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _heal(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+def refuse_point_to_point(codec: Any) -> None:
+    """Refuse, before any step, a codec whose exchange needs point-to-point rounds (global
+    top-k's merges): torchft's quorum runs collectives only, so every step would fail."""
+    if codec.config().get("exchange") == "global_topk":
+        raise ValueError(
+            f"compressor {codec.name!r} with exchange='global_topk' needs point-to-point rounds, which torchft's "
+            "quorum does not run: use exchange='gather' (the default) or 'two_phase'"
+        )
+
+
+class FaultTolerantCompression(QuorumMember):
     """One replica group's model and optimizer with a compressed, error-fed exchange over a torchft
     quorum (module docstring). Build it with :func:`fault_tolerant`, or here around a manager of
     your own (built with ``use_async_quorum=False``, ``load_state_dict=None, state_dict=None``: this
@@ -101,11 +167,7 @@ class FaultTolerantCompression:
         if not self.parameters:
             raise ValueError("the model has no trainable parameters to exchange")
         codec = create(compressor, **compressor_arguments)
-        if codec.config().get("exchange") == "global_topk":  # before any step: it would fail every one
-            raise ValueError(
-                f"compressor {codec.name!r} with exchange='global_topk' needs point-to-point rounds, which torchft's "
-                "quorum does not run: use exchange='gather' (the default) or 'two_phase'"
-            )
+        refuse_point_to_point(codec)
         self.averager = CompressedAverager(
             codec,
             [(name, tuple(p.shape)) for name, p in self.parameters],
@@ -116,16 +178,9 @@ class FaultTolerantCompression:
         memory = self.averager.memory.config()
         self.settings = {"compressor": self.averager.compressor.config(), "memory": memory}
         self.steps = 0
-        self.rolled_back = 0
-        self.healed = 0
-        self.dropped_residual = 0.0
-        manager.register_state_dict_fn(STATE_KEY, self._heal, self._healing_state)
+        self.join_quorum(manager)
 
     # ------------------------------------------------------------------ each step
-    @property
-    def participants(self) -> int:
-        """Replicas taking part in the current step."""
-        return int(self.manager.num_participants())
 
     def zero_grad(self) -> None:
         """Start the step: the quorum (a replica that joins or lags heals from a live peer here,
@@ -172,30 +227,20 @@ class FaultTolerantCompression:
     # ------------------------------------------------------------------ healing
     def _healing_state(self) -> dict[str, Any]:
         """What a recovering replica takes from this one (never the residuals: they are this one's)."""
-        averager = self.averager.state_dict()
         return {
             "settings": self.settings,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "steps": self.steps,
-            "calls": averager["calls"],
-            "compressor_state": averager["compressor_state"],
+            **self.codec_healing_state(self.averager.state_dict()),
         }
 
     def _heal(self, state: dict[str, Any]) -> None:
-        check_settings(self.settings, state["settings"])
+        own = self.adopt_codec_state(self.averager, state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["steps"])
-        own = self.averager.state_dict()
-        self.dropped_residual += float(self.averager.residual().abs().sum())
-        own.update(calls=state["calls"], compressor_state=state["compressor_state"], memory={})
         self.averager.load_state_dict(own)
-        self.healed += 1
-
-    def close(self) -> None:
-        """Shut the manager down (its server and checkpoint transport)."""
-        self.manager.shutdown(wait=False)
 
 
 def fault_tolerant(

@@ -43,11 +43,11 @@ from lightning_gc.common.validation import check_int
 from lightning_gc.exchanges.averager import CompressedAverager
 from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.ft_transport import ManagerTransport
-from lightning_gc.integrations.ft import STATE_KEY, check_settings, join
+from lightning_gc.integrations.ft import QuorumMember, join, refuse_point_to_point
 from lightning_gc.runtime.outer_fragments import Fragment, OuterSGD
 
 
-class FaultTolerantOuterLoop:
+class FaultTolerantOuterLoop(QuorumMember):
     """One replica group's outer loop over a torchft quorum (module docstring). Build it with
     :func:`fault_tolerant_outer`, or here around a manager of your own (``use_async_quorum=False``,
     no state dict functions of its own).
@@ -93,17 +93,13 @@ class FaultTolerantOuterLoop:
             via=FlatExchange(ManagerTransport(manager, group)),
             **compressor_arguments,
         )
-        if averager.compressor.config().get("exchange") == "global_topk":
-            raise ValueError("exchange='global_topk' needs point-to-point rounds, which torchft's quorum does not run")
+        refuse_point_to_point(averager.compressor)
         self.fragment = Fragment(0, 0, [p for _, p in named], averager, self.outer)
         self.settings = {
             "compressor": averager.compressor.config(),
             "memory": {**averager.memory.config(), "sync_every": self.sync_every, **asdict(self.outer)},
         }
-        self.rolled_back = 0
-        self.healed = 0
-        self.dropped_residual = 0.0
-        manager.register_state_dict_fn(STATE_KEY, self._heal, self._healing_state)
+        self.join_quorum(manager)
 
     @property
     def syncs(self) -> int:
@@ -114,11 +110,6 @@ class FaultTolerantOuterLoop:
     def global_parameters(self) -> list[torch.Tensor]:
         """``theta_g``, in parameter order (the live tensors: read, do not modify)."""
         return self.fragment.globals
-
-    @property
-    def participants(self) -> int:
-        """Replica groups in the current quorum."""
-        return int(self.manager.num_participants())
 
     def begin(self) -> None:
         """Start a period of ``sync_every`` inner steps: its quorum (a group that joins or lags
@@ -153,34 +144,24 @@ class FaultTolerantOuterLoop:
     # ------------------------------------------------------------------ healing
     def _healing_state(self) -> dict[str, Any]:
         state = self.fragment.state_dict()
-        averager = state.pop("averager")
+        averager = state.pop("averager")  # the residuals stay here; the codec's shared state goes
         return {
             "settings": self.settings,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "globals": [g.detach().clone() for g in self.fragment.globals],
             "fragment": state,
-            "calls": averager["calls"],
-            "compressor_state": averager["compressor_state"],
+            **self.codec_healing_state(averager),
         }
 
     def _heal(self, state: dict[str, Any]) -> None:
-        check_settings(self.settings, state["settings"])
+        own = self.adopt_codec_state(self.fragment.averager, state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        averager = self.fragment.averager
-        self.dropped_residual += float(averager.residual().abs().sum())
-        own = averager.state_dict()
-        own.update(calls=state["calls"], compressor_state=state["compressor_state"], memory={})
         self.fragment.load_state_dict({**state["fragment"], "averager": own}, self.outer)
         with torch.no_grad():
             for theta_g, theirs in zip(self.fragment.globals, state["globals"]):
                 theta_g.copy_(theirs)
-        self.healed += 1
-
-    def close(self) -> None:
-        """Shut the manager down (its server and checkpoint transport)."""
-        self.manager.shutdown(wait=False)
 
 
 def fault_tolerant_outer(
