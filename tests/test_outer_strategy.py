@@ -39,7 +39,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # resumes an epoch-end checkpoint of a run with max_steps set with the data of the wrong epoch (plain DDP too)
     whole = {"max_epochs": 2, "data": {"batch_size": 128}}
     h4 = {"strategy": DILOCO_H4, **whole, "limit_val_batches": 1}  # validated after steps 5 and 10
-    streamed = {**h4, "strategy": STREAMED}
+    streamed = {**h4, "strategy": STREAMED, "fp16_scaler": True}  # with a GradScaler of its own on each rank
     fits = [
         {"name": "ddp", "strategy": {"kind": "ddp"}, **whole},
         {"name": "h1", "strategy": {**AS_DDP, "sync_every": 1}, **whole},
@@ -140,7 +140,10 @@ def test_streamed_fit_resumes_with_an_exchange_in_flight_bit_for_bit(runs, tmp_p
         assert_equal(resumed["params"], whole["params"], "resumed vs uninterrupted")
         assert_equal(whole["params"], whole["global"], "module after fit vs theta_g")
         assert resumed["totals"] == whole["totals"]
+        assert resumed["precision"] == whole["precision"]  # this rank's GradScaler state, not rank 0's
     assert_equal(runs[0]["streamed"]["params"], runs[1]["streamed"]["params"], "rank 0 vs rank 1")
+    scales = [state["precision"]["scale"] for state in checkpoint["lightning_gc_outer"]["ranks"]]
+    assert scales[1] == 2 * scales[0]  # every rank's scaler in the checkpoint (initial scales 2^9, 2^10)
 
 
 # ---------------------------------------------------------------------- construction, in this process

@@ -19,8 +19,9 @@ What the Trainer sees:
   fragment's latest ``theta_g``, and a checkpoint holds the average of an exchange in flight, which
   the resumed run applies at the step it would have.
 * A checkpoint also holds, under ``"lightning_gc_outer"``, every rank's outer-loop state, its own
-  ``theta_r`` and floating-point buffers, and its inner optimizer's state (Lightning keeps rank 0's
-  only); resuming with the same number of ranks continues exactly, also between syncs.
+  ``theta_r`` and floating-point buffers, its inner optimizer's state and its precision plugin's
+  state (a GradScaler's scale follows the rank's own overflows; Lightning keeps rank 0's only);
+  resuming with the same number of ranks continues exactly, also between syncs.
 * Gradient accumulation and mixed precision work as under DDP: one inner step per optimizer step.
 * ``outer/syncs`` and ``outer/bytes_sent`` (this rank's running totals) are logged every step.
 
@@ -231,7 +232,8 @@ class OuterLoopStrategy(DDPStrategy):
                         state_dict[name] = pairs[id(p)].detach().clone()
             local = None if self._aside is None else dict(zip(self.outer.global_parameters, self._aside))
             optimizer_states = [self.optimizer_state(o) for o in self.optimizers]
-            entry = gather_outer_entry(self.outer, local=local, optimizer_states=optimizer_states)
+            precision = self.precision_plugin.state_dict()  # this rank's (a GradScaler's scale is per rank)
+            entry = gather_outer_entry(self.outer, local=local, optimizer_states=optimizer_states, precision=precision)
             checkpoint[OUTER_CHECKPOINT_KEY] = {**entry, "preset": self.outer_arguments.preset}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -249,6 +251,8 @@ class OuterLoopStrategy(DDPStrategy):
             entry, source=checkpoint_path, rank=self.global_rank, world_size=self.world_size
         )
         checkpoint["optimizer_states"] = self._pending["optimizers"]  # this rank's, which Lightning restores next
+        if self._pending.get("precision"):  # this rank's precision plugin state (GradScaler), restored next too
+            checkpoint[type(self.precision_plugin).__qualname__] = self._pending["precision"]
         return checkpoint
 
 

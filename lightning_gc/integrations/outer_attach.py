@@ -211,17 +211,25 @@ def gather_outer_entry(
     *,
     local: dict[str, torch.Tensor] | None = None,
     optimizer_states: list[dict[str, Any]] | None = None,
+    precision: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every rank's state in one checkpoint entry, complete on rank 0 (``ranks`` is ``None``
     elsewhere); a collective over ``outer.group``: every rank calls it. Per rank: the outer loop's
     :meth:`~lightning_gc.runtime.outer.OuterLoop.state_dict`, its own weights ``theta_r`` (``local``
-    by name, default the module's), floating-point buffers and ``optimizer_states`` (the inner
-    optimizers', which differ per rank), all copied to the CPU."""
+    by name, default the module's), floating-point buffers, ``optimizer_states`` (the inner
+    optimizers', which differ per rank) and ``precision`` (e.g. a GradScaler's state: its scale
+    follows this rank's own overflows), all copied to the CPU."""
     named = dict(outer.module.named_parameters())
     local = {name: named[name] for name in outer.global_parameters} if local is None else local
     buffers = {name: b for name, b in outer.module.named_buffers() if b.is_floating_point()}
     mine = _to_cpu(
-        {"outer": outer.state_dict(), "local": local, "buffers": buffers, "optimizers": optimizer_states or []}
+        {
+            "outer": outer.state_dict(),
+            "local": local,
+            "buffers": buffers,
+            "optimizers": optimizer_states or [],
+            "precision": precision or {},
+        }
     )
     world_size = dist.get_world_size(outer.group) if dist.is_initialized() else 1
     ranks: list[Any] | None = [mine]

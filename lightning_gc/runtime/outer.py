@@ -298,8 +298,9 @@ class OuterLoop:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s output (same parameters, same ``sync_every``,
-        ``fragments``, ``sync_delay`` and ``mix``, same codec settings); the caller restores the module and the inner optimizer itself. An
-        exchange that was in flight lands ``sync_delay`` steps after its launch, as it would have."""
+        ``fragments``, ``sync_delay`` and ``mix``, same codec settings); the caller restores the
+        module and the inner optimizer itself. An exchange that was in flight lands ``sync_delay``
+        steps after its launch, as it would have."""
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"outer loop state format {state.get('format')!r} is not {STATE_FORMAT}")
         for name, here in self._settings().items():

@@ -5,7 +5,11 @@ Each fit is a dict::
 
     {"name": str, "strategy": {"kind": "ddp" | "outer", ...kwargs}, "max_epochs": int, "max_steps": int,
      "data": {...DigitsDataModule kwargs}, "limit_train_batches": int, "limit_val_batches": int,
-     "trainer": {...more Trainer kwargs}, "checkpoint_dir": str | None, "resume_from": str | None}
+     "trainer": {...more Trainer kwargs}, "checkpoint_dir": str | None, "resume_from": str | None,
+     "fp16_scaler": bool}
+
+``fp16_scaler``: precision 16-mixed with a CPU GradScaler whose initial scale differs per rank
+(2^(9 + rank), growing every 3 steps), so each rank's scaler state is its own.
 
 The model is the quickstart's digits MLP with one hidden layer of 32 (SGD, momentum 0.9, weight
 decay 1e-4), seeded alike on every rank; each rank trains on its own share of the digits.
@@ -21,6 +25,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_gc.integrations.outer import OuterLoopStrategy
@@ -78,6 +83,10 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
     kind = spec.pop("kind")
     strategy = DDPStrategy(**spec) if kind == "ddp" else OuterLoopStrategy(**spec)
     recorder = Recorder()
+    plugins = []
+    if fit.get("fp16_scaler"):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (9 + RANK), growth_interval=3)
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=scaler))
     callbacks: list[Callback] = [recorder]
     if fit.get("checkpoint_dir"):
         callbacks.append(ModelCheckpoint(dirpath=fit["checkpoint_dir"], filename="{epoch}", save_top_k=-1))
@@ -96,6 +105,7 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
+        plugins=plugins,
         **fit.get("trainer", {}),
     )
     trainer.fit(model, DigitsDataModule(**fit.get("data", {})), ckpt_path=fit.get("resume_from"))
@@ -112,6 +122,7 @@ def run_fit(fit: dict[str, Any]) -> dict[str, Any]:
             "differed_before_validation": recorder.differed_before_validation,
             "resumed_local": recorder.resumed_local,
             "at_validation": recorder.at_validation,
+            "precision": trainer.precision_plugin.state_dict(),
         }
     return result
 
