@@ -303,6 +303,12 @@ def test_the_codecs_exchange_argument_chooses_the_exchange_and_each_checks_its_c
     assert type(exchange_for(registry.create("dgc"), transport)) is FlatExchange
     assert type(exchange_for(registry.create("qsgd", exchange="auto"), transport)) is TwoPhaseExchange
     assert type(exchange_for(registry.create("powersgd"), transport)) is FlatExchange
+    for chosen in (
+        exchange_for(registry.create(n, exchange=e), transport)
+        for n, e in [("dgc", "global_topk"), ("fft", "two_phase")]
+    ):
+        # the rounds the pipeline's decode callback holds on the backend's thread hold no process group
+        assert not any(isinstance(value, (LocalTransport, FlatExchange)) for value in vars(chosen.rounds).values())
     with pytest.raises(ValueError, match=r"exchange='global_topk'.*'onebit'.*\['dgc', .*'topk'\]"):
         GlobalTopKExchange(transport, registry.create("onebit"))
     with pytest.raises(ValueError, match=r"exchange='two_phase'.*'dgc'.*\['bf16', 'fft'"):

@@ -412,9 +412,9 @@ def test_a_snapshot_rolls_the_server_error_back_in_place(monkeypatch: pytest.Mon
     velocities = [torch.randn(layout.numel) for _ in range(world_size)]
     simulate(ranks, [v.clone() for v in velocities], layout, step=0)
     for rank in ranks:
-        monkeypatch.setattr(rank, "state_dict", lambda: pytest.fail("a snapshot must not copy to the host"))
+        monkeypatch.setattr(rank.rounds, "state_dict", lambda: pytest.fail("a snapshot must not copy to the host"))
     snapshots = [rank.snapshot() for rank in ranks]
-    servers = [next(iter(rank._plans._plans.values()))[1].server for rank in ranks]
+    servers = [next(iter(rank.rounds._plans._plans.values()))[1].server for rank in ranks]
     held = [server.clone() for server in servers]
     first, _, _, _ = simulate(ranks, [v.clone() for v in velocities], layout, step=1)
     assert not all(torch.equal(server, kept) for server, kept in zip(servers, held))

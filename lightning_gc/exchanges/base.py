@@ -35,11 +35,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from lightning_gc.common.errors import IncompatibleCheckpoint
+from lightning_gc.compressors.base import Compressor, EncodeContext
+from lightning_gc.compressors.encoded import Encoded
 from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, run_bucket
 from lightning_gc.exchanges.transport import Transport
 
@@ -92,6 +94,65 @@ class Exchange(ABC):
     def restore(self, snapshot: Any) -> None:
         """Return to :meth:`snapshot`'s state, in place."""
         del snapshot  # nothing kept
+
+
+class CodecRounds(ABC):
+    """A codec's rounds as an exchange builds them from a capability it asks of the codec, with
+    the state they keep (the two-phase server errors): what the pipeline runs in the codec's place
+    (:class:`~lightning_gc.exchanges.pipeline.Rounds`). It holds no transport: the pipeline's
+    decode callback, which runs on the backend's thread, holds it, and a thread that drops a
+    process group's last reference joins itself in the group's destructor (the process aborts)."""
+
+    def __init__(self, codec: Compressor) -> None:
+        self.codec = codec
+
+    @property
+    def name(self) -> str:
+        """The codec's name (errors of the pipeline name what runs the rounds)."""
+        return self.codec.name
+
+    @abstractmethod
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        """The first round of a job (the next ones by ``next_round``), in the codec's place."""
+
+    @abstractmethod
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        """The last round's average into ``out``, in the codec's place."""
+
+
+class RoundsExchange(Exchange):
+    """An exchange over one transport that runs its codec's :class:`CodecRounds` (the two-phase and
+    global top-k exchanges). A job whose codec's arguments do not ask for :attr:`form` at this
+    world size (``"auto"`` below three ranks, the hook's exact fallback for a bucket where
+    compression does not pay) runs the codec's own rounds."""
+
+    form: ClassVar[str]
+    """The :meth:`~lightning_gc.compressors.base.Compressor.exchange_form` this exchange runs."""
+
+    def __init__(self, transport: Transport, rounds: CodecRounds) -> None:
+        self.transport, self.rounds = transport, rounds
+
+    @property
+    def codec(self) -> Compressor:
+        return self.rounds.codec
+
+    def run(self, job: BucketJob) -> BucketStep:
+        bucket = job.memory.bucket(job.layout, job.grad)
+        if job.compressor.exchange_form(self.transport.world_size) != self.form:
+            return run_bucket(job, bucket, self.transport)
+        if job.compressor is not self.codec:  # its plans (and state) are its codec's
+            raise ValueError(
+                f"this {self.form} exchange runs compressor {self.codec.name!r}, got a job of {job.compressor.name!r}"
+            )
+        return run_bucket(job, bucket, self.transport, rounds=self.rounds)
+
+    def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
+        """:meth:`CodecRounds.encode` (for driving the rounds by hand, as tests do)."""
+        return self.rounds.encode(velocity, out, context)
+
+    def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
+        """:meth:`CodecRounds.decode`."""
+        self.rounds.decode(encoded, out, world_size=world_size)
 
 
 class FlatExchange(Exchange):

@@ -66,8 +66,7 @@ from lightning_gc.compressors.dense import DensePart, decode_whole_bucket, encod
 from lightning_gc.compressors.encoded import Encoded, Payload, PeerTransfer, Sent
 from lightning_gc.compressors.sparse import SparseCompressor, SparsePlan
 from lightning_gc.compressors.wire import SparseWireFormat
-from lightning_gc.exchanges.base import Exchange
-from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, run_bucket
+from lightning_gc.exchanges.base import CodecRounds, RoundsExchange
 from lightning_gc.exchanges.transport import Transport
 
 
@@ -309,13 +308,17 @@ class _Plan:
     rounds: GlobalTopKPlan | None
 
 
-class GlobalTopKExchange(Exchange):
-    """Global top-k over ``transport`` for a sparse codec (module docstring); the codec's own rounds
-    (its pairs gathered) for a job whose codec does not ask for it (the hook's exact fallback).
+class GlobalTopKExchange(RoundsExchange):
+    """Global top-k over ``transport`` for a sparse codec (module docstring; its rounds:
+    :class:`GlobalTopKRounds`); the codec's own rounds (its pairs gathered) for a job whose codec
+    does not ask for it (the hook's exact fallback).
 
     Raises:
         ValueError: ``codec`` has no selection to merge (named, with the codecs that have one).
     """
+
+    form = "global_topk"
+    rounds: GlobalTopKRounds
 
     def __init__(self, transport: Transport, codec: Compressor) -> None:
         if not isinstance(codec, SparseCompressor):
@@ -326,24 +329,16 @@ class GlobalTopKExchange(Exchange):
                 f"exchange='global_topk' merges the ranks' sparse selections, which compressor {codec.name!r} "
                 f"does not make; use one of {sparse}"
             )
-        self.transport, self.codec = transport, codec
-        self.sparse: SparseCompressor = codec
+        super().__init__(transport, GlobalTopKRounds(codec))
+
+
+class GlobalTopKRounds(CodecRounds):
+    """The global top-k rounds of one sparse codec at one rank (module docstring)."""
+
+    def __init__(self, codec: SparseCompressor) -> None:
+        super().__init__(codec)
+        self.sparse = codec
         self._plans: PlanCache[_Plan] = PlanCache()
-
-    @property
-    def name(self) -> str:
-        """The codec's name (errors of the pipeline name what runs the rounds)."""
-        return self.codec.name
-
-    def run(self, job: BucketJob) -> BucketStep:
-        bucket = job.memory.bucket(job.layout, job.grad)
-        if job.compressor.exchange_form(self.transport.world_size) != "global_topk":
-            return run_bucket(job, bucket, self.transport)
-        if job.compressor is not self.codec:
-            raise ValueError(
-                f"this global top-k exchange runs compressor {self.codec.name!r}, got {job.compressor.name!r}"
-            )
-        return run_bucket(job, bucket, self.transport, rounds=self)
 
     def plan(self, context: EncodeContext, like: torch.Tensor) -> _Plan:
         """The plan of ``context``'s bucket (rebuilt whenever the codec's settings, the layout, the

@@ -68,7 +68,7 @@ from lightning_gc.compressors.sparse import SparseCompressor
 from lightning_gc.compressors.wire import check_int32_positions
 from lightning_gc.exchanges import comm
 from lightning_gc.exchanges.base import FlatExchange
-from lightning_gc.exchanges.global_topk import GlobalTopKExchange, GlobalTopKPlan
+from lightning_gc.exchanges.global_topk import GlobalTopKPlan, GlobalTopKRounds
 from lightning_gc.exchanges.hierarchy import NodeHierarchy, NodeTopology, delayed_finisher
 from lightning_gc.exchanges.pipeline import (
     EXCHANGE,
@@ -113,7 +113,7 @@ def check_sparse_hierarchy(compressor: Compressor) -> None:
 
 
 class AgreedWithinNode:
-    """Global top-k within the node: the rounds of a :class:`~lightning_gc.exchanges.global_topk.GlobalTopKExchange`
+    """Global top-k within the node: the rounds of :class:`~lightning_gc.exchanges.global_topk.GlobalTopKRounds`
     over the node's ranks for a sparse compressor, whatever its own ``exchange`` (which says how
     nodes exchange). Decode leaves the agreed positions' sums where they are (:meth:`node_mean`
     reads them) instead of zeroing the bucket and writing them; it records the plan each bucket
@@ -121,7 +121,7 @@ class AgreedWithinNode:
 
     name = "global top-k within the node"
 
-    def __init__(self, agreement: GlobalTopKExchange) -> None:
+    def __init__(self, agreement: GlobalTopKRounds) -> None:
         self.agreement = agreement
         self.sparse = agreement.sparse
         self.used: dict[int, GlobalTopKPlan | None] = {}
@@ -267,7 +267,7 @@ class SparseNodeHierarchy(NodeHierarchy):
 
     def _agreement_of(self, compressor: SparseCompressor) -> AgreedWithinNode:
         if self._agreement is None or self._agreement.sparse is not compressor:
-            self._agreement = AgreedWithinNode(GlobalTopKExchange(self.node_transport, compressor))
+            self._agreement = AgreedWithinNode(GlobalTopKRounds(compressor))
         return self._agreement
 
     def _node_pairs(self, layout: BucketLayout, node: NodeMean, like: torch.Tensor) -> _NodePairs:

@@ -24,7 +24,7 @@ from typing import Any
 
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.chunks import ExchangeChoice
-from lightning_gc.exchanges.base import Exchange, FlatExchange
+from lightning_gc.exchanges.base import CodecRounds, Exchange, FlatExchange, RoundsExchange
 from lightning_gc.exchanges.global_topk import GlobalTopKExchange
 from lightning_gc.exchanges.transport import Transport
 from lightning_gc.exchanges.two_phase import TwoPhaseExchange
@@ -42,7 +42,7 @@ def exchange_for(codec: Compressor, transport: Transport) -> Exchange:
     return FlatExchange(transport)
 
 
-def rounds_for(codec: Compressor, transport: Transport) -> TwoPhaseExchange | GlobalTopKExchange | None:
+def rounds_for(codec: Compressor, transport: Transport) -> CodecRounds | None:
     """What runs ``codec``'s rounds in its place over ``transport`` (the pipeline's ``rounds``) where
     its arguments ask for an exchange that builds them (two-phase, global top-k); ``None`` where the
     codec runs its own. For callers that drive :func:`~lightning_gc.exchanges.pipeline.run_bucket`
@@ -50,8 +50,8 @@ def rounds_for(codec: Compressor, transport: Transport) -> TwoPhaseExchange | Gl
     if codec.exchange_form(transport.world_size) == "gather":
         return None
     chosen = exchange_for(codec, transport)
-    assert isinstance(chosen, (TwoPhaseExchange, GlobalTopKExchange))
-    return chosen
+    assert isinstance(chosen, RoundsExchange)
+    return chosen.rounds
 
 
 def exchange_over(codec: Compressor, given: Exchange) -> Exchange:

@@ -71,8 +71,7 @@ from lightning_gc.compressors.base import Compressor, EncodeContext, PlanCache
 from lightning_gc.compressors.chunks import ChunkFormat, ExchangeChoice, encode_seed, two_phase_compressors
 from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.numerics import aligned, summing_dtype
-from lightning_gc.exchanges.base import Exchange
-from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, run_bucket
+from lightning_gc.exchanges.base import CodecRounds, RoundsExchange
 from lightning_gc.exchanges.transport import Transport
 
 SERVER, EXCHANGE, SERVER_FORM, WORLD_SIZE = "server", "exchange", "server_form", "world_size"
@@ -110,14 +109,17 @@ class _TwoPhasePlan:
     owner: int = -1  # the chunk this rank re-encoded (owned_decoded holds its decoded mean); -1: none yet
 
 
-class TwoPhaseExchange(Exchange):
+class TwoPhaseExchange(RoundsExchange):
     """The two-phase form of an :class:`~lightning_gc.compressors.chunks.ExchangeChoice` codec over
-    ``transport`` (module docstring); the codec's own rounds where its ``exchange`` does not ask
-    for the two-phase form at this world size. Holds the server errors (this rank's chunks).
+    ``transport`` (module docstring; its rounds and server errors: :class:`TwoPhaseRounds`); the
+    codec's own rounds where its ``exchange`` does not ask for the two-phase form at this world size.
 
     Raises:
         ValueError: ``codec`` cannot encode chunks (named, with those that can).
     """
+
+    form = "two_phase"
+    rounds: TwoPhaseRounds
 
     def __init__(self, transport: Transport, codec: Compressor) -> None:
         if not isinstance(codec, ExchangeChoice):
@@ -125,28 +127,34 @@ class TwoPhaseExchange(Exchange):
                 f"exchange='two_phase' re-encodes averaged chunks, which compressor {codec.name!r} cannot; "
                 f"use one of {two_phase_compressors()}"
             )
-        self.transport, self.codec = transport, codec
-        self.chunk: ExchangeChoice = codec  # the codec's chunk capability and the user's exchange arguments
+        super().__init__(transport, TwoPhaseRounds(codec))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The server errors (:meth:`TwoPhaseRounds.state_dict`)."""
+        return self.rounds.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rounds.load_state_dict(state)
+
+    def snapshot(self, previous: Any = None) -> Any:
+        return self.rounds.snapshot(previous)
+
+    def restore(self, snapshot: Any) -> None:
+        self.rounds.restore(snapshot)
+
+
+class TwoPhaseRounds(CodecRounds):
+    """The two-phase rounds of one codec at one rank (module docstring), and the server errors of
+    the chunks this rank owns."""
+
+    def __init__(self, codec: ExchangeChoice) -> None:
+        assert isinstance(codec, Compressor)
+        super().__init__(codec)
+        self.chunk = codec  # the codec's chunk capability and the user's exchange arguments
         self._server = FlatState((SERVER,))
         self._server_used = False  # a two-phase plan with server feedback was built: state to save
         self._server_world_size: int | None = None  # the world size of that plan (None: not known)
         self._plans: PlanCache[_TwoPhasePlan] = PlanCache(by_rank=True)
-
-    @property
-    def name(self) -> str:
-        """The codec's name (errors of the pipeline name what runs the rounds)."""
-        return self.codec.name
-
-    def run(self, job: BucketJob) -> BucketStep:
-        bucket = job.memory.bucket(job.layout, job.grad)
-        if job.compressor.exchange_form(self.transport.world_size) != "two_phase":
-            return run_bucket(job, bucket, self.transport)
-        if job.compressor is not self.codec:
-            raise ValueError(
-                f"this two-phase exchange runs compressor {self.codec.name!r} (its server errors are that "
-                f"codec's), got a job of {job.compressor.name!r}"
-            )
-        return run_bucket(job, bucket, self.transport, rounds=self)
 
     # ------------------------------------------------------------------ encode and decode
     def encode(self, velocity: torch.Tensor, out: torch.Tensor, context: EncodeContext) -> Encoded:
