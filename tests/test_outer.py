@@ -16,6 +16,7 @@ from lightning_gc.runtime.outer import OuterLoop, OuterSGD, Streaming
 from lightning_gc.runtime.outer_fragments import partition
 
 CASES = ["equivalence", "diloco", "compressed", "resume", "mismatch", "unstreamed", "stagger", "streaming_resume"]
+CASES += ["buffers"]
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,19 @@ def test_streaming_resume_with_an_exchange_in_flight_is_bit_for_bit(ranks):
     assert_bitwise_equal(
         ranks[0]["streaming_resume"]["resumed"]["global"], ranks[1]["streaming_resume"]["resumed"]["global"], "ranks"
     )
+
+
+def test_global_weights_hold_the_buffers_averaged_at_the_last_sync(ranks):
+    """Validation and checkpoints (inside global_weights()) pair theta_g with the float buffers of
+    the last sync, the same on every rank; outside, each rank keeps its own running statistics."""
+    mine, theirs = ranks[0]["buffers"], ranks[1]["buffers"]
+    running = [name for name in mine["local"] if name.endswith(("running_mean", "running_var"))]
+    assert running and all(not torch.equal(mine["local"][n], theirs["local"][n]) for n in running)
+    assert_bitwise_equal(mine["inside"], theirs["inside"], "buffers inside global_weights()")
+    for rank in ranks:
+        case = rank["buffers"]
+        assert_bitwise_equal(case["after"], case["local"], "the rank's own buffers back after the block")
+        assert all(torch.equal(case["state"][n], case["inside"][n]) for n in running)
 
 
 # ---------------------------------------------------------------- one process

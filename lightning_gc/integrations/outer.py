@@ -7,9 +7,10 @@ compressed, error-fed pseudo-gradients once and take one outer SGD step together
 
 What the Trainer sees:
 
-* ``theta_g`` (the last synchronised weights) is what users evaluate and keep: validation during
-  the fit runs on ``theta_g`` (swapped into the module, this rank's ``theta_r`` restored after),
-  and checkpoints hold ``theta_g`` as the model's weights.
+* ``theta_g`` (the last synchronised weights) with the floating-point buffers averaged at the last
+  sync (``buffers_g``) is what users evaluate and keep: validation during the fit runs on them
+  (swapped into the module, this rank's ``theta_r`` and own buffers restored after), and
+  checkpoints hold them as the model's weights.
 * The end of the fit syncs once more when inner steps remain since the last sync (``max_steps`` not
   a multiple of ``sync_every``) or an exchange is in flight (``sync_delay``; it lands first):
   after ``fit`` every rank's module holds the same ``theta_g`` (checkpoints written during the fit
@@ -30,7 +31,7 @@ between syncs and are averaged at each sync, rather than rank 0's sent at every 
 """
 
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -56,7 +57,7 @@ from lightning_gc.integrations.outer_attach import (
     outer_rank_state,
     resume_outer,
 )
-from lightning_gc.runtime.outer import OuterLoop
+from lightning_gc.runtime.outer import LocalWeights, OuterLoop
 from lightning_gc.runtime.teardown import shut_down_process_group_at_exit
 
 __all__ = ["OUTER_PRESETS", "OuterLoopStrategy", "outer_loop", "register_outer_strategies"]
@@ -105,7 +106,8 @@ class OuterLoopStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.outer: OuterLoop | None = None
         """The fit's outer loop, built when DDP wraps the module (a new one each fit)."""
-        self._aside: list[torch.Tensor] | None = None  # theta_r while theta_g is in the module
+        self._swap: ExitStack | None = None  # open while theta_g is in the module (OuterLoop.global_weights)
+        self._local: LocalWeights | None = None  # this rank's own weights meanwhile
         self._pending: dict[str, Any] | None = None  # this rank's part of a loaded checkpoint
         self._finished = True
 
@@ -145,7 +147,7 @@ class OuterLoopStrategy(DDPStrategy):
         # Replaces DDPStrategy's (CUDA only): on every device, gradients stay on their rank.
         assert isinstance(self.model, DistributedDataParallel)
         self.model.register_comm_hook(None, keep_local_gradients)
-        self._aside = None
+        self._swap = self._local = None  # a new outer loop: nothing of the last one is swapped in
         self.outer = self.outer_arguments.build(self.model.module)  # all ranks, the default group
         if self._pending is not None:
             resume_outer(self.outer, self._pending)
@@ -172,27 +174,31 @@ class OuterLoopStrategy(DDPStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         return self.outer is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
-    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(the module's parameter, its ``theta_g``) for every parameter the outer loop syncs."""
-        assert self.outer is not None
-        global_parameters = self.outer.global_parameters
-        return [(p, global_parameters[n]) for n, p in self.outer.module.named_parameters() if n in global_parameters]
-
     def swap_in_global(self) -> None:
-        """During the fit: put ``theta_g`` into the module, ``theta_r`` aside (idempotent)."""
-        if self._aside is None and self._fitting():
-            with torch.no_grad():
-                self._aside = [p.detach().clone() for p, _ in self._pairs()]
-                for p, theta_g in self._pairs():
-                    p.copy_(theta_g)
+        """During the fit: put ``theta_g`` and ``buffers_g`` into the module, this rank's own
+        weights aside (idempotent): :meth:`OuterLoop.global_weights` held open until :meth:`swap_back`."""
+        if self._swap is None and self._fitting():
+            assert self.outer is not None
+            swap = ExitStack()
+            self._local = swap.enter_context(self.outer.global_weights())
+            self._swap = swap
 
     def swap_back(self) -> None:
-        """Put this rank's ``theta_r`` back into the module after :meth:`swap_in_global`."""
-        if self._aside is not None:
-            with torch.no_grad():
-                for (p, _), theta_r in zip(self._pairs(), self._aside):
-                    p.copy_(theta_r)
-            self._aside = None
+        """Put this rank's own weights back into the module after :meth:`swap_in_global`."""
+        if self._swap is not None:
+            swap, self._swap, self._local = self._swap, None, None
+            swap.close()
+
+    def _global_state(self) -> dict[str, torch.Tensor]:
+        """``theta_g`` and ``buffers_g`` under every name the module's state dict gives them (tied
+        parameters and shared buffers under each of their names)."""
+        assert self.outer is not None
+        module = self.outer.module
+        params, buffers = dict(module.named_parameters()), dict(module.named_buffers())
+        by_id = {id(params[name]): t for name, t in self.outer.global_parameters.items()}
+        by_id |= {id(buffers[name]): t for name, t in self.outer.global_buffers.items()}
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        return {name: by_id[id(t)] for name, t in named if id(t) in by_id}
 
     def on_validation_start(self) -> None:
         super().on_validation_start()
@@ -226,14 +232,14 @@ class OuterLoopStrategy(DDPStrategy):
             assert self.outer is not None
             state_dict = checkpoint.get("state_dict")
             if state_dict is not None:
-                pairs = {id(p): theta_g for p, theta_g in self._pairs()}
-                for name, p in self.outer.module.named_parameters(remove_duplicate=False):
-                    if id(p) in pairs and name in state_dict:
-                        state_dict[name] = pairs[id(p)].detach().clone()
-            local = None if self._aside is None else dict(zip(self.outer.global_parameters, self._aside))
+                for name, value in self._global_state().items():
+                    if name in state_dict:
+                        state_dict[name] = value.detach().clone()
             optimizer_states = [self.optimizer_state(o) for o in self.optimizers]
             precision = self.precision_plugin.state_dict()  # this rank's (a GradScaler's scale is per rank)
-            entry = gather_outer_entry(self.outer, local=local, optimizer_states=optimizer_states, precision=precision)
+            entry = gather_outer_entry(
+                self.outer, local=self._local, optimizer_states=optimizer_states, precision=precision
+            )
             checkpoint[OUTER_CHECKPOINT_KEY] = {**entry, "preset": self.outer_arguments.preset}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 

@@ -43,7 +43,7 @@ from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import argument_names, compressor_class
 from lightning_gc.exchanges.comm import ProcessGroup
 from lightning_gc.runtime.build import SETTING_NAMES
-from lightning_gc.runtime.outer import OuterLoop, OuterSGD, Streaming
+from lightning_gc.runtime.outer import LocalWeights, OuterLoop, OuterSGD, Streaming
 from lightning_gc.runtime.outer_fragments import check_error_decay
 
 OUTER_CHECKPOINT_KEY = "lightning_gc_outer"
@@ -209,24 +209,26 @@ def outer_loop(
 def gather_outer_entry(
     outer: OuterLoop,
     *,
-    local: dict[str, torch.Tensor] | None = None,
+    local: LocalWeights | None = None,
     optimizer_states: list[dict[str, Any]] | None = None,
     precision: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every rank's state in one checkpoint entry, complete on rank 0 (``ranks`` is ``None``
     elsewhere); a collective over ``outer.group``: every rank calls it. Per rank: the outer loop's
-    :meth:`~lightning_gc.runtime.outer.OuterLoop.state_dict`, its own weights ``theta_r`` (``local``
-    by name, default the module's), floating-point buffers, ``optimizer_states`` (the inner
+    :meth:`~lightning_gc.runtime.outer.OuterLoop.state_dict`, its own weights ``theta_r`` and
+    floating-point buffers (``local``, what :meth:`~lightning_gc.runtime.outer.OuterLoop.global_weights`
+    set aside; default the module's), ``optimizer_states`` (the inner
     optimizers', which differ per rank) and ``precision`` (e.g. a GradScaler's state: its scale
     follows this rank's own overflows), all copied to the CPU."""
-    named = dict(outer.module.named_parameters())
-    local = {name: named[name] for name in outer.global_parameters} if local is None else local
-    buffers = {name: b for name, b in outer.module.named_buffers() if b.is_floating_point()}
+    if local is None:
+        named = dict(outer.module.named_parameters())
+        buffers = {name: b for name, b in outer.module.named_buffers() if b.is_floating_point()}
+        local = LocalWeights({name: named[name] for name in outer.global_parameters}, buffers)
     mine = _to_cpu(
         {
             "outer": outer.state_dict(),
-            "local": local,
-            "buffers": buffers,
+            "local": local.parameters,
+            "buffers": local.buffers,
             "optimizers": optimizer_states or [],
             "precision": precision or {},
         }

@@ -32,7 +32,10 @@ subtraction and the mean).
 
 Floating-point buffers (BatchNorm running statistics) are averaged exactly (all-reduce sum / N)
 at every sync; integer buffers (``num_batches_tracked``) and frozen parameters
-(``requires_grad=False``) are left alone: they are the same on every rank by construction.
+(``requires_grad=False``) are left alone: they are the same on every rank by construction. The
+averaged buffers of the last sync (``buffers_g``, :attr:`OuterLoop.global_buffers`) go with
+``theta_g``: between syncs each rank's own statistics follow its own ``theta_r``, so evaluating or
+saving ``theta_g`` takes ``buffers_g`` too (the same on every rank), never a rank's own.
 
 Streaming (``streaming=Streaming(fragments, sync_delay, mix)``; Streaming DiLoCo,
 arXiv:2501.18512): the trainable parameters are cut into ``fragments`` contiguous groups in
@@ -45,15 +48,15 @@ defaults (1, 0, 0.0) are the sync above. Buffers are averaged when fragment 0 la
 
 Which weights the module holds: right after :meth:`OuterLoop.sync` it holds ``theta_g``; between
 syncs it holds the rank's own ``theta_r``. ``theta_g`` (:attr:`OuterLoop.global_parameters`,
-every fragment's latest) is what users evaluate and keep; a front end evaluates it, not ``theta_r``
-(:meth:`OuterLoop.global_weights` swaps it in for a block).
+every fragment's latest) with ``buffers_g`` is what users evaluate and keep; a front end evaluates
+it, not ``theta_r`` (:meth:`OuterLoop.global_weights` swaps both in for a block).
 
 Memory per rank on top of training: ``theta_g``, the outer momentum and the residual ``e_r``
 (about 3x the trainable parameters; no residual for unbiased codecs such as ``"none"``), plus one
 flat pseudo-gradient per exchange in flight (a fragment's, kept ``sync_delay`` steps).
 
-A checkpoint (:meth:`OuterLoop.state_dict`, per rank: residuals differ) holds ``theta_g`` by
-parameter name, and per fragment the outer optimizer's state, the averager's state (residuals, codec
+A checkpoint (:meth:`OuterLoop.state_dict`, per rank: residuals differ) holds ``theta_g`` and
+``buffers_g`` by name, and per fragment the outer optimizer's state, the averager's state (residuals, codec
 state, bytes sent), its counters and its exchange in flight (waited for at save: the average, which
 a resumed run applies at the same step), and the inner step count. The caller saves the module
 (``theta_r``) and the inner optimizer; with those, a run resumed between syncs continues bit for
@@ -64,7 +67,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -76,9 +79,17 @@ from lightning_gc.exchanges.comm import ProcessGroup
 from lightning_gc.runtime.consistency import verify_same_parameters
 from lightning_gc.runtime.outer_fragments import Fragment, OuterSGD, Streaming, partition
 
-__all__ = ["OuterLoop", "OuterSGD", "Streaming"]
+__all__ = ["LocalWeights", "OuterLoop", "OuterSGD", "Streaming"]
 
-STATE_FORMAT = 3  # 3: the schedule's settings (sync_every, fragments, sync_delay, mix)
+STATE_FORMAT = 3  # 3: the schedule's settings (sync_every, fragments, sync_delay, mix) and buffers_g
+
+
+class LocalWeights(NamedTuple):
+    """This rank's own weights, set aside while :meth:`OuterLoop.global_weights` holds ``theta_g``:
+    ``parameters`` (``theta_r``, the synced ones by name) and floating-point ``buffers`` by name."""
+
+    parameters: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
 
 
 class OuterLoop:
@@ -157,6 +168,7 @@ class OuterLoop:
             raise RuntimeError(
                 f"OuterLoop needs the same starting parameters on every rank (seed or broadcast the model): {error}"
             ) from error
+        self._buffers_g = {name: b.detach().clone() for name, b in self._float_buffers().items()}
         self._inner_steps = 0
 
     # ------------------------------------------------------------------ progress
@@ -185,6 +197,12 @@ class OuterLoop:
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """``theta_g`` by parameter name: the live tensors (read, do not modify)."""
         return dict(zip(self._names, (t for f in self.fragments for t in f.globals)))
+
+    @property
+    def global_buffers(self) -> dict[str, torch.Tensor]:
+        """``buffers_g`` by name: the floating-point buffers as averaged at the last sync (at
+        construction: the module's), the same on every rank; the live tensors (read only)."""
+        return dict(self._buffers_g)
 
     @property
     def in_flight(self) -> list[int]:
@@ -241,12 +259,15 @@ class OuterLoop:
         flying = [f for f in self.fragments if f.in_flight is not None]
         return sorted(flying, key=lambda f: (f.in_flight.launched_at, f.index))  # type: ignore[union-attr]
 
+    def _float_buffers(self) -> dict[str, torch.Tensor]:
+        return {name: b for name, b in self.module.named_buffers() if b.is_floating_point()}
+
     def _average_buffers(self) -> None:
-        """Floating-point buffers <- their exact mean over the group (one all-reduce per dtype)."""
+        """Floating-point buffers <- their exact mean over the group (one all-reduce per dtype);
+        ``buffers_g`` <- the same."""
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for buffer in self.module.buffers():
-            if buffer.is_floating_point():
-                by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        for buffer in self._float_buffers().values():
+            by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
         world_size = dist.get_world_size(self.group)
         with torch.no_grad():
             for buffers in by_kind.values():
@@ -255,22 +276,32 @@ class OuterLoop:
                 flat.div_(world_size)
                 for buffer, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
                     buffer.copy_(piece.view(buffer.shape))
+            self._buffers_g = {name: b.detach().clone() for name, b in self._float_buffers().items()}
 
     @contextmanager
-    def global_weights(self) -> Iterator[None]:
-        """Hold ``theta_g`` in the module inside the block (to evaluate or save it), this rank's
-        ``theta_r`` again after it. No collective; exchanges in flight stay in flight."""
+    def global_weights(self) -> Iterator[LocalWeights]:
+        """Hold ``theta_g`` and ``buffers_g`` in the module inside the block (to evaluate or save
+        them), this rank's ``theta_r`` and own buffers again after it; the block gets those (copies).
+        No collective; exchanges in flight stay in flight."""
         named = dict(self.module.named_parameters())
-        own = {name: named[name].detach().clone() for name in self._names}
+        buffers = self._float_buffers()
+        own = LocalWeights(
+            {name: named[name].detach().clone() for name in self._names},
+            {name: b.detach().clone() for name, b in buffers.items()},
+        )
         with torch.no_grad():
             for name, theta_g in self.global_parameters.items():
                 named[name].copy_(theta_g)
+            for name, buffer_g in self._buffers_g.items():
+                buffers[name].copy_(buffer_g)
         try:
-            yield
+            yield own
         finally:
             with torch.no_grad():
-                for name, theta_r in own.items():
+                for name, theta_r in own.parameters.items():
                     named[name].copy_(theta_r)
+                for name, buffer in own.buffers.items():
+                    buffers[name].copy_(buffer)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -284,6 +315,7 @@ class OuterLoop:
             "syncs": self.syncs,
             "fragments": [f.state_dict() for f in self.fragments],
             "global": {name: theta_g.clone() for name, theta_g in self.global_parameters.items()},
+            "global_buffers": {name: b.clone() for name, b in self._buffers_g.items()},
         }
 
     def _settings(self) -> dict[str, Any]:
@@ -319,6 +351,11 @@ class OuterLoop:
         with torch.no_grad():
             for name, theta_g in self.global_parameters.items():
                 theta_g.copy_(saved[name])
+        if set(state["global_buffers"]) != set(self._buffers_g):
+            raise ValueError(
+                f"the state holds buffers {sorted(state['global_buffers'])}, this module has {sorted(self._buffers_g)}"
+            )
+        self._buffers_g = {name: b.to(self._buffers_g[name], copy=True) for name, b in state["global_buffers"].items()}
         for fragment, fragment_state in zip(self.fragments, state["fragments"]):
             fragment.load_state_dict(fragment_state, self.outer)
         self._inner_steps = int(state["inner_steps"])

@@ -264,9 +264,23 @@ def streaming_resume(rank: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def buffers(rank: int) -> dict[str, Any]:
+    """H = 4 with BatchNorm: 6 steps (a sync at 4, two local steps since); the buffers the module
+    holds inside global_weights() (what validation and checkpoints see) and outside it."""
+    model = mlp(norm=True)
+    outer = OuterLoop(model, sync_every=4)
+    train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank, range(6), outer)
+    local = {name: b.clone() for name, b in model.named_buffers()}
+    with outer.global_weights():
+        inside = {name: b.clone() for name, b in model.named_buffers()}
+    after = {name: b.clone() for name, b in model.named_buffers()}
+    state = outer.state_dict()["global_buffers"]
+    return {"local": local, "inside": inside, "after": after, "state": state}
+
+
 CASES = {
     "equivalence": equivalence, "diloco": diloco, "compressed": compressed, "resume": resume, "mismatch": mismatch,
-    "unstreamed": unstreamed, "stagger": stagger, "streaming_resume": streaming_resume,
+    "unstreamed": unstreamed, "stagger": stagger, "streaming_resume": streaming_resume, "buffers": buffers,
 }  # fmt: skip
 
 
