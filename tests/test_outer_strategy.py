@@ -240,8 +240,8 @@ def test_plain_front_end_trains_and_syncs_every_h_steps(world_of_one):
         optimizer.step()
         assert outer.inner_step_done() == (step % 2 == 1)
     assert outer.syncs == 2 and outer.inner_steps == 5
-    outer.sync()  # the one step left
-    assert outer.syncs == 3
+    assert outer.finish()  # the one step left
+    assert outer.syncs == 3 and not outer.finish()  # nothing left: no second sync
     for name, p in model.named_parameters():
         assert torch.equal(p, outer.global_parameters[name])
     with pytest.raises(ValueError, match=r"`error_decay` must be in \(0, 1\], got 0"):

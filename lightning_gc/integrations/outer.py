@@ -43,20 +43,18 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gc.common.validation import check_timeout
 from lightning_gc.compressors.base import AdjustableRatio, Compressor
-from lightning_gc.integrations.ddp_arguments import OWNED_DDP_ARGUMENTS, ddp_argument_names
 from lightning_gc.integrations.local_ddp import LOCAL_BUFFERS, keep_local_gradients
 from lightning_gc.integrations.outer_attach import (
     OUTER_CHECKPOINT_KEY,
     OUTER_PRESETS,
     OuterArguments,
     gather_outer_entry,
-    outer_arguments,
     outer_loop,
     outer_rank_state,
     resume_outer,
 )
+from lightning_gc.integrations.outer_lightning import register_presets, split_strategy_arguments
 from lightning_gc.runtime.outer import LocalWeights, OuterLoop
 from lightning_gc.runtime.teardown import shut_down_process_group_at_exit
 
@@ -95,14 +93,8 @@ class OuterLoopStrategy(DDPStrategy):
     """
 
     def __init__(self, preset: str = "diloco", **kwargs: Any) -> None:
-        owned = sorted(set(kwargs) & set(OWNED_DDP_ARGUMENTS))
-        if owned:
-            raise ValueError(f"{type(self).__name__} installs its own DDP comm hook (local gradients); remove {owned}")
-        self.outer_arguments: OuterArguments = outer_arguments(
-            preset, kwargs, owner=type(self).__name__, others={"DDP": ddp_argument_names()}
-        )
-        if "timeout" in kwargs:
-            kwargs["timeout"] = check_timeout("timeout", kwargs["timeout"])
+        self.outer_arguments: OuterArguments
+        self.outer_arguments, kwargs = split_strategy_arguments(type(self).__name__, preset, kwargs, DDPStrategy)
         super().__init__(**kwargs)
         self.outer: OuterLoop | None = None
         """The fit's outer loop, built when DDP wraps the module (a new one each fit)."""
@@ -215,9 +207,7 @@ class OuterLoopStrategy(DDPStrategy):
             return
         self._finished = True
         self.swap_back()
-        if self.outer.pending:
-            rank_zero_info(f"lightning_gc: final outer sync after inner step {self.outer.inner_steps}")
-            self.outer.sync()
+        self.outer.finish()
 
     def on_train_end(self) -> None:
         self.finish_training()
@@ -265,7 +255,4 @@ class OuterLoopStrategy(DDPStrategy):
 def register_outer_strategies(strategy_registry: _StrategyRegistry) -> None:
     """Register ``"diloco"``, ``"diloco_int8"`` and ``"sparseloco"`` with the Trainer's registry
     (idempotent: names already there are kept)."""
-    for name in OUTER_PRESETS:
-        if name not in strategy_registry:
-            description = f"outer loop (DiLoCo family), preset {name!r}"
-            strategy_registry.register(name, OuterLoopStrategy, description=description, preset=name)
+    register_presets(strategy_registry, OuterLoopStrategy, "outer loop")

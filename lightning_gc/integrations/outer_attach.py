@@ -12,7 +12,7 @@ takes the same preset names and arguments through :func:`outer_arguments`::
         loss_fn(model(x), y).backward()                      # local gradient: nothing is sent
         optimizer.step()
         outer.inner_step_done()                              # syncs every `sync_every` steps
-    outer.sync()                                             # lands and sends what remains (if any)
+    outer.finish()                                           # lands and sends what remains (if any)
 
 Checkpoints: :func:`gather_outer_entry` (every rank calls it; rank 0's copy is complete) holds every
 rank's outer-loop state, own weights and inner optimizer state; to resume, build the outer loop
@@ -182,8 +182,8 @@ def outer_loop(
 
     Call it on every rank of ``group`` (default: the default process group) once the model is on
     its device with the same weights everywhere, then ``inner_step_done()`` after every inner
-    ``optimizer.step()``, and ``sync()`` at the end if steps remain since the last sync (which
-    ``inner_steps`` and ``syncs`` tell). ``global_parameters`` (``theta_g``) is what to evaluate
+    ``optimizer.step()``, and ``finish()`` at the end (a final ``sync()`` if steps remain since the
+    last sync or an exchange is in flight). ``global_parameters`` (``theta_g``) is what to evaluate
     and keep; between syncs the model holds this rank's own ``theta_r``.
 
     Args:

@@ -51,18 +51,15 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_gc.common.validation import check_timeout
-from lightning_gc.integrations.ddp_arguments import OWNED_DDP_ARGUMENTS, ddp_argument_names
 from lightning_gc.integrations.local_ddp import LOCAL_BUFFERS, keep_local_gradients
 from lightning_gc.integrations.outer_attach import (
     OUTER_CHECKPOINT_KEY,
-    OUTER_PRESETS,
     OuterArguments,
     gather_outer_entry,
-    outer_arguments,
     outer_rank_state,
     resume_outer,
 )
+from lightning_gc.integrations.outer_lightning import register_presets, split_strategy_arguments
 from lightning_gc.runtime.outer import OuterLoop
 
 
@@ -81,15 +78,8 @@ class FabricOuterLoopStrategy(DDPStrategy):
     """
 
     def __init__(self, preset: str = "diloco", **kwargs: Any) -> None:
-        owned = sorted(set(kwargs) & set(OWNED_DDP_ARGUMENTS))
-        if owned:
-            raise ValueError(f"{type(self).__name__} installs its own DDP comm hook (local gradients); remove {owned}")
-        kwargs = dict(kwargs)
-        self.outer_arguments: OuterArguments = outer_arguments(
-            preset, kwargs, owner=type(self).__name__, others={"DDP": ddp_argument_names(DDPStrategy)}
-        )
-        if "timeout" in kwargs:
-            kwargs["timeout"] = check_timeout("timeout", kwargs["timeout"])
+        self.outer_arguments: OuterArguments
+        self.outer_arguments, kwargs = split_strategy_arguments(type(self).__name__, preset, kwargs, DDPStrategy)
         super().__init__(**{LOCAL_BUFFERS: False, **kwargs})  # buffers are averaged at each sync
         self._outer: OuterLoop | None = None
         self._optimizer: Optimizer | None = None
@@ -136,10 +126,7 @@ class FabricOuterLoopStrategy(DDPStrategy):
     def finish(self) -> bool:
         """The final sync, on every rank: exchanges in flight land and what remains is sent, so the
         model holds ``theta_g`` (nothing happens when nothing remains); whether it synced."""
-        if not self.outer.pending:
-            return False
-        rank_zero_info(f"lightning_gc: final outer sync after inner step {self.outer.inner_steps}")
-        return self.outer.sync()
+        return self.outer.finish()
 
     @contextmanager
     def global_weights(self) -> Iterator[None]:
@@ -200,7 +187,4 @@ class FabricOuterLoopStrategy(DDPStrategy):
 
 def register_outer_fabric_strategies(registry: _StrategyRegistry) -> None:
     """``"diloco"``, ``"diloco_int8"``, ``"sparseloco"`` in Fabric's registry (names already there are kept)."""
-    for name in OUTER_PRESETS:
-        if name not in registry:
-            description = f"Fabric outer loop (DiLoCo family), preset {name!r}"
-            registry.register(name, FabricOuterLoopStrategy, description=description, preset=name)
+    register_presets(registry, FabricOuterLoopStrategy, "Fabric outer loop")

@@ -72,6 +72,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from lightning_gc.common.log import notify_on_rank_zero
 from lightning_gc.common.validation import check_int, check_range
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.exchanges.averager import CompressedAverager
@@ -253,6 +254,15 @@ class OuterLoop:
         if flying or todo:
             self._average_buffers()
         return bool(flying or todo)
+
+    def finish(self) -> bool:
+        """The end of a run, on every rank of the group: :meth:`sync` when :attr:`pending` (with a
+        notice naming the inner step, on rank zero), so that every rank's module holds ``theta_g``;
+        whether it synced. Every front end ends its run through this."""
+        if not self.pending:
+            return False
+        notify_on_rank_zero(f"lightning_gc: final outer sync after inner step {self._inner_steps}")
+        return self.sync()
 
     def _flying(self) -> list[Fragment]:
         """The fragments in flight, in launch order (by step, then fragment)."""
