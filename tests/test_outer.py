@@ -350,3 +350,47 @@ def test_the_final_sync_applies_the_partial_delta_with_the_outer_lr_and_no_momen
         for g, momentum in zip(outer.fragments[0].globals, momenta):
             assert torch.equal(optimizer.state[g]["momentum_buffer"], momentum)
         assert all(torch.equal(p, g) for p, g in zip(model.parameters(), outer.global_parameters.values()))
+
+
+def wide() -> torch.nn.Module:
+    """Two weights of 2048 elements (compressed by chunk_topk), one per fragment when P = 2."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 64))
+
+
+def test_each_fragment_runs_its_own_codec_and_builds_its_plan_once(world_of_one, monkeypatch):
+    from lightning_gc.compressors import create
+    from lightning_gc.compressors.chunk_topk import ChunkTopKCompressor
+
+    builds = []
+    original = ChunkTopKCompressor.build_plan
+
+    def counted(self, *args):
+        builds.append(id(self))
+        return original(self, *args)
+
+    monkeypatch.setattr(ChunkTopKCompressor, "build_plan", counted)
+
+    def run(fragments: int, compressor: Any, **arguments: Any) -> OuterLoop:
+        model = wide()
+        streaming = Streaming(fragments=fragments)
+        outer = OuterLoop(model, sync_every=2, compressor=compressor, streaming=streaming, **arguments)
+        for step in range(6):  # 3 syncs of every fragment
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)), alpha=0.01)
+            outer.inner_step_done()
+        return outer
+
+    codec = create("chunk_topk", compress_ratio=0.05)
+    outer = run(2, codec)
+    assert outer.syncs == 6 and len(builds) == 2  # once per fragment, not at every sync
+    compressors = [f.averager.compressor for f in outer.fragments]
+    assert len({id(c) for c in compressors}) == 2 and id(codec) not in {id(c) for c in compressors}  # a template
+    builds.clear()
+    # one fragment: the same as before, bit for bit
+    by_object, by_name = run(1, codec), run(1, "chunk_topk", compress_ratio=0.05)
+    assert len(builds) == 2
+    pairs = zip(by_object.global_parameters.values(), by_name.global_parameters.values())
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert by_object.bytes_sent == by_name.bytes_sent

@@ -110,11 +110,14 @@ class OuterLoopStrategy(DDPStrategy):
     # ------------------------------------------------------------------ public knobs
     @property
     def compressor(self) -> Compressor:
+        """The configured codec, a template: every fragment of each fit's outer loop runs its own
+        copy (``outer.compressor`` is fragment 0's)."""
         return self.outer_arguments.compressor
 
     @property
     def adjustable(self) -> AdjustableRatio | None:
-        """The compressor as an :class:`~lightning_gc.compressors.base.AdjustableRatio`, or ``None``."""
+        """The configured compressor as an :class:`~lightning_gc.compressors.base.AdjustableRatio`,
+        or ``None`` (a template: a ratio set here applies to the outer loops built after)."""
         return self.compressor if isinstance(self.compressor, AdjustableRatio) else None
 
     @property

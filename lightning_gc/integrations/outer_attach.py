@@ -95,7 +95,8 @@ class OuterArguments:
 
     def build(self, module: torch.nn.Module, group: ProcessGroup = None) -> OuterLoop:
         """The outer loop of ``module`` over ``group`` (a collective: every rank of the group calls
-        it, with the same starting parameters). Every build shares this compressor object."""
+        it, with the same starting parameters). The compressor is a template: every fragment of every
+        build runs its own copy (a second fit starts with fresh codec state)."""
         return OuterLoop(
             module,
             sync_every=self.sync_every,

@@ -65,6 +65,7 @@ bit like an uninterrupted one.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -105,9 +106,11 @@ class OuterLoop:
         module: the model; its trainable parameters must all be on one device, and all its
             parameters (frozen ones too) equal on every rank (checked here with one collective).
         sync_every: inner steps between syncs (``H``), >= 1.
-        compressor: a registered compressor name (its arguments in ``compressor_arguments``; each
-            fragment builds its own) or a built :class:`~lightning_gc.compressors.base.Compressor`
-            (shared by the fragments); ``"none"``: exact average.
+        compressor: a registered compressor name (its arguments in ``compressor_arguments``) or a
+            built :class:`~lightning_gc.compressors.base.Compressor`, a template: every fragment
+            runs its own codec (a copy), so that its plans and state are its own (a shared codec
+            keyed both fragments' plans by the same bucket index and rebuilt them at every sync);
+            ``"none"``: exact average.
         error_decay: ``beta`` in ``e <- beta e + delta``, in (0, 1].
         outer: the outer SGD's settings (default :class:`OuterSGD`: lr 0.7, momentum 0.9,
             Nesterov). On resume these settings win over the checkpoint's.
@@ -155,7 +158,7 @@ class OuterLoop:
         for index, (start, stop) in enumerate(ranges):
             part = named[start:stop]
             averager = CompressedAverager(
-                compressor,
+                copy.deepcopy(compressor) if isinstance(compressor, Compressor) else compressor,
                 [(name, tuple(p.shape)) for name, p in part],
                 group=group,
                 error_decay=error_decay,
@@ -191,7 +194,7 @@ class OuterLoop:
 
     @property
     def compressor(self) -> Compressor:
-        """The codec (fragment 0's; every fragment's has the same settings)."""
+        """The codec of fragment 0 (every fragment runs its own, with the same settings)."""
         return self.fragments[0].averager.compressor
 
     @property
