@@ -313,3 +313,49 @@ def test_a_module_with_fewer_tensors_than_fragments_is_refused_when_built(world_
         outer_loop(two_layers(), "diloco", sync_every=10, fragments=5)
     outer = outer_loop(two_layers(), "diloco", sync_every=10, fragments=4, sync_delay=2, mix=0.5)
     assert [f.offset for f in outer.fragments] == [0, 2, 5, 7] and outer.streaming.mix == 0.5
+
+
+def test_resume_outer_refuses_other_names_and_names_the_difference(world_of_one):
+    def normed(track: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32, track_running_stats=track))
+
+    entry = gather_outer_entry(outer_loop(normed(True), "diloco", sync_every=2))
+    own = outer_rank_state(entry, source="memory", rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"buffers.*missing here \['1.running_mean', '1.running_var'\]") as caught:
+        resume_outer(outer_loop(normed(False), "diloco", sync_every=2), own)
+    assert "\n" not in str(caught.value)
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 2))
+    with pytest.raises(
+        ValueError, match=r"parameters .*missing here \[\], not in the checkpoint \['2.bias', '2.weight'\]"
+    ):
+        resume_outer(outer_loop(other, "diloco", sync_every=2), own)
+
+
+def test_the_trainer_strategy_refuses_a_second_optimizer(world_of_one):
+    import lightning as L
+
+    from lightning_gc.integrations.outer import OuterLoopStrategy
+
+    class TwoOptimizers(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False  # Lightning's way to several optimizers: each .step() a step
+            self.a, self.b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            self.manual_backward((self.a(batch[0]) + self.b(batch[0])).square().mean())
+            for optimizer in self.optimizers():
+                optimizer.step()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(self.b.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=OuterLoopStrategy("diloco", sync_every=2), max_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"OuterLoopStrategy counts every optimizer step as one inner step; .* 2"):
+        trainer.fit(TwoOptimizers(), data)

@@ -23,7 +23,8 @@ What the Trainer sees:
   ``theta_r`` and floating-point buffers, its inner optimizer's state and its precision plugin's
   state (a GradScaler's scale follows the rank's own overflows; Lightning keeps rank 0's only);
   resuming with the same number of ranks continues exactly, also between syncs.
-* Gradient accumulation and mixed precision work as under DDP: one inner step per optimizer step.
+* Gradient accumulation and mixed precision work as under DDP: one inner step per optimizer step;
+  one optimizer per fit (a second is refused at set-up: each of its steps would count as an inner step).
 * ``outer/syncs`` and ``outer/bytes_sent`` (this rank's running totals) are logged every step.
 
 DDP's per-forward buffer sync is off by default here: buffers (BatchNorm statistics) stay local
@@ -154,6 +155,14 @@ class OuterLoopStrategy(DDPStrategy):
             self._finished = False
             if not any(isinstance(c, _OuterFirst) and c.strategy is self for c in trainer.callbacks):
                 trainer.callbacks.insert(0, _OuterFirst(self))
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) > 1:  # as Fabric's front end: each optimizer.step() would count as an inner step
+            raise ValueError(
+                f"{type(self).__name__} counts every optimizer step as one inner step; configure_optimizers "
+                f"returned {len(self.optimizers)} optimizers (use one optimizer with param groups)"
+            )
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)

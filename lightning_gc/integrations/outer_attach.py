@@ -268,7 +268,15 @@ def outer_rank_state(entry: dict[str, Any], *, source: Any, rank: int, world_siz
 def resume_outer(outer: OuterLoop, own: dict[str, Any]) -> None:
     """Continue from this rank's part of an entry: the outer loop's state, and the module's own
     weights ``theta_r`` and buffers. The caller restores the inner optimizers from
-    ``own["optimizers"]`` (in the order given to :func:`gather_outer_entry`)."""
+    ``own["optimizers"]`` (in the order given to :func:`gather_outer_entry`).
+
+    Raises:
+        ValueError: the checkpoint's parameter or floating-point buffer names are not this
+            module's, in one line naming those missing on either side.
+    """
+    buffers = {name for name, b in outer.module.named_buffers() if b.is_floating_point()}
+    _same_names("parameters", set(own["local"]), set(outer.global_parameters))
+    _same_names("buffers", set(own["buffers"]), buffers)
     outer.load_state_dict(own["outer"])
     with torch.no_grad():
         for name, p in outer.module.named_parameters():
@@ -277,6 +285,14 @@ def resume_outer(outer: OuterLoop, own: dict[str, Any]) -> None:
         for name, b in outer.module.named_buffers():
             if name in own["buffers"]:
                 b.copy_(own["buffers"][name])
+
+
+def _same_names(what: str, saved: set[str], here: set[str]) -> None:
+    if saved != here:
+        raise ValueError(
+            f"the checkpoint's {what} are not this module's: missing here {sorted(saved - here)}, "
+            f"not in the checkpoint {sorted(here - saved)}; resume the same model"
+        )
 
 
 def _to_cpu(value: Any) -> Any:
