@@ -163,9 +163,9 @@ def built(arguments: dict[str, Any]) -> OuterLoop:
         ({"sync_delay": -1}, "`sync_delay` must be an integer >= 0, got -1"),
         (
             {"sync_every": 4, "fragments": 2, "sync_delay": 2},
-            r"`sync_delay=2` must be below sync_every / fragments = 4/2 = 2",
+            r"`sync_delay` must be below sync_every / fragments = 4/2 = 2, got 2",
         ),
-        ({"sync_every": 2, "sync_delay": 2}, r"`sync_delay=2` must be below sync_every / fragments = 2/1 = 2"),
+        ({"sync_every": 2, "sync_delay": 2}, r"`sync_delay` must be below sync_every / fragments = 2/1 = 2, got 2"),
         ({"mix": 1.0}, r"`mix` must be in \[0, 1\), got 1.0"),
         ({"mix": -0.1}, r"`mix` must be in \[0, 1\), got -0.1"),
         (

@@ -85,7 +85,7 @@ def test_presets_are_registered_with_fabric_and_take_the_outer_loop_names():
     [
         (
             {"sync_every": 6, "fragments": 3, "sync_delay": 2},
-            r"`sync_delay=2` must be below sync_every / fragments = 6/3 = 2",
+            r"`sync_delay` must be below sync_every / fragments = 6/3 = 2, got 2",
         ),
         ({"mix": 1.0}, r"`mix` must be in \[0, 1\), got 1.0"),
         ({"fragments": 0}, r"`fragments` must be an integer >= 1, got 0"),

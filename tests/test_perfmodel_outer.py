@@ -90,7 +90,7 @@ def test_fragments_move_a_part_each_and_let_the_same_delay_hide_it():
         ((0,), "`sync_every` must be an integer >= 1, got 0"),
         ((10, 0), "`fragments` must be an integer >= 1, got 0"),
         ((10, 1, -1), "`sync_delay` must be an integer >= 0, got -1"),
-        ((12, 3, 4), "`sync_delay` must be below sync_every / fragments = 12/3 (a fragment's exchange ends"),
+        ((12, 3, 4), "`sync_delay` must be below sync_every / fragments = 12/3 = 4, got 4: a fragment's exchange"),
         ((10, 1, 10), "`sync_delay` must be below sync_every / fragments = 10/1"),
     ],
 )
@@ -98,6 +98,22 @@ def test_schedule_refuses_nonsense(arguments, message):
     with pytest.raises(ValueError) as error:
         OuterSchedule(*arguments)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(("sync_every", "fragments", "sync_delay"), [(12, 3, 4), (10, 1, 10), (5, 2, 3), (4, 4, 1)])
+def test_the_runtime_and_the_model_refuse_the_same_schedules_alike(sync_every, fragments, sync_delay):
+    """One rule (tau P < H) and one message for the outer loop's Streaming and the model's OuterSchedule."""
+    from lightning_gc.runtime.outer_fragments import Streaming
+
+    with pytest.raises(ValueError) as runtime:
+        Streaming(fragments, sync_delay).check(sync_every)
+    with pytest.raises(ValueError) as model:
+        OuterSchedule(sync_every, fragments, sync_delay)
+    assert str(runtime.value) == str(model.value)
+    for allowed in range(sync_delay):
+        if allowed * fragments < sync_every:
+            Streaming(fragments, allowed).check(sync_every)
+            OuterSchedule(sync_every, fragments, allowed)
 
 
 def test_recommendation_names_an_outer_scheme_only_when_faster_and_says_it_changes_the_optimisation():

@@ -22,8 +22,14 @@ hidden::
     bytes per inner step = P * m_f / H        m_f: the fragment's encoded payload (CodecCost.bytes_sent)
     speedup   = step(dense DDP, per step) / step
 
-``tau < H/P`` (``tau P < H``): a fragment's exchange is done before the next fragment's starts, so
-exchanges never share the link, and ``link use <= 1`` (``P wire_f / B <= P T_comm,f < period``).
+``tau < H/P`` (``tau P < H``, :mod:`lightning_gc.common.outer_schedule`): a fragment's exchange is
+waited for at the latest at the step the next fragment launches, and ``link use <= 1``
+(``P wire_f / B <= P T_comm,f < period``). Exchanges can still share the link: where ``tau`` equals
+the gap to the next launch (``floor(H/P)``), that launch comes first within the step, so the next
+exchange starts while the exposed part of this one (``exposed_f > 0``) still runs; at most two are
+in flight at once. The model times each exchange as if it had the link alone, so it is exact when
+``exposed_f = 0`` (all of ``T_comm,f`` hidden, the usual aim of ``tau``) or ``tau < floor(H/P)``,
+and optimistic by up to the overlapped part of ``exposed_f`` otherwise.
 
 Check: ``H = 1``, ``P = 1``, ``tau = 0`` and the identity codec at no codec cost give
 ``step = C + T_ar(M)``, the per-step dense prediction with no overlap (``f = 0``): the outer loop
@@ -45,6 +51,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_gc.common.outer_schedule import check_sync_delay
 from lightning_gc.common.validation import check_int
 from lightning_gc.perfmodel import DENSE, CodecCost, Network, exchange_cost_s
 from lightning_gc.perfmodel.step import Prediction, Workload, predict
@@ -69,11 +76,7 @@ class OuterSchedule:
         check_int("sync_every", self.sync_every, 1)
         check_int("fragments", self.fragments, 1)
         check_int("sync_delay", self.sync_delay, 0)
-        if self.sync_delay * self.fragments >= self.sync_every:
-            raise ValueError(
-                f"`sync_delay` must be below sync_every / fragments = {self.sync_every}/{self.fragments} "
-                f"(a fragment's exchange ends before the next one starts), got {self.sync_delay}"
-            )
+        check_sync_delay(self.sync_every, self.fragments, self.sync_delay)
 
     def fragment_numel(self, numel: int) -> int:
         """Elements of one fragment of a ``numel``-element model: ``ceil(numel / P)`` (the

@@ -18,8 +18,9 @@ them is kept. ``P = 1, tau = 0, alpha = 0`` is the plain DiLoCo sync. At one ste
 fragment order) come before landings (in launch order): the same collectives in the same order on
 every rank.
 
-Since ``tau < H / P``, a fragment lands at the latest at the step the next fragment launches (the
-offsets are ``floor`` or ``ceil`` of ``H / P`` apart), long before its own next launch.
+Since ``tau < H / P`` (:mod:`lightning_gc.common.outer_schedule`), a fragment lands at the latest
+at the step the next fragment launches (the offsets are ``floor`` or ``ceil`` of ``H / P`` apart),
+long before its own next launch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from lightning_gc.common.outer_schedule import check_sync_delay
 from lightning_gc.common.validation import check_bool, check_int, check_range
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.exchanges.averager import CompressedAverager
@@ -75,11 +77,7 @@ class Streaming:
 
     def check(self, sync_every: int, tensors: int | None = None) -> Streaming:
         """This, if it fits ``sync_every`` (and a module of ``tensors`` trainable tensors)."""
-        if self.sync_delay * self.fragments >= sync_every:
-            raise ValueError(
-                f"`sync_delay={self.sync_delay}` must be below sync_every / fragments = {sync_every}/{self.fragments}"
-                f" = {sync_every / self.fragments:g}: a fragment's exchange lands before the next fragment launches"
-            )
+        check_sync_delay(sync_every, self.fragments, self.sync_delay)
         if tensors is not None and self.fragments > tensors:
             raise ValueError(
                 f"`fragments={self.fragments}` must be at most the module's {tensors} trainable parameter tensors"
