@@ -171,3 +171,34 @@ def test_a_float16_chunk_near_the_top_of_its_range_stays_finite():
     sent = y[y != 0].abs()
     assert len(sent.unique()) == 2 and sent.max() <= x.abs().max()  # two means of sent magnitudes, not a clamp
     assert torch.equal(averager.residual(), x - y)
+
+
+@pytest.mark.parametrize("width", [12, 6])
+@pytest.mark.parametrize("pairs", [1, 2, 5, 82, 1001])
+def test_12_bit_indices_pack_three_bytes_per_two_as_the_bit_stream(pairs, width):
+    """The 64x64 fast path (two slots in 3 bytes, int32 shifts) writes the documented bit stream
+    (bit j of slot i at bit i*12 + j, little-end first) and reads it back; K = 5 fills its aligned
+    field exactly (8 bytes), so the last half-triple must not spill. Other widths (6: 8x8 chunks)
+    take the general path to the same stream."""
+    from lightning_gc import kernels
+    from lightning_gc.compressors.chunk_topk import ChunkWire, pack_slots, unpack_slots
+
+    generator = torch.Generator().manual_seed(pairs)
+    slots = torch.randint(0, 2**width, (pairs,), generator=generator, dtype=torch.int32)
+    bits = ((slots.long().unsqueeze(1) >> torch.arange(width)) & 1).to(torch.uint8).reshape(-1)
+    stream = kernels.pack_codes(bits, 1)
+    wire = ChunkWire(1, pairs, width)
+    field = torch.zeros(wire.index_bytes, dtype=torch.uint8)
+    pack_slots(slots, width, field)
+    assert torch.equal(field[: stream.numel()], stream) and not field[stream.numel() :].any()
+    rows = torch.stack([field, field.flip(0) * 0])  # two ranks' fields; the second sends slot 0 everywhere
+    unpacked = unpack_slots(rows, pairs, width)
+    assert unpacked.dtype == torch.int32 and torch.equal(unpacked[0], slots) and not unpacked[1].any()
+
+
+def test_the_plan_keeps_slot_positions_in_int32():
+    codec = ChunkTopKCompressor(0.05)
+    alone_averager = CompressedAverager(codec, SHAPES, via=FlatExchange(LocalTransport(1)))
+    alone_averager.average(torch.randn(alone_averager.numel)).wait()
+    plan = next(iter(codec._plans._plans.values()))[1]
+    assert plan.slots.dtype == torch.int32  # [B, 4096] per chunk: half the bytes of int64

@@ -112,13 +112,47 @@ class ChunkWire:
         return rows[..., :a], rows[..., a:b], rows[..., b : self.nbytes]
 
 
+def pack_slots(slots: torch.Tensor, width: int, field: torch.Tensor) -> None:
+    """Write ``slots`` (int32, each ``< 2**width``) into the zeroed uint8 ``field`` as the bit stream
+    of the module docstring (bit ``j`` of slot ``i`` at bit ``i*width + j``, little-end first). At 12
+    bits (64x64 chunks) two slots are three bytes, built with int32 shifts: ``a & 255``,
+    ``a >> 8 | (b & 15) << 4``, ``b >> 4``; other widths go through one uint8 per bit."""
+    needed = -(-slots.numel() * width // 8)
+    if width == 12:
+        pairs = torch.nn.functional.pad(slots.to(torch.int32), (0, slots.numel() % 2)).view(-1, 2)
+        a, b = pairs[:, 0], pairs[:, 1]
+        triples = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=1).to(torch.uint8)
+        field[:needed].copy_(triples.reshape(-1)[:needed])
+        return
+    shifts = torch.arange(width, dtype=torch.int32, device=slots.device)
+    bits = ((slots.to(torch.int32).unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    packed = kernels.pack_codes(bits, 1)
+    field[: packed.numel()].copy_(packed)
+
+
+def unpack_slots(rows: torch.Tensor, pairs: int, width: int) -> torch.Tensor:
+    """The ``[ranks, pairs]`` int32 slots of each rank's uint8 index field ``rows`` (``[ranks, bytes]``),
+    inverse of :func:`pack_slots`."""
+    ranks = rows.shape[0]
+    if width == 12:
+        half = -(-pairs // 2)
+        needed = -(-pairs * width // 8)
+        t = torch.nn.functional.pad(rows[:, :needed].to(torch.int32), (0, 3 * half - needed)).view(ranks, half, 3)
+        a = t[..., 0] | ((t[..., 1] & 0xF) << 8)
+        b = (t[..., 1] >> 4) | (t[..., 2] << 4)
+        return torch.stack([a, b], dim=-1).reshape(ranks, 2 * half)[:, :pairs]
+    bits = kernels.unpack_codes(rows.reshape(-1), 1, rows.numel() * 8).view(ranks, -1)
+    bits = bits[:, : pairs * width].reshape(ranks, pairs, width).to(torch.int32)
+    return (bits << torch.arange(width, dtype=torch.int32, device=rows.device)).sum(-1, dtype=torch.int32)
+
+
 @dataclass
 class _ChunkPlan:
     """One bucket's chunks at one ratio: where each slot of each chunk is, which top-k slots are
     sent, and the reusable buffers."""
 
     wire: ChunkWire
-    slots: torch.Tensor  # [B, S*S] bucket position of each slot; numel (the pad) where the chunk is cut short
+    slots: torch.Tensor  # [B, S*S] bucket position of each slot (int32 below 2**31 elements); numel: the pad
     pad: torch.Tensor  # [B, S*S] bool: the slot lies outside the tensor
     top: int  # max_b k_b: torch.topk's k for every chunk
     kept: torch.Tensor  # [B, top] bool: slot j of chunk b's ranking is sent (j < k_b)
@@ -197,6 +231,8 @@ class ChunkTopKCompressor(AdjustableRatio, PlannedCompressor[_ChunkPlan]):
         device, numel = like.device, layout.numel
         compressed, dense, ks = self._chunks(layout)
         slots = torch.cat([chunk_slots(s, self.chunk_side, numel, device) for s in compressed])
+        if numel < torch.iinfo(torch.int32).max:  # [B, S*S]: as large as the chunked tensors; int32 halves it
+            slots = slots.to(torch.int32)
         k = torch.tensor(ks, dtype=torch.int64, device=device)
         top = max(ks)
         kept = torch.arange(top, device=device) < k.unsqueeze(1)
@@ -239,7 +275,7 @@ class ChunkTopKCompressor(AdjustableRatio, PlannedCompressor[_ChunkPlan]):
         return Encoded(
             Payload.all_gather(plan.payload, plan.gathered, elements_sent=plan.wire.pairs, summed=summed),
             Sent(
-                indices=sent(positions),
+                indices=sent(positions).long(),
                 values=sent(decoded),
                 dense_positions=None if plan.dense is None else plan.dense.positions,
                 dense_values=None if plan.dense is None else plan.dense.sent,
@@ -271,10 +307,7 @@ class ChunkTopKCompressor(AdjustableRatio, PlannedCompressor[_ChunkPlan]):
         level_bytes[: wire.chunks * 4].view(LEVEL_DTYPE).copy_(levels.reshape(-1))
         packed = kernels.pack_codes(codes, CODE_BITS)
         code_bytes[: packed.numel()].copy_(packed)
-        shifts = torch.arange(wire.width, device=slots.device)
-        bits = ((slots.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)  # bit j of slot i at i*w + j
-        packed = kernels.pack_codes(bits, 1)
-        index_bytes[: packed.numel()].copy_(packed)
+        pack_slots(slots, wire.width, index_bytes)
 
     def decode(self, encoded: Encoded, out: torch.Tensor, *, world_size: int) -> None:
         if decode_whole_bucket(encoded, out, world_size):
@@ -285,11 +318,9 @@ class ChunkTopKCompressor(AdjustableRatio, PlannedCompressor[_ChunkPlan]):
         levels = level_bytes[:, : wire.chunks * 4].contiguous().view(LEVEL_DTYPE).view(world_size, wire.chunks * 2)
         codes = kernels.unpack_codes(code_bytes.reshape(-1), CODE_BITS, code_bytes.numel() * 4)
         codes = codes.view(world_size, -1)[:, : wire.pairs].to(torch.int64)
-        bits = kernels.unpack_codes(index_bytes.reshape(-1), 1, index_bytes.numel() * 8).view(world_size, -1)
-        bits = bits[:, : wire.pairs * wire.width].reshape(world_size, wire.pairs, wire.width).to(torch.int64)
-        slots = (bits << torch.arange(wire.width, device=bits.device)).sum(-1)
+        slots = unpack_slots(index_bytes, wire.pairs, wire.width)
         side2 = plan.slots.shape[1]
-        positions = plan.slots.reshape(-1)[plan.chunk_of_pair * side2 + slots]
+        positions = plan.slots.reshape(-1)[plan.chunk_of_pair * side2 + slots].long()
         magnitude = widened(levels, out.dtype).gather(1, (plan.chunk_of_pair * 2 + (codes >> 1)).view(world_size, -1))
         values = torch.where((codes & 1).bool(), -magnitude, magnitude)
         out.zero_()
