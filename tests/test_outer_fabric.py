@@ -125,3 +125,21 @@ def test_a_checkpoint_without_outer_state_loads_only_before_setup(world_of_one, 
         fabric.load(plain, {"model": model, "optimizer": optimizer})
     assert fabric.strategy.finish() and outer.syncs == 1
     assert all(torch.equal(p, outer.global_parameters[k]) for k, p in net.named_parameters())
+
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class CountedReads(TorchCheckpointIO):
+        reads = 0
+
+        def load_checkpoint(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            CountedReads.reads += 1
+            return super().load_checkpoint(*args, **kwargs)
+
+    fabric.save(tmp_path / "outer.ckpt", {"model": model, "optimizer": optimizer})
+    real_io, fabric.strategy.checkpoint_io = fabric.strategy.checkpoint_io, CountedReads()
+    fabric.load(tmp_path / "outer.ckpt", {"model": model, "optimizer": optimizer})  # after set-up: checked, then loaded
+    assert CountedReads.reads == 1  # the file is read once
+    with pytest.raises(ValueError, match="holds no outer-loop state"):
+        fabric.load(plain, {"model": model, "optimizer": optimizer})
+    assert CountedReads.reads == 2 and isinstance(fabric.strategy.checkpoint_io, CountedReads)
+    fabric.strategy.checkpoint_io = real_io

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -157,17 +158,21 @@ class FabricOuterLoopStrategy(DDPStrategy):
                 weights would not be the outer loop's ``theta_g``. Nothing is loaded then.
         """
         restores = bool(state) and isinstance(state, dict)
-        if (
-            restores
-            and self._outer is not None
-            and OUTER_CHECKPOINT_KEY not in self.checkpoint_io.load_checkpoint(path)
-        ):
-            raise ValueError(
-                f"checkpoint {path} holds no outer-loop state, and this run's outer loop is built: its theta_g "
-                "would not be the loaded weights; load such a checkpoint before fabric.setup (the outer loop then "
-                "starts from its weights)"
-            )
-        remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
+        if restores and self._outer is not None:  # checked before anything is restored, on the one read
+            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=kwargs.get("weights_only"))
+            if OUTER_CHECKPOINT_KEY not in checkpoint:
+                raise ValueError(
+                    f"checkpoint {path} holds no outer-loop state, and this run's outer loop is built: its theta_g "
+                    "would not be the loaded weights; load such a checkpoint before fabric.setup (the outer loop "
+                    "then starts from its weights)"
+                )
+            reader, self.checkpoint_io = self.checkpoint_io, _Read(checkpoint)
+            try:
+                remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
+            finally:
+                self.checkpoint_io = reader
+        else:
+            remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
         if not restores:
             return remainder  # the raw checkpoint, or a module/optimizer of it
         entry = remainder.pop(OUTER_CHECKPOINT_KEY, None)
@@ -183,6 +188,22 @@ class FabricOuterLoopStrategy(DDPStrategy):
         if self._optimizer is not None and own["optimizers"]:
             self._optimizer.load_state_dict(own["optimizers"][0])
         return remainder
+
+
+class _Read(CheckpointIO):
+    """A checkpoint already read, handed to Fabric's loading in place of a second read of the file."""
+
+    def __init__(self, checkpoint: dict[str, Any]) -> None:
+        self.checkpoint = checkpoint
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
+        return self.checkpoint
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        raise RuntimeError("a checkpoint being loaded is not saved")
+
+    def remove_checkpoint(self, path: Any) -> None:
+        raise RuntimeError("a checkpoint being loaded is not removed")
 
 
 def register_outer_fabric_strategies(registry: _StrategyRegistry) -> None:
