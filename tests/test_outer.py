@@ -46,6 +46,10 @@ def test_diloco_learns_and_ranks_agree_after_every_sync(ranks):
     assert len(mine["synced"]) == 6
     for t, (a, b) in enumerate(zip(mine["synced"], theirs["synced"])):
         assert_bitwise_equal(a, b, f"sync {t}")  # parameters and BatchNorm buffers
+        for name, before in mine["before_sync"][t].items():  # the mean of the ranks' own, not one rank's
+            mean = (before + theirs["before_sync"][t][name]) / 2
+            assert not torch.equal(before, theirs["before_sync"][t][name]), (t, name)
+            torch.testing.assert_close(a[name], mean, rtol=0, atol=1e-6)
     assert mine["end"] < 0.25 * mine["start"], (mine["start"], mine["end"])
 
 
@@ -271,8 +275,16 @@ def test_a_final_sync_lands_what_is_in_flight_then_sends_the_rest(world_of_one):
     assert outer.sync()
     assert outer.syncs == 3  # fragment 0 landed (mix 0: theta_r <- theta_g), then fragment 1, trained since step 3
     assert all(torch.equal(p, g) for p, g in zip(model.parameters(), outer.global_parameters.values()))
-    with outer.global_weights():
-        pass
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # one more local step: theta_r != theta_g
+    theta_r = [p.detach().clone() for p in model.parameters()]
+    theta_g = list(outer.global_parameters.values())
+    assert not any(torch.equal(r, g) for r, g in zip(theta_r, theta_g))
+    with outer.global_weights() as own:
+        assert all(torch.equal(p, g) for p, g in zip(model.parameters(), theta_g))
+        assert all(torch.equal(kept, r) for kept, r in zip(own.parameters.values(), theta_r))
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), theta_r))
 
 
 def test_a_state_with_other_fragments_is_refused(world_of_one):

@@ -74,7 +74,8 @@ def test_one_step_exact_average_with_outer_sgd_lr_1_is_ddp(runs):
             torch.testing.assert_close(value, rank["ddp"]["params"][name], rtol=0, atol=1e-5)
 
 
-def test_max_steps_not_a_multiple_of_h_ends_with_a_final_sync(runs):
+def test_a_fit_of_steps_not_a_multiple_of_h_ends_with_a_final_sync(runs):
+    """2 epochs of 5 steps with H = 4: syncs after steps 4 and 8, and a final one after step 10."""
     for rank in runs:
         run = rank["h4"]
         assert run["global_step"] == run["inner_steps"] == 10

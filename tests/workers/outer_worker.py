@@ -97,9 +97,17 @@ def diloco(rank: int) -> dict[str, Any]:
     start = evaluate(model)
     outer = OuterLoop(model, sync_every=4)
     synced: list[dict[str, torch.Tensor]] = []
+    before_sync: list[dict[str, torch.Tensor]] = []  # this rank's running statistics right before each sync
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # outer momentum multiplies it ~7x
-    train(model, optimizer, rank, range(24), outer, lambda: synced.append(snapshot(model)))
-    return {"start": start, "end": evaluate(model), "synced": synced, "syncs": outer.syncs}
+    for step in range(24):
+        train(model, optimizer, rank, range(step, step + 1))
+        if (step + 1) % 4 == 0:
+            before_sync.append({n: b.clone() for n, b in model.named_buffers() if b.is_floating_point()})
+        if outer.inner_step_done():
+            synced.append(snapshot(model))
+    return {
+        "start": start, "end": evaluate(model), "synced": synced, "syncs": outer.syncs, "before_sync": before_sync,
+    }  # fmt: skip
 
 
 def compressed(rank: int) -> dict[str, Any]:
