@@ -4,12 +4,14 @@ checked against a chunk-by-chunk reference written out plainly here, and over a 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 from conftest import launch_ranks
 
 from lightning_gc.compressors import available, create
+from lightning_gc.compressors.base import EncodeContext
 from lightning_gc.compressors.chunk_topk import ChunkTopKCompressor
 from lightning_gc.exchanges.averager import CompressedAverager
 from lightning_gc.exchanges.base import FlatExchange
@@ -123,19 +125,26 @@ def test_bytes_follow_the_documented_formula_and_the_payload():
     assert codec.wire_bytes(layout, 4) == formula
     averager.average(torch.randn(averager.numel))
     assert averager.bytes_sent == formula  # what the payload tensors held
-    plan = next(iter(codec._plans._plans.values()))[1]
-    assert plan.payload.numel() + 4 * dense == formula
+    assert plan_of(averager).payload.numel() + 4 * dense == formula
     assert formula < averager.numel * 4 / 10
+
+
+def plan_of(averager: CompressedAverager) -> Any:
+    """The codec's plan for the averager's flat tensor, through the public ``plan`` (cached: the
+    one the last call used)."""
+    like = torch.zeros(averager.numel)
+    return averager.compressor.plan(EncodeContext(averager.layout, step=0, world_size=1), like)
 
 
 def test_same_input_same_bytes():
     x = torch.randn(alone().numel, generator=torch.Generator().manual_seed(5))
-    payloads = []
+    payloads, decoded, sent = [], [], []
     for _ in range(2):
         averager = alone()
-        averager.average(x.clone())
-        payloads.append(next(iter(averager.compressor._plans._plans.values()))[1].payload.clone())
-    assert torch.equal(*payloads)
+        decoded.append(averager.average(x.clone()).wait().clone())
+        payloads.append(plan_of(averager).payload.clone())  # padding included: the bytes on the wire
+        sent.append(averager.bytes_sent)
+    assert torch.equal(*payloads) and torch.equal(*decoded) and sent[0] == sent[1]
 
 
 def test_two_gloo_ranks_average_their_decodes(tmp_path):
@@ -197,8 +206,6 @@ def test_12_bit_indices_pack_three_bytes_per_two_as_the_bit_stream(pairs, width)
 
 
 def test_the_plan_keeps_slot_positions_in_int32():
-    codec = ChunkTopKCompressor(0.05)
-    alone_averager = CompressedAverager(codec, SHAPES, via=FlatExchange(LocalTransport(1)))
-    alone_averager.average(torch.randn(alone_averager.numel)).wait()
-    plan = next(iter(codec._plans._plans.values()))[1]
-    assert plan.slots.dtype == torch.int32  # [B, 4096] per chunk: half the bytes of int64
+    averager = alone(0.05)
+    averager.average(torch.randn(averager.numel)).wait()
+    assert plan_of(averager).slots.dtype == torch.int32  # [B, 4096] per chunk: half the bytes of int64
