@@ -406,3 +406,26 @@ def test_each_fragment_runs_its_own_codec_and_builds_its_plan_once(world_of_one,
     pairs = zip(by_object.global_parameters.values(), by_name.global_parameters.values())
     assert all(torch.equal(a, b) for a, b in pairs)
     assert by_object.bytes_sent == by_name.bytes_sent
+
+
+def test_the_residual_follows_error_feedback_with_decay_through_the_outer_loop(world_of_one):
+    """One rank, top-k 10 %, beta = 0.9, outer SGD lr 1 without momentum (so y = theta_g before -
+    theta_g after): at every sync e <- beta e + Delta - y, read through averager.residual()."""
+    model = wide()
+    beta = 0.9
+    outer = OuterLoop(
+        model, sync_every=1, compressor="topk", compress_ratio=0.1, error_decay=beta, outer=OuterSGD(1.0, 0.0, False)
+    )
+    averager = outer.fragments[0].averager
+    residual = torch.zeros(averager.numel)
+    for step in range(4):
+        before = torch.cat([g.reshape(-1) for g in outer.global_parameters.values()])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)), alpha=0.01)
+        delta = before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        assert outer.inner_step_done()
+        y = before - torch.cat([g.reshape(-1) for g in outer.global_parameters.values()])
+        residual = beta * residual + delta - y
+        assert (y != 0).float().mean() < 0.2  # top-k sent a part only: the rest is in the residual
+        torch.testing.assert_close(averager.residual(), residual, rtol=0, atol=1e-6)

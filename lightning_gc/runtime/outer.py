@@ -325,7 +325,6 @@ class OuterLoop:
             "format": STATE_FORMAT,
             "settings": self._settings(),
             "inner_steps": self._inner_steps,
-            "syncs": self.syncs,
             "fragments": [f.state_dict() for f in self.fragments],
             "global": {name: theta_g.clone() for name, theta_g in self.global_parameters.items()},
             "global_buffers": {name: b.clone() for name, b in self._buffers_g.items()},
