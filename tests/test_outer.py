@@ -429,3 +429,27 @@ def test_the_residual_follows_error_feedback_with_decay_through_the_outer_loop(w
         residual = beta * residual + delta - y
         assert (y != 0).float().mean() < 0.2  # top-k sent a part only: the rest is in the residual
         torch.testing.assert_close(averager.residual(), residual, rtol=0, atol=1e-6)
+
+
+def test_a_bfloat16_module_keeps_theta_g_and_the_outer_momentum_in_float32(world_of_one):
+    """Outer steps below bfloat16's spacing (weights at 1, Delta = 2^-7 each sync, outer lr 0.1:
+    at most 0.0016 a step, under half of bfloat16's 2^-8 below 1) add up in a float32 theta_g; kept
+    in the parameters' dtype each rounded back to 1. The module gets theta_g rounded to bfloat16."""
+    model = torch.nn.Linear(16, 16, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    outer = OuterLoop(model, sync_every=1, outer=OuterSGD(lr=0.1, momentum=0.5, nesterov=False))
+    (theta_g,) = outer.global_parameters.values()
+    reference = torch.ones(16, 16, requires_grad=True)  # float32 SGD on the same constant gradient
+    sgd = torch.optim.SGD([reference], lr=0.1, momentum=0.5)
+    for _ in range(10):
+        with torch.no_grad():
+            model.weight.sub_(2**-7)  # one inner step: Delta = round(theta_g) - theta_r = 2^-7
+        outer.inner_step_done()
+        reference.grad = torch.full((16, 16), 2**-7)
+        sgd.step()
+    assert theta_g.dtype == torch.float32
+    assert outer.fragments[0].outer_optimizer.state[theta_g]["momentum_buffer"].dtype == torch.float32
+    torch.testing.assert_close(theta_g, reference.detach(), rtol=0, atol=1e-6)
+    assert theta_g.max() < 0.99  # moved by ~0.013
+    assert model.weight.dtype == torch.bfloat16 and torch.equal(model.weight, theta_g.to(torch.bfloat16))

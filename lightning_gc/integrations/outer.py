@@ -235,8 +235,8 @@ class OuterLoopStrategy(DDPStrategy):
             state_dict = checkpoint.get("state_dict")
             if state_dict is not None:
                 for name, value in self._global_state().items():
-                    if name in state_dict:
-                        state_dict[name] = value.detach().clone()
+                    if name in state_dict:  # in the module's dtype (theta_g is float32 for a half-precision one)
+                        state_dict[name] = value.detach().to(state_dict[name].dtype, copy=True)
             optimizer_states = [self.optimizer_state(o) for o in self.optimizers]
             precision = self.precision_plugin.state_dict()  # this rank's (a GradScaler's scale is per rank)
             entry = gather_outer_entry(

@@ -51,6 +51,11 @@ syncs it holds the rank's own ``theta_r``. ``theta_g`` (:attr:`OuterLoop.global_
 every fragment's latest) with ``buffers_g`` is what users evaluate and keep; a front end evaluates
 it, not ``theta_r`` (:meth:`OuterLoop.global_weights` swaps both in for a block).
 
+``theta_g`` and the outer momentum are kept in float32 (or the parameter's dtype if wider): a
+half-precision module (``bf16-true``) would lose every outer step below its spacing. The module
+gets ``theta_g`` rounded to its dtype, and ``delta_r`` is taken from that rounded ``theta_g`` (where
+``theta_r`` started), in the parameters' dtype.
+
 Memory per rank on top of training: ``theta_g``, the outer momentum and the residual ``e_r``
 (about 3x the trainable parameters; no residual for unbiased codecs such as ``"none"``), plus one
 flat pseudo-gradient per exchange in flight (a fragment's, kept ``sync_delay`` steps).

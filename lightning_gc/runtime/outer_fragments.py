@@ -152,7 +152,9 @@ class Fragment:
         self.dtype = dtype
         check_error_decay(averager.memory.error_decay, averager.compressor, averager.memory.error_feedback)
         self.averager = averager
-        self.globals = [p.detach().clone() for p in params]
+        # theta_g (and the outer momentum) at least in float32: outer steps below a half-precision
+        # parameter's spacing would round away, every sync
+        self.globals = [p.detach().to(torch.promote_types(p.dtype, torch.float32), copy=True) for p in params]
         self.outer_optimizer = outer.build(self.globals)
         self.in_flight: InFlight | None = None
         self.syncs = 0
@@ -177,7 +179,8 @@ class Fragment:
         with torch.no_grad():
             delta = torch.empty(sum(self.numels), dtype=self.dtype, device=self.params[0].device)
             for piece, theta_g, theta_r in zip(delta.split(self.numels), self.globals, self.params):
-                torch.sub(theta_g, theta_r, out=piece.view(theta_g.shape))
+                # against theta_g as the module held it (rounded to theta_r's dtype): where theta_r started
+                torch.sub(theta_g.to(theta_r.dtype), theta_r, out=piece.view(theta_g.shape))
             self.in_flight = InFlight(step, self.averager.average(delta))
 
     def land(self, mix: float, *, final: bool = False) -> None:
@@ -201,7 +204,7 @@ class Fragment:
                 self.outer_optimizer.step()
                 self.outer_optimizer.zero_grad(set_to_none=True)
             for theta_g, theta_r in zip(self.globals, self.params):
-                theta_r.copy_(theta_g if mix == 0 else torch.lerp(theta_g, theta_r, mix))
+                theta_r.copy_(theta_g if mix == 0 else torch.lerp(theta_g, theta_r.to(theta_g.dtype), mix))
         self.syncs += 1
         self.dirty = mix != 0
 
