@@ -453,3 +453,17 @@ def test_a_bfloat16_module_keeps_theta_g_and_the_outer_momentum_in_float32(world
     torch.testing.assert_close(theta_g, reference.detach(), rtol=0, atol=1e-6)
     assert theta_g.max() < 0.99  # moved by ~0.013
     assert model.weight.dtype == torch.bfloat16 and torch.equal(model.weight, theta_g.to(torch.bfloat16))
+
+
+def test_a_parameter_frozen_or_unfrozen_after_construction_is_refused_at_the_next_sync(world_of_one):
+    for change in ("unfreeze", "freeze"):
+        model = small()
+        model[0].bias.requires_grad_(change == "freeze")
+        outer = OuterLoop(model, sync_every=2)
+        outer.inner_step_done()
+        model[0].bias.requires_grad_(change == "unfreeze")  # e.g. a fine-tuning schedule, mid-run
+        with pytest.raises(
+            RuntimeError, match=r"trainable parameters changed since construction: .*'0.bias'"
+        ) as caught:
+            outer.inner_step_done()  # a sync step
+        assert "\n" not in str(caught.value)

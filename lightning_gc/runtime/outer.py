@@ -231,9 +231,11 @@ class OuterLoop:
         step = self._inner_steps
         for fragment in self.fragments:
             fragment.dirty = True
-        for fragment in self.fragments:  # in fragment order: the same collectives' order on every rank
-            if fragment.due(step, self.sync_every):
-                fragment.launch(step)
+        launching = [f for f in self.fragments if f.due(step, self.sync_every)]
+        if launching:
+            self._check_trainable()
+        for fragment in launching:  # in fragment order: the same collectives' order on every rank
+            fragment.launch(step)
         due = [f for f in self._flying() if f.in_flight.launched_at + self.streaming.sync_delay <= step]
         for fragment in due:
             fragment.land(self.streaming.mix)
@@ -251,6 +253,7 @@ class OuterLoop:
         are averaged. Each fragment takes at most one outer step here. The schedule of
         :meth:`inner_step_done` does not move. Whether anything was done (nothing when
         :attr:`pending` is false)."""
+        self._check_trainable()
         flying = self._flying()
         for fragment in flying:
             fragment.land(0.0)
@@ -271,6 +274,17 @@ class OuterLoop:
             return False
         notify_on_rank_zero(f"lightning_gc: final outer sync after inner step {self._inner_steps}")
         return self.sync()
+
+    def _check_trainable(self) -> None:
+        """Raise if the trainable parameters are not those of construction (checked at each sync:
+        a parameter unfrozen later would never be synced, a frozen one synced from stale values)."""
+        trainable = [name for name, p in self.module.named_parameters() if p.requires_grad]
+        if trainable != self._names:
+            changed = sorted(set(trainable) ^ set(self._names))
+            raise RuntimeError(
+                f"the module's trainable parameters changed since construction: {changed}; the outer loop syncs the "
+                "ones trainable when it was built, so build it after (un)freezing, or resume from a checkpoint"
+            )
 
     def _flying(self) -> list[Fragment]:
         """The fragments in flight, in launch order (by step, then fragment)."""
