@@ -720,6 +720,7 @@ def test_a_state_written_before_the_server_errors_moved_to_the_exchange_loads_an
     assert state["exchange_state"]["server"] and state["compressor_state"] == {}
     legacy = {k: v for k, v in state.items() if k != "exchange_state"}
     legacy["compressor_state"] = dict(state["exchange_state"])  # the form before the move
+    legacy["format"] = 1
     resumed = averager()
     resumed.load_state_dict(legacy)
     for x in inputs[2:]:

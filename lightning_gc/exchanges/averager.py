@@ -39,7 +39,10 @@ from lightning_gc.exchanges.select import exchange_over
 from lightning_gc.exchanges.transport import GroupTransport
 from lightning_gc.exchanges.two_phase import split_server_state
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
+"""2: the exchange's state (two-phase server errors) under ``exchange_state``; 1 held it in
+``compressor_state`` (read, converted)."""
+READABLE_STATE_FORMATS = (1, 2)
 
 
 def flat_layout(shapes: Sequence[tuple[str, Sequence[int]]], index: int = 0) -> BucketLayout:
@@ -158,8 +161,8 @@ class CompressedAverager:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`'s output, which must come from the same codec settings."""
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"averager state format {state.get('format')!r} is not {STATE_FORMAT}")
+        if state.get("format") not in READABLE_STATE_FORMATS:
+            raise ValueError(f"averager state format {state.get('format')!r} is not one of {READABLE_STATE_FORMATS}")
         if state["compressor"] != self.compressor.config():
             raise ValueError(
                 f"the state was written by compressor {state['compressor']}, this averager has "
