@@ -24,7 +24,10 @@ OUTER_PRESETS: dict[str, dict[str, Any]] = {
         "outer_momentum": 0.9,
         "outer_nesterov": True,
     },
-    "diloco_int8": {  # DiLoCo with 8-bit codes: QSGD, 127 levels (unbiased: no error feedback needed)
+    # DiLoCo with 8-bit codes: QSGD, 127 levels (unbiased: no error feedback needed). Not INTELLECT-1's codec,
+    # which maps each tensor's min..max onto uint8: QSGD scales each chunk of 512 by its L2 norm and rounds
+    # stochastically, so a chunk's values use few of the 127 levels (most magnitudes are far below the norm)
+    "diloco_int8": {
         "sync_every": 500,
         "compressor": "qsgd",
         "levels": 127,

@@ -30,6 +30,12 @@ Invariant: with ``sync_every=1``, compressor ``"none"``, ``outer_lr=1``, ``outer
 ``delta_r = lr g_r`` and ``theta <- theta - lr mean_r g_r`` (up to float rounding of the
 subtraction and the mean).
 
+Which codecs run on ``delta_r``: every registered one. The pseudo-gradient is one flat tensor of
+whole parameter tensors, averaged through the same pipeline as a DDP bucket, and nothing a codec
+needs is per-step only (DGC's momentum correction is off: the outer SGD holds the momentum).
+Per-step options of gradient compression (``delay``, ``local_update``, the Adam hand-over) are
+refused by the front ends (:func:`~lightning_gc.integrations.outer_attach.outer_arguments`).
+
 Floating-point buffers (BatchNorm running statistics) are averaged exactly (all-reduce sum / N)
 at every sync; integer buffers (``num_batches_tracked``) and frozen parameters
 (``requires_grad=False``) are left alone: they are the same on every rank by construction. The
@@ -73,10 +79,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_gc.common.log import notify_on_rank_zero
 from lightning_gc.common.validation import check_int, check_range
@@ -84,19 +89,12 @@ from lightning_gc.compressors.base import Compressor
 from lightning_gc.exchanges.averager import CompressedAverager
 from lightning_gc.exchanges.comm import ProcessGroup
 from lightning_gc.runtime.consistency import verify_same_parameters
+from lightning_gc.runtime.outer_buffers import LocalWeights, average_buffers
 from lightning_gc.runtime.outer_fragments import Fragment, OuterSGD, Streaming, partition
 
 __all__ = ["LocalWeights", "OuterLoop", "OuterSGD", "Streaming"]
 
 STATE_FORMAT = 3  # 3: the schedule's settings (sync_every, fragments, sync_delay, mix) and buffers_g
-
-
-class LocalWeights(NamedTuple):
-    """This rank's own weights, set aside while :meth:`OuterLoop.global_weights` holds ``theta_g``:
-    ``parameters`` (``theta_r``, the synced ones by name) and floating-point ``buffers`` by name."""
-
-    parameters: dict[str, torch.Tensor]
-    buffers: dict[str, torch.Tensor]
 
 
 class OuterLoop:
@@ -297,18 +295,8 @@ class OuterLoop:
     def _average_buffers(self) -> None:
         """Floating-point buffers <- their exact mean over the group (one all-reduce per dtype);
         ``buffers_g`` <- the same."""
-        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for buffer in self._float_buffers().values():
-            by_kind.setdefault((buffer.dtype, buffer.device), []).append(buffer)
-        world_size = dist.get_world_size(self.group)
-        with torch.no_grad():
-            for buffers in by_kind.values():
-                flat = torch.cat([b.reshape(-1) for b in buffers])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-                flat.div_(world_size)
-                for buffer, piece in zip(buffers, flat.split([b.numel() for b in buffers])):
-                    buffer.copy_(piece.view(buffer.shape))
-            self._buffers_g = {name: b.detach().clone() for name, b in self._float_buffers().items()}
+        average_buffers(list(self._float_buffers().values()), self.group)
+        self._buffers_g = {name: b.detach().clone() for name, b in self._float_buffers().items()}
 
     @contextmanager
     def global_weights(self) -> Iterator[LocalWeights]:
