@@ -52,7 +52,7 @@ OUTER_PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 """The outer-loop presets by name: every entry is an argument of
-:func:`~lightning_gc.integrations.outer_attach.outer_arguments`, and the user's arguments win.
+:func:`~lightning_gc.integrations.outer_arguments.outer_arguments`, and the user's arguments win.
 The compressor's own arguments (``levels``, ``compress_ratio``) apply only while the preset's
 compressor is kept; another ``compressor`` brings its own defaults."""
 

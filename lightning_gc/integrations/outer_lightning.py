@@ -12,7 +12,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning_gc.common.outer_presets import OUTER_PRESETS
 from lightning_gc.common.validation import check_timeout
 from lightning_gc.integrations.ddp_arguments import OWNED_DDP_ARGUMENTS, ddp_argument_names
-from lightning_gc.integrations.outer_attach import OuterArguments, outer_arguments
+from lightning_gc.integrations.outer_arguments import OuterArguments, outer_arguments
 
 
 def split_strategy_arguments(
@@ -23,7 +23,7 @@ def split_strategy_arguments(
 
     Raises:
         ValueError: in one line: a DDP argument the strategy owns (its comm hook), or anything
-            :func:`~lightning_gc.integrations.outer_attach.outer_arguments` refuses.
+            :func:`~lightning_gc.integrations.outer_arguments.outer_arguments` refuses.
     """
     owned = sorted(set(kwargs) & set(OWNED_DDP_ARGUMENTS))
     if owned:

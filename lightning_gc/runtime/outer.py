@@ -34,7 +34,7 @@ Which codecs run on ``delta_r``: every registered one. The pseudo-gradient is on
 whole parameter tensors, averaged through the same pipeline as a DDP bucket, and nothing a codec
 needs is per-step only (DGC's momentum correction is off: the outer SGD holds the momentum).
 Per-step options of gradient compression (``delay``, ``local_update``, the Adam hand-over) are
-refused by the front ends (:func:`~lightning_gc.integrations.outer_attach.outer_arguments`).
+refused by the front ends (:func:`~lightning_gc.integrations.outer_arguments.outer_arguments`).
 
 Floating-point buffers (BatchNorm running statistics) are averaged exactly (all-reduce sum / N)
 at every sync; integer buffers (``num_batches_tracked``) and frozen parameters
