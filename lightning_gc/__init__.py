@@ -66,11 +66,11 @@ if TYPE_CHECKING:
     from lightning_gc.integrations.callbacks import PAPER_WARMUP_DENSITIES, SparsityWarmup
     from lightning_gc.integrations.dgc import DGCStrategy
     from lightning_gc.integrations.fabric import FabricCompressionStrategy
-    from lightning_gc.integrations.outer_fabric import FabricOuterLoopStrategy
     from lightning_gc.integrations.ft import fault_tolerant
     from lightning_gc.integrations.ft_outer import fault_tolerant_outer
     from lightning_gc.integrations.outer import OuterLoopStrategy
     from lightning_gc.integrations.outer_attach import outer_loop
+    from lightning_gc.integrations.outer_fabric import FabricOuterLoopStrategy
     from lightning_gc.integrations.strategy import GradientCompressionStrategy
 
 

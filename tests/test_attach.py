@@ -186,8 +186,10 @@ def test_finish_shuts_the_gloo_group_down_at_exit_and_frees_the_model_first(tmp_
 def test_a_format_1_checkpoint_resumes_its_nesterov_momentum_as_sgds_buffer(world_of_one) -> None:
     """Checkpoint format 1 kept a Nesterov parameter's momentum as ``m`` times SGD's buffer (DGC's
     paper form); format 2 keeps the buffer. A format 1 entry is converted when the fit starts, so
-    it resumes as its format 2 twin does."""
+    it resumes as its current-format twin does."""
     import copy
+
+    from lightning_gc.runtime.checkpoint import CHECKPOINT_FORMAT
 
     def attached() -> tuple[torch.nn.Module, DistributedDataParallel, torch.optim.SGD, object]:
         torch.manual_seed(0)
@@ -206,7 +208,7 @@ def test_a_format_1_checkpoint_resumes_its_nesterov_momentum_as_sgds_buffer(worl
     net, ddp, optimizer, gc = attached()
     train(ddp, optimizer, gc, range(4))
     entry, weights = gc.state_dict(), copy.deepcopy(net.state_dict())
-    assert entry["format"] == 2
+    assert entry["format"] == CHECKPOINT_FORMAT == 3
     legacy = copy.deepcopy(entry)
     legacy["format"] = 1
     held = legacy["ranks"][0]["memory"]

@@ -15,8 +15,8 @@ from lightning_gc import GradientCompressionStrategy
 from lightning_gc.common.layout import BucketLayout, Segment, chunk_segments, packed_layout
 from lightning_gc.compressors import registry
 from lightning_gc.compressors.base import EncodeContext, compressible
+from lightning_gc.compressors.chunks import EXCHANGES, two_phase_compressors
 from lightning_gc.compressors.encoded import Encoded, Payload
-from lightning_gc.compressors.two_phase import EXCHANGES, two_phase_compressors
 from lightning_gc.exchanges.transport import LocalTransport, traffic_bytes
 from lightning_gc.exchanges.two_phase import TwoPhaseExchange
 from lightning_gc.perfmodel.calibration import time_codec

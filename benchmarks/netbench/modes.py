@@ -32,7 +32,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 from lightning_gc import DGCStrategy, GradientCompressionStrategy, available
-from lightning_gc.compressors.two_phase import two_phase_compressors
+from lightning_gc.compressors.chunks import two_phase_compressors
 
 IDEAL = "ideal"
 TORCH_MODES = ("ddp", "noop", "torch_fp16", "torch_powersgd1", "torch_powersgd4")

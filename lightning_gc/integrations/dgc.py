@@ -34,7 +34,7 @@ class DGCStrategy(GradientCompressionStrategy):
         exchange: ``"gather"`` (every rank's pairs all-gathered) or ``"global_topk"`` (ranks
             agree on ``k`` positions per tensor in ``log2 N`` pairwise merge rounds, then
             all-reduce their values: traffic per rank grows as ``log N``, not ``N``; see
-            :mod:`lightning_gc.compressors.global_topk`).
+            :mod:`lightning_gc.exchanges.global_topk`).
         **kwargs: :class:`GradientCompressionStrategy` / ``DDPStrategy`` arguments.
     """
 

@@ -57,7 +57,7 @@ from lightning_gc.perfmodel.step import Prediction, Workload, best, predict
 def two_phase_row(name: str, cost: CodecCost, arguments: dict[str, Any], world_size: int) -> CodecCost | None:
     """The ``<name>+two_phase`` row of ``cost``, for a compressor that takes ``exchange`` and
     all-gathers with these ``arguments``; ``None`` for the others (summed payloads gain nothing)."""
-    from lightning_gc.compressors.two_phase import two_phase_compressors
+    from lightning_gc.compressors.chunks import two_phase_compressors
 
     if (
         name not in two_phase_compressors()

@@ -24,7 +24,7 @@ node's NIC per step. Every inter term vanishes at ``K = 1``; every intra term at
                           + (L-1) K m/L / B_i + (L-1) a_i          inter (K-1) m
     powersgd(s)           dense_hierarchical with M = s (the summed low-rank factors)
 
-(the global top-k exchange of :mod:`lightning_gc.compressors.global_topk`: ``log2 N``
+(the global top-k exchange of :mod:`lightning_gc.exchanges.global_topk`: ``log2 N``
 recursive-doubling merge rounds of the ``m``-byte candidate pairs, then an all-reduce of the
 agreed values, a fraction ``v`` of ``m``: 1/2 for fp32 values with int32 indices. Ranks numbered
 node by node make the first ``log2 L`` rounds intra-node; in the others all ``L`` devices of a node

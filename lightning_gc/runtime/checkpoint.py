@@ -22,11 +22,14 @@ from lightning_gc.common.errors import IncompatibleCheckpoint
 from lightning_gc.runtime.reshard import reshard
 
 CHECKPOINT_KEY = "lightning_gc"
-CHECKPOINT_FORMAT = 2
-READABLE_FORMATS = (1, 2)
+CHECKPOINT_FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
 """Formats this version resumes. Format 1 kept a Nesterov parameter's momentum as ``m`` times
 ``torch.optim.SGD``'s buffer (DGC's paper form); format 2 keeps the buffer itself, and a format 1
-entry is converted when the fit starts (:meth:`~lightning_gc.runtime.session.CompressionSession.start_fit`)."""
+entry is converted when the fit starts (:meth:`~lightning_gc.runtime.session.CompressionSession.start_fit`).
+Format 3 keeps the two-phase server errors as the exchange's state (each rank's ``"exchange"``)
+where formats 1 and 2 kept them in the compressor's state; those are converted on load. A version
+that reads only formats 1 and 2 refuses format 3 instead of dropping the server errors."""
 
 
 def no_entry_notice(source: Any) -> str:
