@@ -8,5 +8,7 @@
 * :mod:`~lightning_gc.common.errors`: the exceptions front ends report to users.
 * :mod:`~lightning_gc.common.log`: warnings and notices from rank zero, without Lightning.
 * :mod:`~lightning_gc.common.outer_presets`: the outer loop's presets as plain data, for the front
-  ends and the performance model (which sits below them).
+  ends and the performance model (which sits below them); :mod:`~lightning_gc.common.outer_schedule`:
+  the one rule on a streamed schedule that both check.
+* :mod:`~lightning_gc.common.markdown`: the Markdown tables the CLIs print.
 """

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_gc.common.markdown import markdown_table
 from lightning_gc.common.outer_presets import OUTER_PRESETS
 from lightning_gc.common.validation import check_choice, check_int, check_range
 from lightning_gc.perfmodel import BITS_PER_BYTE, DENSE, CodecCost, Network, parse_rate, two_phase_cost
@@ -154,18 +155,34 @@ def scaled_cost(name: str, numel: int, sample: CodecCost, sampled_numel: int, ar
 
 def format_table(predictions: Sequence[Prediction]) -> str:
     """Markdown table of predictions."""
-    lines = [
-        "| scheme | MB sent | wire ratio | comm (ms) | encode+decode (ms) | host (ms) | exposed (ms) | step (ms) "
-        "| speedup |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p in predictions:
-        lines.append(
-            f"| {p.name} | {p.bytes_sent / 1e6:.3f} | {p.wire_ratio:.1f} | {p.comm_s * 1e3:.1f} | "
-            f"{p.codec_s * 1e3:.1f} | {p.host_s * 1e3:.1f} | {p.exposed_s * 1e3:.1f} | {p.step_s * 1e3:.1f} | "
-            f"{p.speedup:.2f} |"
-        )
-    return "\n".join(lines)
+    header = (
+        "scheme",
+        "MB sent",
+        "wire ratio",
+        "comm (ms)",
+        "encode+decode (ms)",
+        "host (ms)",
+        "exposed (ms)",
+        "step (ms)",
+        "speedup",
+    )
+    return markdown_table(
+        header,
+        (
+            (
+                p.name,
+                f"{p.bytes_sent / 1e6:.3f}",
+                f"{p.wire_ratio:.1f}",
+                f"{p.comm_s * 1e3:.1f}",
+                f"{p.codec_s * 1e3:.1f}",
+                f"{p.host_s * 1e3:.1f}",
+                f"{p.exposed_s * 1e3:.1f}",
+                f"{p.step_s * 1e3:.1f}",
+                f"{p.speedup:.2f}",
+            )
+            for p in predictions
+        ),
+    )
 
 
 class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):

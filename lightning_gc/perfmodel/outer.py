@@ -51,6 +51,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_gc.common.markdown import markdown_table
 from lightning_gc.common.outer_schedule import check_sync_delay
 from lightning_gc.common.validation import check_int
 from lightning_gc.perfmodel import DENSE, CodecCost, Network, exchange_cost_s
@@ -148,20 +149,44 @@ def predict_outer(
 
 def format_outer_table(predictions: Sequence[OuterPrediction]) -> str:
     """Markdown table of outer-loop predictions (times of one fragment's sync, and per inner step)."""
-    lines = [
-        "| outer loop | sync_every | fragments | sync_delay | MB per sync | MB per step | wire ratio | sync comm (ms) "
-        "| encode+decode (ms) | host (ms) | exposed (ms) | step (ms) | link use | speedup |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for o in predictions:
-        s = o.schedule
-        lines.append(
-            f"| {o.name} | {s.sync_every} | {s.fragments} | {s.sync_delay} | {o.bytes_sent / 1e6:.3f} | "
-            f"{o.bytes_per_step / 1e6:.4f} | {o.wire_ratio:.0f} | {o.comm_s * 1e3:.1f} | {o.codec_s * 1e3:.1f} | "
-            f"{o.host_s * 1e3:.1f} | {o.exposed_s * 1e3:.1f} | {o.step_s * 1e3:.1f} | {o.link_use:.1%} | "
-            f"{o.speedup:.2f} |"
-        )
-    return "\n".join(lines)
+    header = (
+        "outer loop",
+        "sync_every",
+        "fragments",
+        "sync_delay",
+        "MB per sync",
+        "MB per step",
+        "wire ratio",
+        "sync comm (ms)",
+        "encode+decode (ms)",
+        "host (ms)",
+        "exposed (ms)",
+        "step (ms)",
+        "link use",
+        "speedup",
+    )
+    return markdown_table(
+        header,
+        (
+            (
+                o.name,
+                o.schedule.sync_every,
+                o.schedule.fragments,
+                o.schedule.sync_delay,
+                f"{o.bytes_sent / 1e6:.3f}",
+                f"{o.bytes_per_step / 1e6:.4f}",
+                f"{o.wire_ratio:.0f}",
+                f"{o.comm_s * 1e3:.1f}",
+                f"{o.codec_s * 1e3:.1f}",
+                f"{o.host_s * 1e3:.1f}",
+                f"{o.exposed_s * 1e3:.1f}",
+                f"{o.step_s * 1e3:.1f}",
+                f"{o.link_use:.1%}",
+                f"{o.speedup:.2f}",
+            )
+            for o in predictions
+        ),
+    )
 
 
 def recommendation(per_step: Prediction, outer: Sequence[OuterPrediction]) -> str | None:
