@@ -53,7 +53,7 @@ CASES: list[tuple[type, dict[str, Any], str, str]] = [
     (GradientCompressionStrategy, {"compress_when": "yes"}, "compress_when", "CompressWhenFaster"),
     (RandomKCompressor, {"rescale": "false"}, "rescale", "True or False"),
     (GradientCompressionStrategy, {"compressor": "zstd"}, "compressor", "'powersgd'"),
-    (DGCStrategy, {"momentum_masking": "no"}, "momentum_masking", "True or False"),
+    (DGCStrategy, {"momentum_masking": "no"}, "momentum_masking", "True, False or 'auto'"),
     (GradientCompressionStrategy, {"momentum_correction": 1}, "momentum_correction", "True or False"),
     (GradientCompressionStrategy, {"log_stats": "yes"}, "log_stats", "True or False"),
     (GradientCompressionStrategy, {"error_feedback": 0}, "error_feedback", "True or False"),

@@ -197,6 +197,7 @@ class CompressionSession:
         )
         self._resumed_adam_warmup = None  # taken (a later fit from scratch resolves its own)
         self.hand_over.check(optimizers, local_update=settings.local_update, delay=settings.delay)
+        self.memory.momentum_masking = settings.masking_for(adam=isinstance(self.hand_over, AdamHandOver))
         if isinstance(self.hand_over, AdamHandOver) and self.adam_plan is not None:
             self._floor = floor_for(self.compressor, self.adam_plan, settings.adam_min_sends)
             if self.hook_state is not None:  # every rank must freeze at the same step

@@ -44,7 +44,13 @@ class CompressionSettings:
             SGD without momentum) use plain error feedback.
         momentum: momentum applied by the memory for parameters whose optimizer has none to hand
             over (e.g. Adam, or SGD with ``momentum=0``); ``None`` takes it from SGD only.
-        momentum_masking: zero the momentum where values were sent sparsely (DGC §3.3).
+        momentum_masking: zero the momentum where values were sent sparsely (DGC §3.3): ``True``,
+            ``False``, or ``"auto"`` (default): on with SGD's momentum (the paper's rule: a sent
+            element's stale momentum would push it on after the update it already made), off under
+            the Adam hand-over, whose handed-over momentum is Adam's first moment ``m``: masking it
+            moves an element sent at every step by ``(1 - beta1) g / d``, a tenth of Adam's ``m / d``
+            (ptb_adamw, 600 steps: +24 % perplexity over dense with masking, +7 % without; at 2,000
+            steps, DGC 1 % without masking +2.2 %, 0.1 % with masking +9.6 %).
         clip_norm: local gradient clipping before accumulation: each tensor's local gradient is
             clipped to L2 norm ``clip_norm / sqrt(world_size)`` (DGC §3.2). ``None``: off.
         error_feedback: keep what was not sent (the residual) for later steps; ``None`` (default)
@@ -110,7 +116,7 @@ class CompressionSettings:
 
     momentum_correction: bool = False
     momentum: float | None = None
-    momentum_masking: bool = True
+    momentum_masking: bool | str = AUTO
     clip_norm: float | None = None
     error_feedback: bool | None = None
     min_wire_ratio: float = 1.0
@@ -128,8 +134,10 @@ class CompressionSettings:
     hierarchy: str = "flat"
 
     def __post_init__(self) -> None:
-        for flag in ("momentum_correction", "momentum_masking", "log_stats", "local_update"):
+        for flag in ("momentum_correction", "log_stats", "local_update"):
             check_bool(flag, getattr(self, flag))
+        if self.momentum_masking != AUTO and not isinstance(self.momentum_masking, bool):
+            raise ValueError(f"`momentum_masking` must be True, False or {AUTO!r}, got {self.momentum_masking!r}")
         if self.error_feedback is not None:
             check_bool("error_feedback", self.error_feedback)
         if self.momentum is not None:
@@ -201,10 +209,14 @@ class CompressionSettings:
             error_feedback = compressor.biased or self.momentum_correction
         return CompensationMemory(
             momentum_correction=self.momentum_correction,
-            momentum_masking=self.momentum_masking,
+            momentum_masking=self.momentum_masking is not False,  # "auto": as for SGD until a fit says (masking_for)
             clip_norm=self.clip_norm,
             error_feedback=error_feedback,
         )
+
+    def masking_for(self, adam: bool) -> bool:
+        """Whether to mask the momentum in a fit whose hand-over is Adam's (``adam``) or SGD's."""
+        return (not adam) if self.momentum_masking == AUTO else bool(self.momentum_masking)
 
     def shared(self) -> dict[str, Any]:
         """The settings outside the memory that every rank must agree on (plain data)."""
