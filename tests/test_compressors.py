@@ -25,6 +25,7 @@ def test_every_compressor_has_a_preset() -> None:
         "dgc",
         "qsgd",
         "terngrad",
+        "int8",
         "onebit",
         "signsgd",
         "powersgd",

@@ -5,7 +5,7 @@ With ``P`` trainable elements, ``D`` of them in tensors sent dense (1-D, or < 10
 compressed tensor ``t`` of ``n_t`` elements, and ``aligned(x)`` = ``x`` rounded up to a multiple of 4:
 
 * ``diloco`` (compressor ``none``): ``4 P``, every element as float32;
-* ``diloco_int8`` (QSGD, 127 levels = 8-bit codes, one float32 norm per 512 elements):
+* ``diloco_int8`` (``int8``: 8-bit codes, one float32 max-abs scale per 512 elements):
   ``aligned(4 sum_t ceil(n_t / 512) + sum_t n_t) + 4 D``;
 * ``sparseloco`` (``chunk_topk`` at 2 %, chunks of 64x64 with ragged edges, ``B`` chunks of
   ``n_b`` elements, ``K = sum_b ceil(0.02 n_b)`` values):
@@ -52,8 +52,8 @@ def diloco_bytes(shapes: list[list[int]]) -> int:
 
 def diloco_int8_bytes(shapes: list[list[int]]) -> int:
     compressed, dense = split(shapes)
-    norms = sum(math.ceil(math.prod(s) / 512) for s in compressed)
-    return aligned(4 * norms + sum(math.prod(s) for s in compressed)) + 4 * dense
+    scales = sum(math.ceil(math.prod(s) / 512) for s in compressed)
+    return aligned(4 * scales + sum(math.prod(s) for s in compressed)) + 4 * dense
 
 
 def sparseloco_bytes(shapes: list[list[int]], ratio: float = 0.02) -> int:
@@ -112,7 +112,7 @@ def test_the_ptb_transformer_figures_of_the_docstring():
     shapes, layout = [shape for _, shape in named], flat_layout(named)
     figures = {
         "diloco": (diloco_bytes(shapes), create("none"), 6_838_272),
-        "diloco_int8": (diloco_int8_bytes(shapes), create("qsgd", levels=127), 1_733_648),
+        "diloco_int8": (diloco_int8_bytes(shapes), create("int8"), 1_733_648),
         "sparseloco": (sparseloco_bytes(shapes), create("chunk_topk", compress_ratio=0.02), 75_780),
         "dgc 1 %": (dgc_bytes(shapes, 0.01), create("dgc", compress_ratio=0.01), 150_848),
         "dgc 0.1 %": (dgc_bytes(shapes, 0.001), create("dgc", compress_ratio=0.001), 28_024),

@@ -162,7 +162,7 @@ def test_presets_register_and_construct_with_their_documented_settings():
     }
     assert settings == {
         "diloco": ("none", 1.0, 0.7, 0.9, True),
-        "diloco_int8": ("qsgd", 1.0, 0.7, 0.9, True),
+        "diloco_int8": ("int8", 1.0, 0.7, 0.9, True),
         "sparseloco": ("chunk_topk", 0.95, 1.0, 0.0, False),
     }
     assert built["diloco_int8"].compressor.levels == 127 and built["diloco_int8"].compressor.code_bits == 8

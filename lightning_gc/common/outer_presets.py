@@ -24,13 +24,14 @@ OUTER_PRESETS: dict[str, dict[str, Any]] = {
         "outer_momentum": 0.9,
         "outer_nesterov": True,
     },
-    # DiLoCo with 8-bit codes: QSGD, 127 levels (unbiased: no error feedback needed). Not INTELLECT-1's codec,
-    # which maps each tensor's min..max onto uint8: QSGD scales each chunk of 512 by its L2 norm and rounds
-    # stochastically, so a chunk's values use few of the 127 levels (most magnitudes are far below the norm)
+    # DiLoCo with 8-bit codes (INTELLECT-1-style): max-abs scaled int8 codes, one float32 scale per chunk of 512,
+    # unbiased stochastic rounding (no error feedback needed); each chunk's largest value is level 127.
+    # exchange "auto": two-phase (compressed all-reduce, bytes per rank flat in N) from 3 ranks.
     "diloco_int8": {
         "sync_every": 500,
-        "compressor": "qsgd",
-        "levels": 127,
+        "compressor": "int8",
+        "chunk_size": 512,
+        "exchange": "auto",
         "error_decay": 1.0,
         "outer_lr": 0.7,
         "outer_momentum": 0.9,

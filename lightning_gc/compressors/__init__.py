@@ -8,6 +8,7 @@ from lightning_gc.compressors.encoded import Encoded, Payload, Sent
 from lightning_gc.compressors.fft import FFTCompressor
 from lightning_gc.compressors.powersgd import PowerSGDCompressor
 from lightning_gc.compressors.quantize import (
+    Int8Compressor,
     OneBitCompressor,
     QSGDCompressor,
     SignSGDCompressor,
@@ -28,6 +29,7 @@ __all__ = [
     "Encoded",
     "FFTCompressor",
     "FP16Compressor",
+    "Int8Compressor",
     "NoCompressor",
     "OneBitCompressor",
     "Payload",

@@ -10,6 +10,8 @@ makes of a run of values:
 * ``terngrad`` (Wen et al. 2017): ternary ``max|x| * sign(x) * b`` with ``b ~ Bernoulli(|x| / max|x|)``,
   i.e. the same stochastic rounding with one level and scale ``max|x|`` (per chunk of 512 by
   default); unbiased, 2-bit codes.
+* ``int8``: the same rounding to 127 levels of ``|x| / max|x|`` per chunk of 512: 8-bit codes,
+  unbiased, every element within ``max|x| / 127`` of its value.
 * ``signsgd`` (EF-signSGD, Karimireddy et al. 2019): ``mean|x| * sign(x)`` per tensor or chunk,
   1 bit per element; biased, so error feedback keeps what the signs lose.
 * ``onebit`` (1-bit SGD, Seide et al. 2014): 1 bit per element choosing between two values per
@@ -112,6 +114,28 @@ class TernGradCompressor(_StochasticLevels):
     biased = False
     levels = 1
     code_bits = 2
+
+    def scales_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.abs().amax(dim=1)
+
+
+@register
+class Int8Compressor(_StochasticLevels):
+    """8-bit max-abs codes: ``x -> max|x| * sign(x) * l / 127`` per chunk of ``chunk_size`` elements,
+    the level ``l`` in [0, 127] rounded stochastically, unbiased (INTELLECT-1-style int8 pseudo-gradients).
+
+    Unlike ``qsgd`` at 127 levels (scale ``||x||_2``, so a Gaussian chunk of 512 uses ~6 levels), the
+    largest element of each chunk maps to level 127: every element's error is below ``max|x| / 127``.
+
+    Args:
+        chunk_size: elements sharing one ``max|x|`` (>= 8, default 512); ``None``: one per tensor.
+        **settings: ``exchange``, ``server_feedback``, ``min_compress_numel``: see :class:`BlockQuantizer`.
+    """
+
+    name = "int8"
+    biased = False
+    levels = 127
+    code_bits = 8
 
     def scales_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.abs().amax(dim=1)
