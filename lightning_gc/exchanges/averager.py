@@ -29,6 +29,7 @@ import torch
 from torch.futures import Future
 
 from lightning_gc.common.layout import BucketLayout, Segment
+from lightning_gc.common.validation import check_int
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import create
 from lightning_gc.core.memory import CompensationMemory
@@ -45,14 +46,18 @@ STATE_FORMAT = 2
 READABLE_STATE_FORMATS = (1, 2)
 
 
-def flat_layout(shapes: Sequence[tuple[str, Sequence[int]]], index: int = 0) -> BucketLayout:
+def flat_layout(
+    shapes: Sequence[tuple[str, Sequence[int]]], index: int = 0, first_order: int = 0
+) -> BucketLayout:
     """The layout of a flat tensor that concatenates tensors of these ``(name, shape)`` in order;
-    names must be unique (state is kept by name)."""
+    names must be unique (state is kept by name). Segment ``i`` gets order ``first_order + i``:
+    stochastic codecs salt their rounding with it, so layouts of disjoint parts of one model
+    (the outer loop's fragments) draw independent noise when each starts at its first tensor's index."""
     names = [name for name, _ in shapes]
     if len(set(names)) != len(names):
         raise ValueError(f"segment names must be unique, got {names}")
     segments, start = [], 0
-    for order, (name, shape) in enumerate(shapes):
+    for order, (name, shape) in enumerate(shapes, start=first_order):
         segment = Segment(name=name, order=order, start=start, shape=tuple(int(d) for d in shape))
         segments.append(segment)
         start = segment.stop
@@ -71,6 +76,9 @@ class CompressedAverager:
         group: the process group to average over (``None``: the default group).
         error_feedback: keep what was not sent; ``None`` (default): on for biased codecs.
         error_decay: ``beta`` in ``e <- beta e + x``, in (0, 1].
+        first_order: the order (rounding-noise salt) of the first tensor, the next ones following
+            (default 0); the outer loop's fragments pass their first parameter's index, so that
+            fragments with equal values do not draw equal rounding noise.
         via: the :class:`~lightning_gc.exchanges.base.Exchange` the rounds go through; default
             the one the codec's ``exchange`` argument chooses over ``group``; a plain
             ``FlatExchange(transport)`` names only a transport (e.g. ``FlatExchange(LocalTransport(4))``
@@ -91,6 +99,7 @@ class CompressedAverager:
         group: ProcessGroup = None,
         error_feedback: bool | None = None,
         error_decay: float = 1.0,
+        first_order: int = 0,
         via: Exchange | None = None,
         **compressor_arguments: Any,
     ) -> None:
@@ -102,7 +111,7 @@ class CompressedAverager:
                 f"not with the built compressor {compressor.name!r}"
             )
         self.compressor = compressor
-        self.layout = flat_layout(shapes)
+        self.layout = flat_layout(shapes, first_order=check_int("first_order", first_order, 0))
         self.memory = CompensationMemory(
             momentum_correction=False,
             momentum_masking=False,

@@ -165,6 +165,7 @@ class OuterLoop:
                 [(name, tuple(p.shape)) for name, p in part],
                 group=group,
                 error_decay=error_decay,
+                first_order=start,  # the fragment's first parameter's index: fragments draw independent rounding
                 **compressor_arguments,
             )
             offset = index * self.sync_every // streaming.fragments
