@@ -88,3 +88,24 @@ def test_wire_bytes_are_one_byte_per_element_plus_a_float32_scale_per_chunk() ->
     assert compressor.wire_bytes(layout, 4) == expected
     assert _round_trip(compressor, _gaussian(layout.numel), layout, step=0)[1] == expected
     assert create("int8").code_bits == 8 and create("int8").chunk_size == 512
+
+
+def test_the_diloco_int8_preset_runs_two_phase_from_three_ranks_and_gathers_below() -> None:
+    """exchange="auto" in the preset: from 3 ranks the outer loop's averager reduce-scatters the
+    codes (phase 1) and gathers the re-encoded chunk means (phase 2): each rank receives ~2 M (N-1)/N
+    instead of the (N-1) M of an all-gather of payloads of M bytes; at 2 ranks it all-gathers."""
+    from lightning_gc.common.outer_presets import OUTER_PRESETS
+    from lightning_gc.exchanges.averager import CompressedAverager
+    from lightning_gc.exchanges.base import FlatExchange
+    from lightning_gc.exchanges.transport import LocalTransport
+
+    preset = OUTER_PRESETS["diloco_int8"]
+    arguments = {key: preset[key] for key in ("chunk_size", "exchange")}
+    assert preset["compressor"] == "int8" and arguments == {"chunk_size": 512, "exchange": "auto"}
+    for world_size, two_phase in ((2, False), (3, True), (8, True)):
+        transport = LocalTransport(world_size)
+        averager = CompressedAverager("int8", [("w", (256, 256))], via=FlatExchange(transport), **arguments)
+        averager.average(_gaussian(256 * 256)).wait()
+        assert (transport.scattered_bytes > 0) == two_phase and (transport.gathered_bytes > 0), world_size
+        if two_phase:  # phase 2 gathers one chunk's codes per rank: ~M / N, not M
+            assert transport.gathered_bytes < 1.1 * (256 * 256 + 4 * 128) / world_size, world_size
