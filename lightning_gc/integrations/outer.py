@@ -82,7 +82,8 @@ class OuterLoopStrategy(DDPStrategy):
 
     Args:
         preset: ``"diloco"`` (exact average, outer Nesterov SGD lr 0.7 momentum 0.9),
-            ``"diloco_int8"`` (8-bit QSGD codes, ``levels=127``) or ``"sparseloco"`` (top-k 2 % with
+            ``"diloco_int8"`` (unbiased 8-bit codes scaled by each 512-element chunk's ``max|x|``, ``int8``,
+            two-phase from 3 ranks) or ``"sparseloco"`` (``chunk_topk`` 2 % with
             ``error_decay=0.95``, outer SGD lr 1 without momentum); :data:`OUTER_PRESETS`.
         **kwargs: overrides of the preset: ``sync_every``, ``compressor`` (a name or a
             :class:`~lightning_gc.compressors.Compressor`), ``error_decay``, ``outer_lr``,
