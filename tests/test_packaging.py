@@ -49,7 +49,8 @@ def test_built_wheel_installs_and_runs_the_torchrun_example(tmp_path: Path) -> N
     assert {"lightning_gc/__init__.py", "lightning_gc/py.typed", "recipes/__init__.py"} <= names
     assert any(n.startswith("lightning_gc/compressors/") for n in names)
     assert metadata["Name"] == "lightning_gc" and metadata["Version"] == version
-    assert "License :: OSI Approved :: Apache Software License" in metadata.get_all("Classifier")
+    assert metadata["License-Expression"] == "Apache-2.0"  # PEP 639; no deprecated licence classifier
+    assert not any(c.startswith("License ::") for c in metadata.get_all("Classifier"))
     assert "Typing :: Typed" in metadata.get_all("Classifier")
     assert any(url.startswith("Paper, https://arxiv.org/abs/1712.01887") for url in metadata.get_all("Project-URL"))
     licence = [n for n in names if n.startswith(f"lightning_gc-{version}.dist-info/") and n.endswith("/LICENSE")]
