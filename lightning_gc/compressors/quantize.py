@@ -101,8 +101,16 @@ class QSGDCompressor(_StochasticLevels):
         return torch.linalg.vector_norm(rows, dim=1).clamp(max=torch.finfo(torch.float32).max)
 
 
+class _MaxAbsLevels(_StochasticLevels):
+    """Stochastic levels of ``|x| / max|x|`` per chunk: the chunk's largest element maps to the top
+    level, so every element's error is below ``max|x| / levels``."""
+
+    def scales_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.abs().amax(dim=1)
+
+
 @register
-class TernGradCompressor(_StochasticLevels):
+class TernGradCompressor(_MaxAbsLevels):
     """TernGrad: unbiased ternary ``{-1, 0, +1} * max|x|`` per chunk of ``chunk_size`` elements, 2 bits each.
 
     Args:
@@ -115,12 +123,9 @@ class TernGradCompressor(_StochasticLevels):
     levels = 1
     code_bits = 2
 
-    def scales_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows.abs().amax(dim=1)
-
 
 @register
-class Int8Compressor(_StochasticLevels):
+class Int8Compressor(_MaxAbsLevels):
     """8-bit max-abs codes: ``x -> max|x| * sign(x) * l / 127`` per chunk of ``chunk_size`` elements,
     the level ``l`` in [0, 127] rounded stochastically, unbiased (INTELLECT-1-style int8 pseudo-gradients).
 
@@ -136,9 +141,6 @@ class Int8Compressor(_StochasticLevels):
     biased = False
     levels = 127
     code_bits = 8
-
-    def scales_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows.abs().amax(dim=1)
 
 
 def _block_counts(numel: int, rows: torch.Tensor) -> torch.Tensor | float:

@@ -121,6 +121,26 @@ def compressed(rank: int) -> dict[str, Any]:
     return {"synced": synced, "syncs": outer.syncs, "bytes_sent": outer.bytes_sent, "numel": numel}
 
 
+def saved_and_rebuilt(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    outer: OuterLoop,
+    settings: Callable[[torch.nn.Module], tuple[torch.optim.Optimizer, OuterLoop]],
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, OuterLoop]:
+    """What a run killed here and restarted holds: the state saved (through bytes, as a file would
+    be), fresh objects built by ``settings``, the state loaded into them."""
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer.state_dict()}, buffer)
+    model = mlp(norm=True)
+    optimizer, outer = settings(model)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    outer.load_state_dict(state["outer"])
+    return model, optimizer, outer
+
+
 def resume_settings(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, OuterLoop]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     outer = OuterLoop(model, sync_every=4, compressor="topk", compress_ratio=0.1, error_decay=0.95)
@@ -138,18 +158,7 @@ def resume(rank: int) -> dict[str, Any]:
     optimizer, outer = resume_settings(model)
     train(model, optimizer, rank, range(10), outer)
     saved_at = (outer.inner_steps, outer.syncs)
-    buffer = io.BytesIO()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer.state_dict()}
-    torch.save(state, buffer)
-    del model, optimizer, outer, state
-
-    model = mlp(norm=True)
-    optimizer, outer = resume_settings(model)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    outer.load_state_dict(state["outer"])
+    model, optimizer, outer = saved_and_rebuilt(model, optimizer, outer, resume_settings)
     train(model, optimizer, rank, range(10, 16), outer)
     resumed = {"model": snapshot(model), "global": copy.deepcopy(outer.global_parameters), "syncs": outer.syncs}
     return {"straight": straight, "resumed": resumed, "saved_at": saved_at}
@@ -251,18 +260,7 @@ def streaming_resume(rank: int) -> dict[str, Any]:
     optimizer, outer = streaming_settings(model)
     train(model, optimizer, rank, range(10), outer)
     in_flight = outer.in_flight
-    buffer = io.BytesIO()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "outer": outer.state_dict()}
-    torch.save(state, buffer)
-    del model, optimizer, outer, state
-
-    model = mlp(norm=True)
-    optimizer, outer = streaming_settings(model)
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    outer.load_state_dict(state["outer"])
+    model, optimizer, outer = saved_and_rebuilt(model, optimizer, outer, streaming_settings)
     resumed_in_flight = outer.in_flight
     train(model, optimizer, rank, range(10, 16), outer)
     resumed = {"model": snapshot(model), "global": copy.deepcopy(outer.global_parameters), "syncs": outer.syncs}
