@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gc.compressors import create
 from lightning_gc.compressors.encoded import Payload
-from lightning_gc.exchanges.base import FlatExchange
+from lightning_gc.exchanges.select import exchange_for
 from lightning_gc.exchanges.transport import GroupTransport, traffic_bytes
 from lightning_gc.runtime.hook import CompressionHookState, compression_hook
 from lightning_gc.runtime.settings import CompressionSettings
@@ -82,7 +82,7 @@ def count(rank: int, world_size: int, model_name: str, results: dict) -> None:
         names = {id(p): (n, i) for i, (n, p) in enumerate(model.named_parameters())}
         counting = CountingTransport()
         memory = CompressionSettings().memory_for(compressor)
-        state = CompressionHookState(compressor, memory, names, exchange=FlatExchange(counting))
+        state = CompressionHookState(compressor, memory, names, exchange=exchange_for(compressor, counting))
         ddp.register_comm_hook(state, compression_hook)
         for _ in range(STEPS):  # the last step runs on DDP's rebuilt buckets
             counting.traffic, counting.payload = 0.0, 0

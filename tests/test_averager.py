@@ -9,7 +9,6 @@ from conftest import launch_ranks
 
 from lightning_gc.compressors.registry import create
 from lightning_gc.exchanges.averager import CompressedAverager, flat_layout
-from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.transport import LocalTransport
 
 SHAPES = [("w", (48, 40)), ("b", (40,)), ("v", (3000,))]
@@ -17,7 +16,7 @@ SHAPES = [("w", (48, 40)), ("b", (40,)), ("v", (3000,))]
 
 def local(compressor: str, world_size: int = 3, **arguments) -> CompressedAverager:
     """An averager in a stand-in world where every rank sends what this one sends."""
-    return CompressedAverager(compressor, SHAPES, via=FlatExchange(LocalTransport(world_size)), **arguments)
+    return CompressedAverager(compressor, SHAPES, via=LocalTransport(world_size), **arguments)
 
 
 def series(n: int, numel: int, seed: int = 0) -> list[torch.Tensor]:
@@ -103,11 +102,11 @@ def test_bad_input_is_refused_in_one_line():
     with pytest.raises(ValueError, match="compressor.*'nope'"):
         CompressedAverager("nope", SHAPES)
     with pytest.raises(ValueError, match="`group` or `via`"):
-        CompressedAverager("topk", SHAPES, group=object(), via=FlatExchange(LocalTransport(2)))
+        CompressedAverager("topk", SHAPES, group=object(), via=LocalTransport(2))
     with pytest.raises(ValueError, match="error_decay"):
         local("topk", error_decay=0.0)
     with pytest.raises(ValueError, match="go with a compressor name"):
-        CompressedAverager(create("topk"), SHAPES, via=FlatExchange(LocalTransport(2)), compress_ratio=0.1)
+        CompressedAverager(create("topk"), SHAPES, via=LocalTransport(2), compress_ratio=0.1)
     averager = local("topk")
     with pytest.raises(ValueError, match="flat tensor of 4960 elements"):
         averager.average(torch.zeros(10))

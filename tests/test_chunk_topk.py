@@ -14,7 +14,6 @@ from lightning_gc.compressors import available, create
 from lightning_gc.compressors.base import EncodeContext
 from lightning_gc.compressors.chunk_topk import ChunkTopKCompressor
 from lightning_gc.exchanges.averager import CompressedAverager
-from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.transport import LocalTransport
 
 # ragged in both directions: 130 = 64 + 64 + 2 rows, 70 = 64 + 6 columns; a conv weight read as
@@ -28,9 +27,7 @@ WORKER_SHAPES = [("w", (48, 40)), ("b", (40,)), ("v", (3000,))]
 
 def alone(ratio: float = 0.02, **arguments) -> CompressedAverager:
     """An averager in a world of one rank: its average is exactly its own decoded message."""
-    return CompressedAverager(
-        "chunk_topk", SHAPES, via=FlatExchange(LocalTransport(1)), compress_ratio=ratio, **arguments
-    )
+    return CompressedAverager("chunk_topk", SHAPES, via=LocalTransport(1), compress_ratio=ratio, **arguments)
 
 
 def reference(x: torch.Tensor, ratio: float, side: int = 64) -> torch.Tensor:
@@ -153,8 +150,7 @@ def test_two_gloo_ranks_average_their_decodes(tmp_path):
     ranks = launch_ranks("averager_worker.py", {"cases": cases, "calls": 2}, tmp_path, world_size=2)
     mine, theirs = ranks[0]["chunk_topk"], ranks[1]["chunk_topk"]
     singles = [
-        CompressedAverager("chunk_topk", WORKER_SHAPES, via=FlatExchange(LocalTransport(1)), compress_ratio=0.05)
-        for _ in range(2)
+        CompressedAverager("chunk_topk", WORKER_SHAPES, via=LocalTransport(1), compress_ratio=0.05) for _ in range(2)
     ]
     for call in range(2):
         assert torch.equal(mine["averages"][call], theirs["averages"][call])
@@ -171,9 +167,7 @@ def test_two_gloo_ranks_average_their_decodes(tmp_path):
 def test_a_float16_chunk_near_the_top_of_its_range_stays_finite():
     """Half of a 64x64 chunk of float16 values up to 65,000: the levels are computed in float32
     (their sum is far past float16's 65,504) and decode finite; the residual is still exact."""
-    averager = CompressedAverager(
-        "chunk_topk", [("w", (64, 64))], via=FlatExchange(LocalTransport(1)), compress_ratio=0.5
-    )
+    averager = CompressedAverager("chunk_topk", [("w", (64, 64))], via=LocalTransport(1), compress_ratio=0.5)
     x = ((torch.rand(4096, generator=torch.Generator().manual_seed(2)) * 2 - 1) * 65000).half()
     y = averager.average(x.clone()).wait()
     assert y.dtype == torch.float16 and bool(torch.isfinite(y).all()) and torch.count_nonzero(y) == 2048

@@ -96,7 +96,6 @@ def test_the_diloco_int8_preset_runs_two_phase_from_three_ranks_and_gathers_belo
     instead of the (N-1) M of an all-gather of payloads of M bytes; at 2 ranks it all-gathers."""
     from lightning_gc.common.outer_presets import OUTER_PRESETS
     from lightning_gc.exchanges.averager import CompressedAverager
-    from lightning_gc.exchanges.base import FlatExchange
     from lightning_gc.exchanges.transport import LocalTransport
 
     preset = OUTER_PRESETS["diloco_int8"]
@@ -104,7 +103,7 @@ def test_the_diloco_int8_preset_runs_two_phase_from_three_ranks_and_gathers_belo
     assert preset["compressor"] == "int8" and arguments == {"chunk_size": 512, "exchange": "auto"}
     for world_size, two_phase in ((2, False), (3, True), (8, True)):
         transport = LocalTransport(world_size)
-        averager = CompressedAverager("int8", [("w", (256, 256))], via=FlatExchange(transport), **arguments)
+        averager = CompressedAverager("int8", [("w", (256, 256))], via=transport, **arguments)
         averager.average(_gaussian(256 * 256)).wait()
         assert (transport.scattered_bytes > 0) == two_phase and (transport.gathered_bytes > 0), world_size
         if two_phase:  # phase 2 gathers one chunk's codes per rank: ~M / N, not M

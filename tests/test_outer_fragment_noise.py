@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from lightning_gc.exchanges.averager import CompressedAverager, flat_layout
-from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.transport import LocalTransport
 from lightning_gc.runtime.outer import OuterLoop, Streaming
 
@@ -15,7 +14,7 @@ SHAPES = [("w", (64, 64))]
 
 
 def _local(first_order: int = 0, **arguments) -> CompressedAverager:
-    return CompressedAverager("qsgd", SHAPES, via=FlatExchange(LocalTransport(1)), first_order=first_order, **arguments)
+    return CompressedAverager("qsgd", SHAPES, via=LocalTransport(1), first_order=first_order, **arguments)
 
 
 def test_the_first_order_numbers_the_segments_and_salts_the_rounding():

@@ -702,14 +702,11 @@ def test_a_state_written_before_the_server_errors_moved_to_the_exchange_loads_an
     averager's state in the old form (errors inside ``compressor_state``) loads, converted, and the
     run continues bit for bit as the one that saved it; the codec itself keeps no state."""
     from lightning_gc.exchanges.averager import CompressedAverager
-    from lightning_gc.exchanges.base import FlatExchange
 
     shapes, arguments = [("w", (40, 30)), ("b", (30,))], {"exchange": "two_phase", "server_feedback": True}
 
     def averager() -> CompressedAverager:
-        return CompressedAverager(
-            "onebit", shapes, via=FlatExchange(LocalTransport(3)), min_compress_numel=1, **arguments
-        )
+        return CompressedAverager("onebit", shapes, via=LocalTransport(3), min_compress_numel=1, **arguments)
 
     generator = torch.Generator().manual_seed(7)
     inputs = [torch.randn(1230, generator=generator) for _ in range(4)]
@@ -726,6 +723,6 @@ def test_a_state_written_before_the_server_errors_moved_to_the_exchange_loads_an
     resumed.load_state_dict(legacy)
     for x in inputs[2:]:
         assert torch.equal(first.average(x.clone()).wait(), resumed.average(x.clone()).wait())
-    gathered = CompressedAverager("onebit", shapes, via=FlatExchange(LocalTransport(3)), min_compress_numel=1)
+    gathered = CompressedAverager("onebit", shapes, via=LocalTransport(3), min_compress_numel=1)
     with pytest.raises(IncompatibleCheckpoint, match=r"exchange='two_phase', server_feedback=True.*'gather'"):
         gathered.load_state_dict({**legacy, "compressor": gathered.compressor.config()})

@@ -33,11 +33,11 @@ from lightning_gc.common.validation import check_int
 from lightning_gc.compressors.base import Compressor
 from lightning_gc.compressors.registry import create
 from lightning_gc.core.memory import CompensationMemory
-from lightning_gc.exchanges.base import Exchange, FlatExchange
+from lightning_gc.exchanges.base import Exchange
 from lightning_gc.exchanges.comm import ProcessGroup
 from lightning_gc.exchanges.pipeline import BucketJob
-from lightning_gc.exchanges.select import exchange_over
-from lightning_gc.exchanges.transport import GroupTransport
+from lightning_gc.exchanges.select import exchange_of
+from lightning_gc.exchanges.transport import GroupTransport, Transport
 from lightning_gc.exchanges.two_phase import split_server_state
 
 STATE_FORMAT = 2
@@ -46,9 +46,7 @@ STATE_FORMAT = 2
 READABLE_STATE_FORMATS = (1, 2)
 
 
-def flat_layout(
-    shapes: Sequence[tuple[str, Sequence[int]]], index: int = 0, first_order: int = 0
-) -> BucketLayout:
+def flat_layout(shapes: Sequence[tuple[str, Sequence[int]]], index: int = 0, first_order: int = 0) -> BucketLayout:
     """The layout of a flat tensor that concatenates tensors of these ``(name, shape)`` in order;
     names must be unique (state is kept by name). Segment ``i`` gets order ``first_order + i``:
     stochastic codecs salt their rounding with it, so layouts of disjoint parts of one model
@@ -79,12 +77,11 @@ class CompressedAverager:
         first_order: the order (rounding-noise salt) of the first tensor, the next ones following
             (default 0); the outer loop's fragments pass their first parameter's index, so that
             fragments with equal values do not draw equal rounding noise.
-        via: the :class:`~lightning_gc.exchanges.base.Exchange` the rounds go through; default
-            the one the codec's ``exchange`` argument chooses over ``group``; a plain
-            ``FlatExchange(transport)`` names only a transport (e.g. ``FlatExchange(LocalTransport(4))``
-            to time or test without peers), over which the codec's argument chooses
-            (:func:`~lightning_gc.exchanges.select.exchange_over`). (Not ``exchange``: that is the
-            codec's own argument, e.g. ``exchange="two_phase"``.)
+        via: the :class:`~lightning_gc.exchanges.base.Exchange` the rounds go through, or a
+            :class:`~lightning_gc.exchanges.transport.Transport` (e.g. ``LocalTransport(4)`` to time
+            or test without peers) over which the codec's ``exchange`` argument chooses one
+            (:func:`~lightning_gc.exchanges.select.exchange_of`); default: that choice over
+            ``group``. (Not ``exchange``: that is the codec's own argument, e.g. ``"two_phase"``.)
         **compressor_arguments: the named compressor's arguments (e.g. ``compress_ratio``).
 
     Raises:
@@ -100,7 +97,7 @@ class CompressedAverager:
         error_feedback: bool | None = None,
         error_decay: float = 1.0,
         first_order: int = 0,
-        via: Exchange | None = None,
+        via: Exchange | Transport | None = None,
         **compressor_arguments: Any,
     ) -> None:
         if isinstance(compressor, str):
@@ -122,7 +119,7 @@ class CompressedAverager:
         self.group = group
         if via is not None and group is not None:
             raise ValueError("give `group` or `via` (an exchange, which knows its ranks), not both")
-        self.exchange = exchange_over(compressor, via if via is not None else FlatExchange(GroupTransport(group)))
+        self.exchange = exchange_of(compressor, via if via is not None else GroupTransport(group))
         self.calls = 0
         self.bytes_sent = 0
         """Payload bytes this rank handed to the transport over all calls (indices included)."""

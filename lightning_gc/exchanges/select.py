@@ -54,14 +54,11 @@ def rounds_for(codec: Compressor, transport: Transport) -> CodecRounds | None:
     return chosen.rounds
 
 
-def exchange_over(codec: Compressor, given: Exchange) -> Exchange:
-    """The exchange to run ``codec`` with when a caller hands one over: a plain
-    :class:`~lightning_gc.exchanges.base.FlatExchange` names only a transport (``via=FlatExchange(
-    LocalTransport(4))``, a benchmark's counting transport), over which the codec's arguments choose
-    (:func:`exchange_for`); any other exchange (a node hierarchy, one of the user's) is kept."""
-    if type(given) is FlatExchange:
-        return exchange_for(codec, given.transport)
-    return given
+def exchange_of(codec: Compressor, via: Exchange | Transport) -> Exchange:
+    """The exchange that runs ``codec``: ``via`` itself when it is one (a node hierarchy, a flat
+    exchange forced on purpose, one of the user's), else the one the codec's arguments choose over
+    the transport ``via`` (:func:`exchange_for`)."""
+    return via if isinstance(via, Exchange) else exchange_for(codec, via)
 
 
 class CodecAndExchange:

@@ -55,7 +55,6 @@ import torch
 from lightning_gc.common.validation import check_int, check_range
 from lightning_gc.compressors.registry import create
 from lightning_gc.exchanges.averager import CompressedAverager
-from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.ft_transport import ManagerTransport
 
 STATE_KEY = "lightning_gc"
@@ -173,7 +172,7 @@ class FaultTolerantCompression(QuorumMember):
             [(name, tuple(p.shape)) for name, p in self.parameters],
             error_feedback=error_feedback,
             error_decay=error_decay,
-            via=FlatExchange(ManagerTransport(manager, group)),
+            via=ManagerTransport(manager, group),
         )
         memory = self.averager.memory.config()
         self.settings = {"compressor": self.averager.compressor.config(), "memory": memory}

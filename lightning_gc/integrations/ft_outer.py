@@ -41,7 +41,6 @@ import torch
 
 from lightning_gc.common.validation import check_int
 from lightning_gc.exchanges.averager import CompressedAverager
-from lightning_gc.exchanges.base import FlatExchange
 from lightning_gc.exchanges.ft_transport import ManagerTransport
 from lightning_gc.integrations.ft import QuorumMember, join, refuse_point_to_point
 from lightning_gc.runtime.outer_fragments import Fragment, OuterSGD
@@ -90,7 +89,7 @@ class FaultTolerantOuterLoop(QuorumMember):
             compressor,
             [(name, tuple(p.shape)) for name, p in named],
             error_decay=error_decay,
-            via=FlatExchange(ManagerTransport(manager, group)),
+            via=ManagerTransport(manager, group),
             **compressor_arguments,
         )
         refuse_point_to_point(averager.compressor)

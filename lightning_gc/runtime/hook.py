@@ -27,12 +27,12 @@ from lightning_gc.compressors.simple import NoCompressor
 from lightning_gc.core.guard import StepGuard
 from lightning_gc.core.memory import CompensationMemory
 from lightning_gc.exchanges import comm
-from lightning_gc.exchanges.base import Exchange, FlatExchange
+from lightning_gc.exchanges.base import Exchange
 from lightning_gc.exchanges.delay import DelayedExchange, DelayLine
 from lightning_gc.exchanges.pipeline import BucketJob, BucketStep, RoundQueue
-from lightning_gc.exchanges.select import CodecAndExchange, exchange_over
+from lightning_gc.exchanges.select import CodecAndExchange, exchange_of
 from lightning_gc.exchanges.timeline import EXCHANGE
-from lightning_gc.exchanges.transport import GroupTransport
+from lightning_gc.exchanges.transport import GroupTransport, Transport
 from lightning_gc.exchanges.two_phase import split_server_state
 from lightning_gc.runtime.hook_options import DEFAULT_OPTIONS, HookOptions
 from lightning_gc.runtime.stats import CompressionStats
@@ -57,8 +57,8 @@ class CompressionHookState:
         process_group: group to communicate over (``None``: the default group).
         exchange: how a bucket's rounds move among the ranks (:mod:`lightning_gc.exchanges.base`):
             default the one the compressor's ``exchange`` argument chooses over ``process_group``
-            (:func:`~lightning_gc.exchanges.select.exchange_for`; a plain ``FlatExchange`` given
-            names only its transport); a two-level one (:mod:`lightning_gc.exchanges.hierarchy`)
+            (:func:`~lightning_gc.exchanges.select.exchange_for`), or a transport over which it
+            chooses; a two-level one (:mod:`lightning_gc.exchanges.hierarchy`)
             for ``hierarchy="node"``.
         options: the per-run choices (:class:`~lightning_gc.runtime.hook_options.HookOptions`).
         usage: which parameters got a gradient in each step (needed with
@@ -81,7 +81,7 @@ class CompressionHookState:
         names: dict[int, tuple[str, int]],
         process_group: dist.ProcessGroup | None = None,
         options: HookOptions = DEFAULT_OPTIONS,
-        exchange: Exchange | None = None,
+        exchange: Exchange | Transport | None = None,
         usage: GradientUsage | None = None,
     ) -> None:
         self.compressor = compressor
@@ -99,10 +99,8 @@ class CompressionHookState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        # the codec's `exchange` argument chooses the exchange over a plain flat one (exchange_over)
-        self.exchange = exchange_over(
-            compressor, exchange if exchange is not None else FlatExchange(GroupTransport(process_group))
-        )
+        # without an exchange given, the codec's `exchange` argument chooses one over the group
+        self.exchange = exchange_of(compressor, exchange if exchange is not None else GroupTransport(process_group))
         self.delay_line = (
             DelayLine(options.delay, options.local_update, carry_unused=options.find_unused_parameters)
             if options.delay
